@@ -1,0 +1,40 @@
+# The two set-up commands of the README. Each creates .venv and installs what is missing.
+#   make demo  - install, then run the demo on the embedded servers
+#   make test  - install with the dev extra, then run the test suite (what .ci/run does)
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU build of torch; a GPU machine installs its CUDA torch into the venv first (see README).
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?= -m "not gpu"
+
+.PHONY: install install-dev demo test lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
+	$(BIN)/pip install -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(BIN)/leeway run configs/demo.yaml
+
+test: install-dev
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: install-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .leeway runs

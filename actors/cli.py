@@ -1,0 +1,264 @@
+"""The `leeway` command: one entry point, one subcommand per role or tool.
+
+Only argparse and the standard library are imported at module level, so `leeway --help` and every
+`leeway <cmd> --help` answer at once; each handler imports what it needs after parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+Handler = Callable[[argparse.Namespace], int]
+
+CONFIG_HELP = "YAML config file (see configs/ and the README's config reference)"
+SET_HELP = "override one config key, e.g. --set trainer.lr=1e-4 (repeatable; beats LEEWAY_A__B env vars and the file)"
+
+
+def _add_config_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    if required:
+        parser.add_argument("config", help=CONFIG_HELP)
+    else:
+        parser.add_argument("config", nargs="?", default=None, help=CONFIG_HELP + " (default: built-in defaults)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+
+
+def load_cli_config(args: argparse.Namespace) -> Any:
+    """Load the config named on the command line; errors are printed by `main` without a traceback."""
+    from pipeline.config import load_config
+
+    return load_config(getattr(args, "config", None), getattr(args, "overrides", []))
+
+
+# ---------------------------------------------------------------------------------------------- stack
+
+
+def _stack_dir(args: argparse.Namespace) -> str:
+    if args.dir:
+        return args.dir
+    if getattr(args, "config", None) or getattr(args, "overrides", None):
+        return load_cli_config(args).nats.stack_dir
+    from infra.stack import DEFAULT_STACK_DIR
+
+    return str(DEFAULT_STACK_DIR)
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from infra import stack
+
+    directory = Path(_stack_dir(args))
+    if args.action == "up":
+        state = stack.start_stack(directory, fsync=args.fsync, bucket=args.bucket)
+        print(f"stack up in {directory}")
+        print(f"  nats: {state.nats_url}")
+        print(f"  s3:   {state.s3_endpoint} (bucket {state.bucket})")
+        print(f"stop it with: leeway stack down --dir {directory}")
+        return 0
+    if args.action == "down":
+        stack.stop_stack(directory)
+        print(f"stack in {directory} stopped")
+        return 0
+    status = stack.stack_status(directory)
+    print(json.dumps(status, indent=2, default=str))
+    healthy = all(s.get("healthy") for s in status.get("servers", {}).values()) if status.get("servers") else False
+    return 0 if healthy else 1
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
+    print(cfg.to_yaml(), end="")
+    return 0
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from pipeline.config import config_reference
+
+    print(config_reference(), end="")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ roles
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from actors.run import main as run_main
+
+    return run_main(load_cli_config(args), args)
+
+
+def cmd_trainer(args: argparse.Namespace) -> int:
+    from actors.trainer import main as trainer_main
+
+    return trainer_main(load_cli_config(args), args)
+
+
+def cmd_generator(args: argparse.Namespace) -> int:
+    from actors.generator import main as generator_main
+
+    return generator_main(load_cli_config(args), args)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from actors.replay import main as replay_main
+
+    return replay_main(load_cli_config(args), args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+    import json
+
+    module = importlib.import_module(f"actors.bench.{args.bench}")
+    result = module.run(args)
+    print(json.dumps(result, indent=None if args.json else 2, default=float))
+    return 0
+
+
+def _add_replay_selection(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    group = parser.add_mutually_exclusive_group(required=required)
+    group.add_argument("--from-seq", type=int, metavar="N", help="start at trajectory-stream sequence N")
+    group.add_argument("--since", metavar="TIME", help="start at an ISO-8601 time (e.g. 2026-11-29T10:00:00Z)")
+    group.add_argument("--min-version", type=int, metavar="V", help="only groups whose newest token version >= V")
+    parser.add_argument("--until", metavar="SEQ_OR_TIME", help="stop at this stream sequence or ISO-8601 time")
+
+
+def build_parser(*, bench: str | None = None) -> argparse.ArgumentParser:
+    """`bench`: the benchmark being run, whose module is imported to add its own flags."""
+    parser = argparse.ArgumentParser(
+        prog="leeway",
+        description="Leeway: fully asynchronous RL post-training. Generators pull weight deltas from S3 on their "
+        "own schedule and stream trajectories over NATS JetStream to a staleness-bounded trainer.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    stack = sub.add_parser(
+        "stack",
+        help="start, stop or inspect the embedded nats-server + SeaweedFS S3",
+        description="The embedded servers, bound to 127.0.0.1 on free ports. Data lives in "
+        "--dir and survives down/up. Endpoints go to <dir>/stack.json, which the other commands read.",
+    )
+    stack.add_argument(
+        "action",
+        choices=["up", "down", "status"],
+        help="up: start and wait until both answer; "
+        "down: stop exactly the processes up started; status: health and endpoints (exit 1 if unhealthy)",
+    )
+    stack.add_argument(
+        "--dir", default=None, help="stack directory (default: the config's nats.stack_dir, .leeway/stack)"
+    )
+    stack.add_argument(
+        "--fsync",
+        default="2m",
+        help="JetStream sync_interval: a duration such as 2m (default, "
+        "fast) or 'always' (fsync every write: the production setting)",
+    )
+    stack.add_argument("--bucket", default="leeway", help="S3 bucket to create (default: leeway)")
+    _add_config_args(stack, required=False)
+    stack.set_defaults(handler=cmd_stack)
+
+    config = sub.add_parser("config", help="show a resolved config or the config reference")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_sub.add_parser("show", help="print the config with defaults, env and --set overrides applied")
+    _add_config_args(show)
+    show.set_defaults(handler=cmd_config_show)
+    reference = config_sub.add_parser("reference", help="print every key with its default and meaning (markdown)")
+    reference.set_defaults(handler=cmd_config_reference)
+
+    run = sub.add_parser(
+        "run",
+        help="the whole pipeline on one machine: stack, trainer and N generators",
+        description="Starts the embedded stack unless the config names servers, then the trainer "
+        "and N generator processes; shows a live view; writes a report into run.dir at the end.",
+    )
+    _add_config_args(run)
+    run.add_argument("--generators", type=int, default=None, help="generator processes (default: 1 on 2 cores)")
+    run.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
+    run.set_defaults(handler=cmd_run)
+
+    trainer = sub.add_parser(
+        "trainer",
+        help="run one trainer until trainer.max_steps (or Ctrl-C)",
+        description="Consumes trajectory groups, applies the staleness cap and importance "
+        "correction, steps, publishes version V+1, then acks the groups it used. Replay: "
+        "train on a recorded range instead of live data; recorded behaviour log-probs and "
+        "versions drive the correction, staleness is counted against the replaying trainer's "
+        "own version (switch the cap off with --set staleness.cap_in_replay=false).",
+    )
+    _add_config_args(trainer)
+    trainer.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    trainer.add_argument("--replay", action="store_true", help="train on a recorded range (needs a selection)")
+    _add_replay_selection(trainer, required=False)
+    trainer.set_defaults(handler=cmd_trainer)
+
+    generator = sub.add_parser(
+        "generator",
+        help="run one generator until interrupted",
+        description="Takes prompts from the prompt queue, runs rollouts, publishes groups; "
+        "pulls new weight versions on its own schedule. Can start before the trainer.",
+    )
+    _add_config_args(generator)
+    generator.set_defaults(handler=cmd_generator)
+
+    replay = sub.add_parser(
+        "replay",
+        help="export a recorded range of trajectories to Parquet",
+        description="Select groups of the run's trajectory stream by sequence, time or policy "
+        "version and export them. To train on them instead, use `leeway trainer --replay`.",
+    )
+    _add_config_args(replay)
+    _add_replay_selection(replay, required=True)
+    replay.add_argument("--to-parquet", required=True, metavar="DIR", help="directory for the Parquet files")
+    replay.set_defaults(handler=cmd_replay)
+
+    bench = sub.add_parser("bench", help="benchmarks that print JSON with ratios against same-run baselines")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, text in [
+        ("weights", "weight deltas: size vs entropy bound and baselines, codec speed, publish-to-applied"),
+        ("transport", "Arrow vs orjson codec and JetStream throughput on loopback"),
+        ("e2e", "the demo task synchronous vs asynchronous: time to target reward"),
+    ]:
+        bench_parser = bench_sub.add_parser(name, help=text, description=text)
+        bench_parser.add_argument("--json", action="store_true", help="one JSON line (default: indented JSON)")
+        bench_parser.set_defaults(handler=cmd_bench)
+        if name == bench:
+            import importlib
+
+            importlib.import_module(f"actors.bench.{name}").add_arguments(bench_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(bench=argv[1] if len(argv) >= 2 and argv[0] == "bench" else None)
+    args = parser.parse_args(argv)
+    from pipeline.config import ConfigError
+
+    try:
+        return args.handler(args)
+    except ConfigError as exc:
+        print(f"leeway: config error: {exc}", file=sys.stderr)
+        return 2
+    except NotBuiltYet as exc:
+        print(f"leeway: {exc}", file=sys.stderr)
+        return 3
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("actors."):
+            raise
+        print(f"leeway: `{args.command}` is not built yet ({exc.name} has not landed)", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("leeway: interrupted", file=sys.stderr)
+        return 130
+
+
+class NotBuiltYet(RuntimeError):
+    """A command whose implementation has not landed yet."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

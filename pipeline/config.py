@@ -1,0 +1,417 @@
+"""Leeway's configuration: one pydantic model per section of a run's YAML file.
+
+Every process of a run (trainer, generators, `leeway run`, replay, benchmarks) loads the same file,
+so the models here are the contract between processes launched independently. Loading order and
+precedence: the YAML file, then `LEEWAY_<SECTION>__<KEY>=value` environment variables, then
+`--set section.key=value` flags, each overriding the one before.
+
+This module must import without torch, ray, sglang or megatron: the CLI parses and validates a
+config before it decides which heavy pieces to load.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+ENV_PREFIX = "LEEWAY_"
+MiB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A config file, override or value that cannot be used; the message names file, key and value."""
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, docstrings under fields are the reference."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "demo"
+    """Run name; derives NATS subjects, stream names and the object-store prefix. Letters, digits, '-', '_'."""
+    dir: str | None = None
+    """Local directory for metrics, reports and logs. Default: `runs/<name>`."""
+    seed: int = 0
+    """Seed for prompts, sampling and initialisation."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not RUN_NAME_RE.match(value):
+            raise ValueError("run name must be 1-64 letters, digits, '-' or '_', starting with a letter or digit")
+        return value
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+class NatsConfig(Section):
+    url: str | None = None
+    """NATS server URL (e.g. nats://host:4222). None: use the embedded stack started by `leeway stack up`."""
+    creds_file: str | None = None
+    """Path to a NATS credentials file; never put credentials in the URL of a committed config."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Timeout of one connection attempt."""
+    stack_dir: str = ".leeway/stack"
+    """Where the embedded stack keeps its data and state file (used when url is None)."""
+
+
+class StoreConfig(Section):
+    url: str = "s3://leeway/"
+    """Object store root: `s3://bucket/prefix` or `file:///absolute/path`."""
+    endpoint: str | None = None
+    """S3 endpoint URL. None with an s3:// url: the embedded stack's gateway if one is up, else AWS's default."""
+    region: str = "us-east-1"
+    """S3 region."""
+    max_concurrency: int = Field(8, ge=1, le=256)
+    """Parallel transfers for multipart uploads and ranged downloads."""
+    multipart_threshold_bytes: int = Field(64 * MiB, ge=5 * MiB)
+    """Objects at least this large upload in parts and download by ranges."""
+    part_size_bytes: int = Field(16 * MiB, ge=5 * MiB)
+    """Size of one multipart part / ranged GET."""
+    max_retries: int = Field(5, ge=0, le=20)
+    """Retries (with backoff) on 5xx responses and timeouts."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Connection timeout of one S3 request."""
+    read_timeout_s: float = Field(60.0, gt=0)
+    """Read timeout of one S3 request."""
+
+
+class ModelConfig(Section):
+    name_or_path: str = "tiny-llama-2x64"
+    """A local HF checkpoint directory, or a built-in tiny preset (random init) such as `tiny-llama-2x64`."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """The dtype the engine serves and the weight store publishes."""
+    tokenizer: str | None = None
+    """A tokenizer.json or HF tokenizer directory. None: the task's own tokenizer."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; behaviour log-probs are recorded under the tempered distribution."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Length limit of one generated turn."""
+
+
+class EngineConfig(Section):
+    kind: Literal["torch", "sglang"] = "torch"
+    """Inference engine: `torch` (CPU or GPU, HF transformers) or `sglang` (GPU, server API)."""
+    device: str = "cpu"
+    """Torch device for the torch engine."""
+    torch_threads: int = Field(1, ge=1)
+    """torch.set_num_threads for a generator process."""
+    sglang_url: str | None = None
+    """Base URL of a running SGLang server (engine.kind = sglang)."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Sampling parameters for every rollout."""
+
+
+class GeneratorConfig(Section):
+    concurrency: int = Field(2, ge=1)
+    """Rollouts (each a group of advantages.group_size samples) a generator runs at once."""
+    poll_interval_s: float = Field(2.0, gt=0)
+    """How often a generator polls LATEST when no KV announcement arrives."""
+    update_mode: Literal["in_flight", "between_rollouts"] = "in_flight"
+    """Apply new weights between two decode steps of running rollouts, or only between rollouts."""
+    verifier_timeout_s: float = Field(10.0, gt=0)
+    """A verifier that takes longer yields infra_error with a null reward."""
+    heartbeat_s: float = Field(10.0, gt=0)
+    """Interval of in-progress acks on held prompts during long rollouts."""
+    id: str | None = None
+    """Generator id recorded on trajectories. None: hostname-pid."""
+
+
+class TrainerConfig(Section):
+    batch_groups: int = Field(16, ge=1)
+    """Trainable groups per optimizer step."""
+    max_steps: int = Field(300, ge=1)
+    """Stop after publishing this many versions."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    micro_batch_tokens: int = Field(8192, ge=1)
+    """Token budget of one packed micro-batch."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer sub-steps per version (decoupled_ppo uses several)."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory in the backend."""
+    checkpoint_every: int = Field(50, ge=1)
+    """Write a resumable checkpoint every this many versions."""
+    torch_threads: int = Field(1, ge=1)
+    """torch.set_num_threads for the trainer process."""
+    device: str = "cpu"
+    """Torch device of the torch backend."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend."""
+    queue_wait_timeout_s: float = Field(600.0, gt=0)
+    """Give up (and say why) when no trainable group arrives for this long."""
+
+
+class StalenessConfig(Section):
+    max_staleness: int = Field(2, ge=0)
+    """K: tokens more than K versions behind the trainer never reach the loss; 0 = synchronous."""
+    policy: Literal["drop_trajectory", "mask_tokens"] = "drop_trajectory"
+    """What happens to tokens over the cap: drop the whole trajectory, or mask only the stale tokens."""
+    abort_in_flight: bool = False
+    """Abort rollouts that cross the cap mid-way instead of finishing them (the trainer decides)."""
+    cap_in_replay: bool = True
+    """Apply the cap during replay (staleness counted against the replaying trainer's version)."""
+
+
+class CorrectionConfig(Section):
+    method: Literal["tis", "mis", "decoupled_ppo", "none"] = "tis"
+    """Importance correction for off-policy tokens."""
+    clip_c: float = Field(2.0, gt=1)
+    """C: truncation bound of the importance weight (tis, decoupled_ppo) or mask band [1/C, C] (mis)."""
+    level: Literal["token", "sequence"] = "token"
+    """Per-token ratios, or one geometric-mean ratio per sequence."""
+    ppo_eps_low: float = Field(0.2, gt=0, lt=1)
+    """decoupled_ppo: lower clip epsilon."""
+    ppo_eps_high: float = Field(0.28, gt=0)
+    """decoupled_ppo: upper clip epsilon."""
+    staleness_decay: float | None = Field(None, gt=0, le=1)
+    """Optional weight gamma**staleness per token; None = off."""
+
+
+class AdvantagesConfig(Section):
+    estimator: Literal["grpo", "rloo"] = "grpo"
+    """Group baseline: GRPO (mean of the group's valid samples) or RLOO (leave-one-out)."""
+    group_size: int = Field(8, ge=2)
+    """Samples per prompt."""
+    std_normalize: bool = False
+    """Divide advantages by the group's reward std."""
+    loss_norm: Literal["constant", "token_mean"] = "constant"
+    """Loss divisor: a constant token budget (Dr. GRPO) or the number of trained tokens."""
+    constant_tokens: int | None = Field(None, ge=1)
+    """Divisor for loss_norm=constant. None: batch_groups * group_size * max_new_tokens."""
+
+
+class TaskConfig(Section):
+    name: str = "reverse_digits"
+    """Built-in task name or `module:function` returning a Task."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the task factory (e.g. num_digits)."""
+    prompts_file: str | None = None
+    """A JSONL or Parquet file of prompts (overrides the task's own prompt source)."""
+
+
+class WeightsConfig(Section):
+    full_every: int = Field(50, ge=1)
+    """A full snapshot every this many versions (version 0 is always full); deltas in between."""
+    keep_versions: int = Field(10, ge=1)
+    """Versions kept in the store (plus the full snapshots they need)."""
+    grace_s: float = Field(120.0, ge=0)
+    """Never delete a version a reader may still be pulling: younger than LATEST by less than this."""
+    part_bytes: int = Field(16 * MiB, ge=1024)
+    """Target size of one delta/snapshot part."""
+    parallelism: int = Field(4, ge=1)
+    """Parallel uploads/downloads and codec threads."""
+    announce: bool = True
+    """Announce new versions on the NATS KV bucket as well as LATEST."""
+
+
+class StreamConfig(Section):
+    max_age_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """Trajectories are kept (for replay) this long."""
+    max_bytes: int = Field(10 * 1024 * MiB, ge=MiB)
+    """Size limit of the trajectory stream; oldest messages go first."""
+    max_inline_bytes: int = Field(1 * MiB, ge=1024)
+    """Larger encoded groups go to the object store and the message carries a pointer."""
+    max_msg_bytes: int = Field(8 * MiB, ge=1024)
+    """Largest message the stream accepts (the embedded server allows 8 MiB)."""
+    fetch_batch: int = Field(16, ge=1)
+    """Messages per consumer fetch."""
+    fetch_max_bytes: int = Field(16 * MiB, ge=MiB)
+    """fetch_batch is lowered so that batch x max message size stays below this."""
+    publish_ack_timeout_s: float = Field(5.0, gt=0)
+    """Bound on every wait for a publish ack; after it the message is re-published with the same id."""
+    publish_retries: int = Field(20, ge=0)
+    """Publish attempts before giving up (with backoff, while the server is away)."""
+    prompt_ack_wait_s: float = Field(60.0, gt=0)
+    """A prompt not acked or heartbeated for this long is redelivered to another generator."""
+    prompt_max_deliver: int = Field(5, ge=1)
+    """Deliveries of one prompt before it is dead-lettered."""
+    replicas: int = Field(1, ge=1, le=5)
+    """JetStream replicas (clusters)."""
+
+
+class LoggingConfig(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level."""
+    metrics_jsonl: bool = True
+    """Write `<run.dir>/metrics.jsonl`, one object per trainer step."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars under `<run.dir>/tb` (needs the tensorboard package)."""
+    wandb_project: str | None = None
+    """Also log to this W&B project (needs wandb and its credentials in the environment)."""
+
+
+class LeewayConfig(Section):
+    """The whole resolved config of one run."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    nats: NatsConfig = Field(default_factory=NatsConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    advantages: AdvantagesConfig = Field(default_factory=AdvantagesConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @property
+    def uses_embedded_stack(self) -> bool:
+        """True unless the config names external servers for both NATS and S3."""
+        external_store = self.store.url.startswith("file://") or self.store.endpoint is not None
+        return not (self.nats.url is not None and external_store)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value the way YAML would (`3`, `1e-3`, `true`, `null`, `[1, 2]`)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
+    parts = dotted.split(".")
+    if not dotted or any(not p for p in parts):
+        raise ConfigError(f"{origin}: bad key {dotted!r}; expected section.key such as trainer.lr")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{origin}: {dotted!r} goes through {part!r}, which is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_set_overrides(items: Iterable[str]) -> list[tuple[str, Any]]:
+    """`["trainer.lr=1e-4"]` -> `[("trainer.lr", 0.0001)]`; a malformed item raises ConfigError."""
+    out = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE such as trainer.lr=1e-4")
+        out.append((key.strip(), _parse_scalar(raw)))
+    return out
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, Any]]:
+    """`LEEWAY_TRAINER__LR=1e-4` -> `("trainer.lr", 0.0001)`. Only variables with a `__` are config keys."""
+    out = []
+    for name, raw in sorted(environ.items()):
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+            out.append((dotted, _parse_scalar(raw)))
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def _describe(error: Mapping[str, Any], sources: Mapping[str, str]) -> str:
+    key = ".".join(str(p) for p in error["loc"])
+    source = next((f" (from {src})" for dotted, src in sources.items() if key.startswith(dotted)), "")
+    if error["type"] == "extra_forbidden":
+        return f"{key}: unknown key{source}"
+    return f"{key} = {error.get('input')!r}: {error['msg']}{source}"
+
+
+def build_config(
+    tree: dict[str, Any], origin: str = "<config>", sources: Mapping[str, str] | None = None
+) -> LeewayConfig:
+    """Validate a config tree; `sources` maps overridden dotted keys to where they came from, for errors."""
+    try:
+        return LeewayConfig.model_validate(tree)
+    except ValidationError as exc:
+        lines = "\n  ".join(_describe(e, sources or {}) for e in exc.errors())
+        raise ConfigError(f"{origin}: invalid config:\n  {lines}") from None
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Iterable[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> LeewayConfig:
+    """Load a YAML config (or the defaults when path is None) with env and `--set` overrides applied.
+
+    Errors name the file (or `--set` / the env variable), the dotted key, the value and what was expected.
+    """
+    origin = str(path) if path is not None else "<defaults>"
+    tree = _read_yaml(Path(path)) if path is not None else {}
+    env = os.environ if environ is None else environ
+    sources: dict[str, str] = {}
+    for dotted, value in env_overrides(env):
+        sources[dotted] = f"environment variable {ENV_PREFIX}{dotted.upper().replace('.', '__')}"
+        _set_dotted(tree, dotted, value, sources[dotted])
+    for dotted, value in parse_set_overrides(overrides):
+        sources[dotted] = f"--set {dotted}"
+        _set_dotted(tree, dotted, value, sources[dotted])
+    return build_config(tree, origin, sources)
+
+
+def config_reference() -> str:
+    """The README's config reference, generated from the models so it cannot drift."""
+    lines = []
+    for section_name, field in LeewayConfig.model_fields.items():
+        lines.extend(_section_reference(section_name, field.annotation))
+    return "\n".join(lines) + "\n"
+
+
+def _section_reference(prefix: str, model: Any) -> list[str]:
+    lines = [f"### `{prefix}`", "", "| key | default | meaning |", "| --- | --- | --- |"]
+    nested = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Section):
+            nested.append((f"{prefix}.{name}", annotation))
+            continue
+        default = field.get_default(call_default_factory=True)
+        doc = (field.description or "").replace("\n", " ").replace("|", "\\|")
+        lines.append(f"| `{prefix}.{name}` | `{default!r}` | {doc} |")
+    lines.append("")
+    for sub_prefix, sub_model in nested:
+        lines.extend(_section_reference(sub_prefix, sub_model))
+    return lines
