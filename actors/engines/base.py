@@ -1,0 +1,69 @@
+"""The inference-engine interface: what a generator needs from a sampler, and nothing more.
+
+Tokens in, tokens out: requests carry token ids and results carry token ids, so nothing is
+re-tokenized between the sampler and the trainer. Every generated token comes back with
+
+- ``logprobs[i]``: its log-probability under the exact distribution it was drawn from (after
+  temperature, top-k and top-p, renormalised over the kept tokens) -- the behaviour log-prob
+  ``log mu`` of the importance ratio;
+- ``versions[i]``: the policy version of the weights that computed the logits it was sampled from.
+
+Weight updates are in-flight: `update_weights` may be called from another thread while `generate`
+runs; the new weights take effect between two decode steps, the KV cache computed by the old
+weights is kept, and the tokens after the swap carry the new version.
+
+The shape is chosen so an SGLang engine can implement it later: `generate` maps onto ``/generate``
+with ``input_ids`` and ``return_logprob`` (behaviour log-probs need ``return_sampling_mask`` /
+``output_token_sampling_logprobs``, since SGLang's default log-probs are taken before top-k/top-p);
+`update_weights` onto ``/pause_generation`` (``in_place``) + ``/update_weights_from_tensor`` +
+``/continue_generation``; per-token versions onto ``meta_info["weight_versions"]`` spans; `abort`
+onto ``/abort_request`` with ``abort_all``, whose results finish with reason ``abort`` and keep the
+tokens produced so far.
+
+The request and result records live in `pipeline.rollout` (``pipeline/`` never imports ``actors/``) and
+are re-exported here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from pipeline.rollout import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+
+__all__ = ["Engine", "FinishReason", "GenerateRequest", "GenerateResult", "NamedTensors", "SamplingParams"]
+
+NamedTensors = Mapping[str, torch.Tensor]
+"""Hugging Face parameter name -> tensor, as in the weight store's manifests."""
+
+
+class Engine(ABC):
+    """A sampler holding one copy of the policy weights. Thread-safe: `update_weights` and `abort` may be
+    called from other threads while `generate` runs (the generator calls `generate` via
+    ``asyncio.to_thread``)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The policy version of the weights now applied (what the next decode step will use)."""
+
+    @abstractmethod
+    def load_state(self, named_tensors: NamedTensors, version: int) -> None:
+        """Replace all weights (every parameter must be given), e.g. at start-up or from a full snapshot.
+        Same timing rules as `update_weights`."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Overwrite the named parameters in place and set the version. A running `generate` sees the new
+        weights from its next decode step on (its KV cache is kept); returns once they are applied."""
+
+    @abstractmethod
+    def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
+        """Continue every request; results are in request order."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Make every `generate` call in progress return soon, its unfinished results with reason
+        ``abort`` and the tokens produced so far. Calls started afterwards are not affected."""

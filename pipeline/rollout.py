@@ -1,0 +1,373 @@
+"""Rollouts: prompts and engine results in, one `RolloutSample` per trajectory out. Tokens in, tokens out.
+
+A trajectory is the token ids the sampler saw and produced, in order, as turns::
+
+    turn      prompt            policy reply          env message     policy reply
+    tokens    <bos> 3 1 4 >     4 1 3 <eos>           | n o |         4 1 3 <eos>
+    loss_mask 0     0 0 0 0     1 1 1 1               0 0 0 0         1 1 1 1
+    versions  -1   -1 -1 -1 -1  7 7 8 8               -1 -1 -1 -1     8 8 8 8
+    logprobs  0     0 0 0 0     behaviour log-probs   0 0 0 0         behaviour log-probs
+
+Policy tokens carry the engine's per-token version and behaviour log-prob (the version may change inside
+a reply: in-flight weight update). Prompt and environment tokens carry loss mask 0, version -1, log-prob 0.
+Nothing is re-tokenized: the environment sees decoded text, but the trajectory keeps the sampled ids,
+and an environment message given as text is tokenized once, on its own, without special tokens.
+
+Status of a sample:
+- ``ok``: finished normally; reward from the verifier (or from an environment that ends with a reward).
+- ``truncated``: a reply hit its length limit (or the turn/token limits ran out): that turn stays, no later
+  turn is generated, and the sample is still scored by the verifier.
+- ``format_error``: the verifier (or environment) rejected the format: reward 0, trained on.
+- ``infra_error``: the verifier or environment raised or timed out: reward None, ``reward_source = none``;
+  the trainer masks it out of the loss and the group baseline.
+- ``aborted``: the engine aborted the generation: reward None, never scored.
+
+The engine records (`SamplingParams`, `GenerateRequest`, `GenerateResult`) are defined here, at the
+rollout's edge, so that ``pipeline/`` needs no import from ``actors/``; `actors.engines.base` re-exports them.
+
+Single-turn groups run as one batched `Engine.generate` call (in a worker thread: generation is
+synchronous torch); multi-turn samples run concurrently, one generate call per turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from pipeline.tasks import Prompt, Task, VerifierResult, run_verifier
+
+logger = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "abort"]
+"""``stop``: a stop token was sampled (and is the last returned token); ``length``: the new-token
+budget or the model's context ran out; ``abort``: `Engine.abort` cut the request."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to draw tokens. ``temperature == 0`` means greedy decoding (each token's log-prob is then 0:
+    it was drawn from a point mass). ``top_k == 0`` and ``top_p == 1.0`` switch those filters off."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One sequence to continue. ``seed`` fixes this request's sampling stream independently of the
+    rest of the batch (None: drawn from the engine's generator); ``max_new_tokens`` overrides the
+    sampling params' budget for this request (a later turn of a multi-turn episode has less room)."""
+
+    input_ids: Sequence[int] | np.ndarray
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) == 0:
+            raise ValueError(f"GenerateRequest {self.request_id!r}: input_ids is empty")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"GenerateRequest {self.request_id!r}: max_new_tokens must be >= 1, "
+                             f"got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerateResult:
+    """The continuation of one request; the three arrays have one entry per generated token.
+
+    Example (prompt ``[1, 5, 6]``, stop token 2, a weight swap before the second decode step)::
+
+        token_ids = [7, 9, 2]          # int32, the stop token included
+        logprobs  = [-0.3, -1.2, -0.1] # float32, behaviour log-probs
+        versions  = [0, 1, 1]          # int32
+        finish_reason = "stop"
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+    request_id: str = ""
+    gen_s: float = 0.0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        assert len(self.logprobs) == n and len(self.versions) == n, "per-token arrays must align"
+
+
+class Engine(Protocol):
+    """The part of `actors.engines.base.Engine` a rollout uses (``pipeline/`` does not import ``actors/``)."""
+
+    def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]: ...
+
+
+Status = Literal["ok", "truncated", "format_error", "infra_error", "aborted"]
+RewardSource = Literal["verifier", "none"]
+
+VERIFIER_TIMEOUT_S = 30.0
+"""Default limit on one `Task.verify` call; past it the sample is an ``infra_error``."""
+ENV_TIMEOUT_S = 60.0
+"""Default limit on one `Environment.step` call; past it the sample is an ``infra_error``."""
+MAX_TURNS = 8
+"""Default number of policy replies in a multi-turn episode; an episode still running after it is truncated."""
+
+
+class Tokenizer(Protocol):
+    """What the rollout needs from a tokenizer: ``tokenizers.Tokenizer`` and HF fast tokenizers both fit
+    (``encode`` may return an ``Encoding`` with ``.ids`` or a list of ids)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> Any: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class EnvStep:
+    """An environment's answer to one policy reply: either the next message (text, tokenized by the rollout,
+    or token ids) or ``done``. A done step with a reward makes the environment the verifier of the episode
+    (``status`` ``ok`` or ``format_error``, the latter forcing reward 0); a done step without a reward lets
+    `Task.verify` score the whole completion."""
+
+    message: str | Sequence[int] | None = None
+    done: bool = False
+    reward: float | None = None
+    status: Literal["ok", "format_error"] = "ok"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """One episode's counterpart in a multi-turn rollout (tool, user simulator, game)."""
+
+    async def step(self, reply_text: str, reply_ids: np.ndarray) -> EnvStep:
+        """React to the policy's reply (text with a final stop token removed; ids as sampled)."""
+        ...
+
+
+EnvironmentFactory = Callable[[Prompt], Environment]
+"""Builds a fresh environment per sample (the samples of a group run side by side)."""
+
+
+@dataclass
+class Turn:
+    """A run of tokens from one source: ``prompt`` and ``env`` turns have loss mask 0 and version -1."""
+
+    kind: Literal["prompt", "policy", "env"]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason | None = None
+
+    @classmethod
+    def context(cls, kind: Literal["prompt", "env"], token_ids: Sequence[int] | np.ndarray) -> Turn:
+        ids = np.asarray(token_ids, dtype=np.int32)
+        return cls(kind, ids, np.zeros(len(ids), np.float32), np.full(len(ids), -1, np.int32))
+
+    @classmethod
+    def policy(cls, result: GenerateResult) -> Turn:
+        return cls("policy", np.asarray(result.token_ids, np.int32), np.asarray(result.logprobs, np.float32),
+                   np.asarray(result.versions, np.int32), result.finish_reason)
+
+
+@dataclass
+class RolloutSample:
+    """One trajectory, mapping 1:1 onto a row of the trajectory record (`pipeline.trajectory`).
+
+    ``tokens``/``loss_mask``/``logprobs``/``versions`` align index by index (see the module docstring).
+    ``reward`` is None exactly when ``reward_source == "none"`` (``infra_error``, ``aborted``).
+    ``finish_reason`` is that of the last policy reply.
+    """
+
+    trajectory_id: str
+    group_id: str
+    prompt_id: str
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float | None
+    reward_source: RewardSource
+    status: Status
+    finish_reason: FinishReason
+    num_turns: int
+    tags: tuple[str, ...] = ()
+    gen_s: float = 0.0
+    verify_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def assemble(turns: Sequence[Turn]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens int32, loss_mask uint8, logprobs float32, versions int32) of the turns, concatenated."""
+    tokens = np.concatenate([t.token_ids for t in turns]).astype(np.int32)
+    loss_mask = np.concatenate([np.full(len(t.token_ids), t.kind == "policy", np.uint8) for t in turns])
+    logprobs = np.concatenate([t.logprobs for t in turns]).astype(np.float32)
+    versions = np.concatenate([t.versions for t in turns]).astype(np.int32)
+    return tokens, loss_mask, logprobs, versions
+
+
+def sample_status(finish_reason: FinishReason, truncated: bool, verdict: VerifierResult | None) -> Status:
+    """Precedence: aborted > infra_error > format_error > truncated > ok."""
+    if finish_reason == "abort":
+        return "aborted"
+    if verdict is not None and verdict.status != "ok":
+        return verdict.status
+    return "truncated" if truncated else "ok"
+
+
+async def run_group(engine: Engine, task: Task, prompt: Prompt, group_size: int, sampling: SamplingParams,
+                    env: EnvironmentFactory | None = None, *, tokenizer: Tokenizer,
+                    verifier_timeout_s: float = VERIFIER_TIMEOUT_S, env_timeout_s: float = ENV_TIMEOUT_S,
+                    max_turns: int = MAX_TURNS, max_total_tokens: int | None = None,
+                    group_id: str | None = None) -> list[RolloutSample]:
+    """Roll out ``group_size`` samples of one prompt; every sample comes back, whatever its status.
+
+    Without ``env``: one batched generate call and one verifier call per sample. With ``env``: each sample
+    alternates policy replies and environment messages for at most ``max_turns`` replies and
+    ``max_total_tokens`` tokens.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    group_id = group_id or uuid.uuid4().hex
+    prompt_ids = _prompt_ids(prompt, tokenizer)
+    if max_total_tokens is not None and len(prompt_ids) >= max_total_tokens:
+        raise ValueError(f"prompt {prompt.prompt_id!r} has {len(prompt_ids)} tokens, no room under "
+                         f"max_total_tokens={max_total_tokens}")
+    ctx = _Context(engine, task, prompt, sampling, tokenizer, verifier_timeout_s, group_id)
+    if env is None:
+        requests = [GenerateRequest(prompt_ids, request_id=f"{group_id}-{i}") for i in range(group_size)]
+        results = await asyncio.to_thread(engine.generate, requests, sampling)
+        return list(await asyncio.gather(*(
+            ctx.finish(i, [Turn.context("prompt", prompt_ids), Turn.policy(r)], r.gen_s, r.finish_reason == "length")
+            for i, r in enumerate(results))))
+    return list(await asyncio.gather(*(
+        _run_episode(ctx, i, prompt_ids, env(prompt), env_timeout_s, max_turns, max_total_tokens)
+        for i in range(group_size))))
+
+
+@dataclass
+class _Context:
+    """What every sample of a group shares."""
+
+    engine: Engine
+    task: Task
+    prompt: Prompt
+    sampling: SamplingParams
+    tokenizer: Tokenizer
+    verifier_timeout_s: float
+    group_id: str
+
+    def sample(self, index: int, turns: list[Turn], *, reward: float | None, status: Status, gen_s: float,
+               verify_s: float = 0.0, info: dict[str, Any] | None = None) -> RolloutSample:
+        tokens, loss_mask, logprobs, versions = assemble(turns)
+        policy_turns = [t for t in turns if t.kind == "policy"]
+        return RolloutSample(
+            trajectory_id=f"{self.group_id}-{index}", group_id=self.group_id, prompt_id=self.prompt.prompt_id,
+            tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, versions=versions, reward=reward,
+            reward_source="none" if reward is None else "verifier", status=status,
+            finish_reason=policy_turns[-1].finish_reason or "abort", num_turns=len(policy_turns),
+            tags=self.prompt.tags, gen_s=gen_s, verify_s=verify_s, info=info or {})
+
+    async def finish(self, index: int, turns: list[Turn], gen_s: float, truncated: bool) -> RolloutSample:
+        """Score the completion (everything after the prompt) with the task's verifier and build the sample."""
+        finish_reason = turns[-1].finish_reason or "abort"
+        if finish_reason == "abort":
+            return self.sample(index, turns, reward=None, status="aborted", gen_s=gen_s)
+        completion = [t for t in turns if t.kind != "prompt"]
+        ids = np.concatenate([_strip_stop(t, self.sampling) for t in completion])
+        text = "".join(_decode(self.tokenizer, _strip_stop(t, self.sampling)) for t in completion)
+        start = time.perf_counter()
+        verdict = await run_verifier(self.task, self.prompt, text, ids, timeout_s=self.verifier_timeout_s)
+        return self.sample(index, turns, reward=verdict.reward, status=sample_status(finish_reason, truncated, verdict),
+                           gen_s=gen_s, verify_s=time.perf_counter() - start, info=dict(verdict.info))
+
+
+async def _run_episode(ctx: _Context, index: int, prompt_ids: list[int], environment: Environment,
+                       env_timeout_s: float, max_turns: int, max_total_tokens: int | None) -> RolloutSample:
+    """One multi-turn sample. An environment message is appended only when a policy reply follows it."""
+    turns = [Turn.context("prompt", prompt_ids)]
+    pending: list[int] = []
+    gen_s = 0.0
+    for _ in range(max_turns):
+        context_ids = np.concatenate([t.token_ids for t in turns] + [np.asarray(pending, np.int32)])
+        budget = ctx.sampling.max_new_tokens
+        if max_total_tokens is not None:
+            budget = min(budget, max_total_tokens - len(context_ids))
+        if budget < 1:
+            break
+        if pending:
+            turns.append(Turn.context("env", pending))
+        request = GenerateRequest(context_ids, max_new_tokens=budget, request_id=f"{ctx.group_id}-{index}")
+        result = (await asyncio.to_thread(ctx.engine.generate, [request], ctx.sampling))[0]
+        turns.append(Turn.policy(result))
+        gen_s += result.gen_s
+        if result.finish_reason != "stop":  # "length": later turns are dropped; "abort": not scored
+            return await ctx.finish(index, turns, gen_s, truncated=True)
+        reply_ids = _strip_stop(turns[-1], ctx.sampling)
+        try:
+            step = await asyncio.wait_for(environment.step(_decode(ctx.tokenizer, reply_ids), reply_ids),
+                                          timeout=env_timeout_s)
+        except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
+            logger.exception("environment failed in trajectory %s-%d", ctx.group_id, index)
+            return ctx.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s,
+                              info={"error": f"environment: {type(exc).__name__}: {exc}"})
+        if step.done and step.reward is not None:
+            reward = 0.0 if step.status == "format_error" else float(step.reward)
+            return ctx.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))
+        if step.done:
+            return await ctx.finish(index, turns, gen_s, truncated=False)
+        pending = _message_ids(step.message, ctx.tokenizer)
+    return await ctx.finish(index, turns, gen_s, truncated=True)
+
+
+def _prompt_ids(prompt: Prompt, tokenizer: Tokenizer) -> list[int]:
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    assert prompt.text is not None
+    return _encode(tokenizer, prompt.text, add_special_tokens=True)
+
+
+def _message_ids(message: str | Sequence[int] | None, tokenizer: Tokenizer) -> list[int]:
+    if message is None:
+        return []
+    if isinstance(message, str):
+        return _encode(tokenizer, message, add_special_tokens=False)
+    return [int(t) for t in message]
+
+
+def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    encoded = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return list(getattr(encoded, "ids", encoded))
+
+
+def _decode(tokenizer: Tokenizer, ids: np.ndarray) -> str:
+    """Special tokens are kept in the text, so a verifier sees e.g. a stray ``<pad>`` as a format error."""
+    return tokenizer.decode([int(t) for t in ids], skip_special_tokens=False)
+
+
+def _strip_stop(turn: Turn, sampling: SamplingParams) -> np.ndarray:
+    """The turn's ids without a final stop token (a policy reply that finished with ``stop``)."""
+    ids = turn.token_ids
+    if turn.kind == "policy" and turn.finish_reason == "stop" and len(ids) and int(ids[-1]) in sampling.stop_token_ids:
+        return ids[:-1]
+    return ids
