@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 demo: install
-	$(BIN)/leeway run configs/demo.yaml
+	$(BIN)/leeway run configs/demo.yaml --fresh
 
 test: install-dev
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -119,16 +119,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_replay_selection(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    group = parser.add_mutually_exclusive_group(required=required)
-    group.add_argument("--from-seq", type=int, metavar="N", help="start at trajectory-stream sequence N")
-    group.add_argument("--since", metavar="TIME", help="start at an ISO-8601 time (e.g. 2026-11-29T10:00:00Z)")
-    group.add_argument("--min-version", type=int, metavar="V", help="only groups whose newest token version >= V")
-    parser.add_argument("--until", metavar="SEQ_OR_TIME", help="stop at this stream sequence or ISO-8601 time")
-
-
 def build_parser(*, bench: str | None = None) -> argparse.ArgumentParser:
     """`bench`: the benchmark being run, whose module is imported to add its own flags."""
+    from actors.replay import add_arguments as add_replay_arguments
+    from actors.replay import add_selection_arguments
+
     parser = argparse.ArgumentParser(
         prog="leeway",
         description="Leeway: fully asynchronous RL post-training. Generators pull weight deltas from S3 on their "
@@ -178,6 +173,7 @@ def build_parser(*, bench: str | None = None) -> argparse.ArgumentParser:
     _add_config_args(run)
     run.add_argument("--generators", type=int, default=None, help="generator processes (default: 1 on 2 cores)")
     run.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
+    run.add_argument("--fresh", action="store_true", help="delete an earlier run's directory (run.dir) first")
     run.set_defaults(handler=cmd_run)
 
     trainer = sub.add_parser(
@@ -186,13 +182,13 @@ def build_parser(*, bench: str | None = None) -> argparse.ArgumentParser:
         description="Consumes trajectory groups, applies the staleness cap and importance "
         "correction, steps, publishes version V+1, then acks the groups it used. Replay: "
         "train on a recorded range instead of live data; recorded behaviour log-probs and "
-        "versions drive the correction, staleness is counted against the replaying trainer's "
-        "own version (switch the cap off with --set staleness.cap_in_replay=false).",
+        "versions drive the correction, staleness is counted against the newest version "
+        "seen so far in the replayed range (switch the cap off with --set staleness.cap_in_replay=false).",
     )
     _add_config_args(trainer)
     trainer.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     trainer.add_argument("--replay", action="store_true", help="train on a recorded range (needs a selection)")
-    _add_replay_selection(trainer, required=False)
+    add_selection_arguments(trainer, required=False)
     trainer.set_defaults(handler=cmd_trainer)
 
     generator = sub.add_parser(
@@ -211,8 +207,7 @@ def build_parser(*, bench: str | None = None) -> argparse.ArgumentParser:
         "version and export them. To train on them instead, use `leeway trainer --replay`.",
     )
     _add_config_args(replay)
-    _add_replay_selection(replay, required=True)
-    replay.add_argument("--to-parquet", required=True, metavar="DIR", help="directory for the Parquet files")
+    add_replay_arguments(replay)
     replay.set_defaults(handler=cmd_replay)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON with ratios against same-run baselines")

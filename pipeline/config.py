@@ -238,8 +238,8 @@ class StreamConfig(Section):
     """Size limit of the trajectory stream; oldest messages go first."""
     max_inline_bytes: int = Field(1 * MiB, ge=1024)
     """Larger encoded groups go to the object store and the message carries a pointer."""
-    max_msg_bytes: int = Field(8 * MiB, ge=1024)
-    """Largest message the stream accepts (the embedded server allows 8 MiB)."""
+    max_msg_bytes: int = Field(2 * MiB, ge=1024)
+    """Largest message the stream accepts (the embedded server allows 8 MiB); larger groups are claim-checked."""
     fetch_batch: int = Field(16, ge=1)
     """Messages per consumer fetch."""
     fetch_max_bytes: int = Field(16 * MiB, ge=MiB)

@@ -1,0 +1,197 @@
+"""The prompt work queue: the trainer admits prompts, generators take them, each prompt is done once.
+
+    trainer ── PromptQueue.admit(prompt) ──► leeway.<run>.prompts (stream LEEWAY_<run>_PROMPTS, work queue)
+                                                   │ durable pull consumer "generators", shared
+    generator ◄── PromptQueue.take() ◄─────────────┘ PromptLease: in_progress() while rolling out,
+                                                     done() only after the group is published
+
+A generator that dies holding a prompt stops heartbeating; after `prompt_ack_wait_s` the server
+redelivers the prompt to another generator. The consumer allows `prompt_max_deliver + 1` deliveries:
+the delivery after the last allowed one is not run but dead-lettered (reason `max_deliveries`) and
+terminated, so a prompt that kills every generator ends up inspectable instead of looping or vanishing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import nats.errors
+import orjson
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from pipeline.names import RunNames
+from pipeline.trajectory import ID_RE
+from pipeline.transport import (
+    DUPLICATE_WINDOW_S,
+    H_MSG_ID,
+    DeadLetters,
+    PublishError,
+    TrajectoryPublisher,
+    _ensure_stream,
+)
+
+PROMPT_FETCH_TIMEOUT_S = 1.0
+"""Default long-poll of one `take`; returns [] after it."""
+
+
+class PromptSettings(Protocol):
+    """The `stream` config fields the prompt queue reads (plus the publish ones of `StreamSettings`)."""
+
+    prompt_ack_wait_s: float
+    prompt_max_deliver: int
+    max_msg_bytes: int
+    publish_ack_timeout_s: float
+    publish_retries: int
+    replicas: int
+
+
+class PromptError(ValueError):
+    """A prompt payload that is not valid; names the field."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as JSON on the wire: an id, text or token ids (or both), free-form metadata."""
+
+    prompt_id: str
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_id, str) or not ID_RE.match(self.prompt_id):
+            raise PromptError(f"prompt_id {self.prompt_id!r} is not a valid id")
+        if self.text is None and self.token_ids is None:
+            raise PromptError(f"prompt {self.prompt_id!r}: needs text or token_ids")
+        if self.text is not None and not isinstance(self.text, str):
+            raise PromptError(f"prompt {self.prompt_id!r}: text must be a string")
+        if self.token_ids is not None:
+            ids = tuple(self.token_ids)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise PromptError(f"prompt {self.prompt_id!r}: token_ids must be non-negative integers")
+            object.__setattr__(self, "token_ids", ids)
+        if not isinstance(self.metadata, Mapping):
+            raise PromptError(f"prompt {self.prompt_id!r}: metadata must be an object")
+
+    def to_json(self) -> bytes:
+        return orjson.dumps({"prompt_id": self.prompt_id, "text": self.text,
+                             "token_ids": None if self.token_ids is None else list(self.token_ids),
+                             "metadata": dict(self.metadata)})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Prompt:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise PromptError(f"not JSON: {exc}") from exc
+        if not isinstance(obj, dict) or set(obj) - {"prompt_id", "text", "token_ids", "metadata"}:
+            raise PromptError(f"expected an object with prompt_id, text, token_ids, metadata; got {str(obj)[:80]}")
+        return cls(prompt_id=obj.get("prompt_id"), text=obj.get("text"), token_ids=obj.get("token_ids"),
+                   metadata=obj.get("metadata") or {})
+
+
+@dataclass(eq=False)
+class PromptLease:
+    """A prompt held by one generator until `done()` (after its group is published) or `release()`."""
+
+    prompt: Prompt
+    msg: Msg
+    num_delivered: int
+
+    async def in_progress(self) -> None:
+        """Heartbeat: resets the ack wait, so a long rollout keeps its prompt."""
+        await self.msg.in_progress()
+
+    async def done(self) -> None:
+        """The group is published: remove the prompt from the queue (confirmed by the server)."""
+        await self.msg.ack_sync(timeout=5.0)
+
+    async def release(self, delay_s: float | None = None) -> None:
+        """Give the prompt back for another generator (e.g. on shutdown)."""
+        await self.msg.nak(delay=delay_s)
+
+
+async def ensure_prompt_queue(js: JetStreamContext, names: RunNames, stream: PromptSettings) -> None:
+    """The work-queue stream and the generators' durable consumer (idempotent)."""
+    await _ensure_stream(js, StreamConfig(
+        name=names.prompt_stream, subjects=[names.prompt_subject], retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_msg_size=stream.max_msg_bytes,
+        num_replicas=stream.replicas, duplicate_window=DUPLICATE_WINDOW_S))
+    config = ConsumerConfig(durable_name=names.generator_consumer, ack_policy=AckPolicy.EXPLICIT,
+                            ack_wait=stream.prompt_ack_wait_s, max_deliver=stream.prompt_max_deliver + 1,
+                            filter_subject=names.prompt_subject)
+    await js.add_consumer(names.prompt_stream, config)
+
+
+class PromptQueue:
+    """Both ends of the queue; the trainer calls `admit`, generators call `take`."""
+
+    def __init__(self, js: JetStreamContext, names: RunNames, stream: PromptSettings) -> None:
+        self._js = js
+        self._names = names
+        self._stream = stream
+        self._publisher = TrajectoryPublisher(js, names, stream)  # type: ignore[arg-type]
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self.dead_letters = DeadLetters(js, names.prompt_dead_letter_subject)
+
+    async def admit(self, prompt: Prompt) -> bool:
+        """Enqueue a prompt (`Nats-Msg-Id` = prompt id); False if the queue already had it (deduped)."""
+        ack, _ = await self._publisher.publish_raw(self._names.prompt_subject, prompt.to_json(),
+                                                   {H_MSG_ID: prompt.prompt_id}, stream_name=self._names.prompt_stream)
+        return not ack.duplicate
+
+    async def admit_many(self, prompts: Iterable[Prompt]) -> int:
+        """Enqueue several; returns how many were new."""
+        results = await asyncio.gather(*(self.admit(p) for p in prompts))
+        return sum(results)
+
+    async def take(self, max_prompts: int = 1, timeout_s: float = PROMPT_FETCH_TIMEOUT_S) -> list[PromptLease]:
+        """Up to `max_prompts` leases; [] when none arrived within `timeout_s`. Bad prompts are dead-lettered."""
+        if self._sub is None:
+            self._sub = await self._js.pull_subscribe_bind(self._names.generator_consumer,
+                                                           stream=self._names.prompt_stream)
+        try:
+            msgs = await self._sub.fetch(max_prompts, timeout=timeout_s)
+        except asyncio.TimeoutError:  # nats-py raises both its own and the plain asyncio one
+            return []
+        leases = []
+        for msg in msgs:
+            lease = await self._receive(msg)
+            if lease is not None:
+                leases.append(lease)
+        return leases
+
+    async def _receive(self, msg: Msg) -> PromptLease | None:
+        delivered = msg.metadata.num_delivered
+        if delivered > self._stream.prompt_max_deliver:
+            await self.dead_letters.dispose(msg, "max_deliveries", f"delivered {delivered} times without an ack "
+                                                                   f"(limit {self._stream.prompt_max_deliver})")
+            return None
+        try:
+            prompt = Prompt.from_json(msg.data)
+        except PromptError as exc:
+            await self.dead_letters.dispose(msg, "bad_prompt", str(exc))
+            return None
+        return PromptLease(prompt, msg, delivered)
+
+    async def pending(self) -> int:
+        """Prompts waiting in the queue (not yet delivered)."""
+        info = await self._js.consumer_info(self._names.prompt_stream, self._names.generator_consumer)
+        return info.num_pending
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+            self._sub = None
+
+
+__all__: Sequence[str] = ["Prompt", "PromptError", "PromptLease", "PromptQueue", "PublishError",
+                          "ensure_prompt_queue"]

@@ -1,0 +1,175 @@
+"""Arrow IPC codec: lossless round trip into numpy views, and clean errors for every kind of bad bytes."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.codec import (
+    TRAJECTORY_SCHEMA,
+    CodecError,
+    decode_group,
+    encode_group,
+    group_to_record_batch,
+    read_parquet,
+    write_parquet,
+)
+from pipeline.trajectory import SampleArrays, TrajectoryGroup, TrajectoryValidationError
+
+
+def _sample(rng: np.random.Generator, n: int = 64, prompt: int = 8, reward: float | None = 1.0) -> SampleArrays:
+    mask = np.r_[np.zeros(prompt, np.uint8), np.ones(n - prompt, np.uint8)]
+    versions = np.where(mask == 1, 3, -1).astype(np.int32)
+    versions[prompt + (n - prompt) // 2:] = 4
+    return SampleArrays(tokens=rng.integers(0, 151_936, n).astype(np.int32), loss_mask=mask,
+                        logprobs=np.where(mask == 1, -rng.exponential(0.3, n), 0).astype(np.float32),
+                        versions=versions, reward=reward, reward_source="verifier" if reward is not None else "none",
+                        tags=("math", "easy"), finish_reason="stop", gen_start_s=1.0, gen_end_s=2.0)
+
+
+def _group(group_id: str = "g-1", num_samples: int = 4, seed: int = 0) -> TrajectoryGroup:
+    rng = np.random.default_rng(seed)
+    samples = [_sample(rng, n=32 + 8 * i, reward=None if i == 1 else float(i)) for i in range(num_samples)]
+    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id="p-1", generator_id="gen-0", samples=samples)
+
+
+def _ipc(batch: pa.RecordBatch, compression: str | None = "zstd") -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression=compression)) as w:
+        w.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def _assert_same(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
+    for name in ("group_id", "prompt_id", "generator_id", "trajectory_ids", "reward_source", "status",
+                 "finish_reason", "tags"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("offsets", "tokens", "loss_mask", "logprobs", "versions", "min_version", "max_version",
+                 "created_at_s", "gen_start_s", "gen_end_s"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_array_equal(np.isnan(a.reward), np.isnan(b.reward))
+
+
+def test_round_trip_is_lossless_and_hands_out_read_only_numpy():
+    g = _group()
+    out = decode_group(encode_group(g))
+    _assert_same(g, out)
+    assert isinstance(out.tokens, np.ndarray) and out.tokens.dtype == np.int32
+    assert not out.tokens.flags.writeable  # a view of the Arrow buffer, not a copy
+    assert out.sample(1).reward is None and out.sample(2).reward == 2.0
+
+
+def test_encoded_size_is_compressed():
+    rng = np.random.default_rng(1)
+    g = TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x",
+                                     samples=[_sample(rng, n=4096, prompt=512) for _ in range(8)])
+    assert len(encode_group(g)) / g.num_tokens < 7.0
+
+
+def test_wrong_schema_is_a_schema_mismatch():
+    batch = pa.record_batch([pa.array([1, 2, 3])], names=["tokens"])
+    with pytest.raises(CodecError) as info:
+        decode_group(_ipc(batch))
+    assert info.value.reason == "schema_mismatch"
+    batch = group_to_record_batch(_group()).replace_schema_metadata({b"leeway.schema_version": b"2"})
+    with pytest.raises(CodecError, match="schema version"):
+        decode_group(_ipc(batch))
+
+
+def test_disagreeing_list_lengths_name_sample_and_column():
+    batch = group_to_record_batch(_group())
+    logprobs = batch.column("logprobs").to_pylist()
+    logprobs[2] = logprobs[2][:-3]
+    bad = batch.set_column(batch.schema.get_field_index("logprobs"), TRAJECTORY_SCHEMA.field("logprobs"),
+                           pa.array(logprobs, pa.list_(pa.float32())))
+    with pytest.raises(TrajectoryValidationError) as info:
+        decode_group(_ipc(bad))
+    assert info.value.sample == 2 and info.value.column == "logprobs"
+
+
+def test_huge_declared_lengths_and_offsets_are_refused_before_numpy_sees_them():
+    """Patch every (0, num_tokens) int32 pair: list lengths in the metadata and offsets in the body."""
+    g = _group(num_samples=1)
+    data = _ipc(group_to_record_batch(g), compression=None)
+    pattern = struct.pack("<ii", 0, g.num_tokens)
+    hits = [i for i in range(len(data) - 7) if data[i:i + 8] == pattern]
+    refused = 0
+    for at in hits:
+        bad = data[:at] + struct.pack("<ii", 0, 2**31 - 1) + data[at + 8:]
+        try:
+            _assert_same(g, decode_group(bad))  # a pair that was not a length: harmless
+        except CodecError as exc:
+            assert exc.reason == "decode_error"
+            refused += 1
+    assert refused >= 8  # 4 declared child lengths + 4 offsets buffers at least
+
+
+def test_huge_declared_decompressed_length_is_a_decode_error():
+    g = _group(num_samples=1)
+    data = bytearray(encode_group(g))
+    declared = struct.pack("<q", g.num_tokens * 4)  # the zstd tokens buffer's uncompressed-length prefix
+    at = data.find(declared)
+    assert at > 0
+    data[at:at + 8] = struct.pack("<q", 2**40)
+    with pytest.raises(CodecError):
+        decode_group(bytes(data))
+
+
+def test_truncated_streams_are_decode_errors():
+    data = encode_group(_group())
+    for cut in (0, 7, len(data) // 3, len(data) // 2, len(data) - 9):
+        with pytest.raises(CodecError):
+            decode_group(data[:cut])
+
+
+def test_two_batches_are_refused():
+    batch = group_to_record_batch(_group())
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+        w.write_batch(batch)
+    with pytest.raises(CodecError, match="exactly one"):
+        decode_group(sink.getvalue())
+
+
+def test_nulls_in_required_columns_are_refused():
+    batch = group_to_record_batch(_group())
+    status = pa.array([None, "ok", "ok", "ok"], pa.string())
+    bad = batch.set_column(batch.schema.get_field_index("status"), TRAJECTORY_SCHEMA.field("status"), status)
+    with pytest.raises(CodecError, match="nulls"):
+        decode_group(_ipc(bad))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=4096))
+def test_random_bytes_raise_only_codec_errors(data):
+    with pytest.raises((CodecError, TrajectoryValidationError)):
+        decode_group(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_corrupted_valid_streams_raise_only_clean_errors(data):
+    encoded = bytearray(encode_group(_group(num_samples=2)))
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, len(encoded) - 1))
+        encoded[at] = data.draw(st.integers(0, 255))
+    try:
+        decode_group(bytes(encoded))
+    except (CodecError, TrajectoryValidationError):
+        pass  # any outcome but a crash or another exception type is fine; intact bytes may still decode
+
+
+def test_parquet_round_trip_keeps_groups_in_order(tmp_path):
+    groups = [_group(f"g-{i}", num_samples=2 + i % 3, seed=i) for i in range(5)]
+    path = tmp_path / "part.parquet"
+    assert write_parquet(groups, path) == sum(g.num_samples for g in groups)
+    back = list(read_parquet(path))
+    assert [g.group_id for g in back] == [g.group_id for g in groups]
+    for a, b in zip(groups, back, strict=True):
+        _assert_same(a, b)

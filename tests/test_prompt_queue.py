@@ -1,0 +1,105 @@
+"""Prompt work queue on a real nats-server: done once, redelivered when a generator dies, dead-lettered at the limit."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from pipeline.config import StreamConfig
+from pipeline.names import RunNames
+from pipeline.prompt_queue import Prompt, PromptError, PromptQueue, ensure_prompt_queue
+from pipeline.transport import H_DLQ_REASON, connect, ensure_trajectory_streams
+
+
+def _stream(**overrides) -> StreamConfig:
+    return StreamConfig(**{"max_bytes": 64 * 2**20, "prompt_ack_wait_s": 1.0, **overrides})
+
+
+async def _queue(url: str, names: RunNames, stream: StreamConfig, name: str):
+    nc = await connect(url, name=name)
+    js = nc.jetstream(timeout=10)
+    await ensure_trajectory_streams(js, names, stream)  # the run's dead-letter stream
+    await ensure_prompt_queue(js, names, stream)
+    return nc, js, PromptQueue(js, names, stream)
+
+
+def test_prompt_json_round_trip_and_validation():
+    p = Prompt("p-1", text="2+2?", token_ids=(1, 2, 3), metadata={"answer": "4"})
+    assert Prompt.from_json(p.to_json()) == p
+    for bad in (b"nope", b"[]", b'{"prompt_id": "p"}', b'{"prompt_id": "a/b", "text": "x"}',
+                b'{"prompt_id": "p", "token_ids": [-1]}', b'{"prompt_id": "p", "text": "x", "extra": 1}'):
+        with pytest.raises(PromptError):
+            Prompt.from_json(bad)
+
+
+def test_prompts_are_done_once_and_deduped(stack):
+    async def main() -> None:
+        names, stream = RunNames.for_run(f"q-{uuid.uuid4().hex[:8]}"), _stream()
+        nc, js, queue = await _queue(stack.nats_url, names, stream, "trainer")
+        try:
+            assert await queue.admit_many([Prompt(f"p{i}", text=str(i)) for i in range(3)]) == 3
+            assert await queue.admit(Prompt("p1", text="1")) is False
+            leases = await queue.take(max_prompts=5)
+            assert [lease.prompt.prompt_id for lease in leases] == ["p0", "p1", "p2"]
+            for lease in leases:
+                await lease.in_progress()
+                await lease.done()
+            assert await queue.take(timeout_s=0.3) == []
+            assert (await js.stream_info(names.prompt_stream)).state.messages == 0  # work queue: acked = gone
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_prompt_of_a_dead_generator_goes_to_another_then_dead_letters_at_the_limit(stack):
+    async def main() -> None:
+        names, stream = RunNames.for_run(f"q-{uuid.uuid4().hex[:8]}"), _stream(prompt_max_deliver=2)
+        nc, js, trainer = await _queue(stack.nats_url, names, stream, "trainer")
+        try:
+            await trainer.admit(Prompt("hard", text="?"))
+            gen_a, _, queue_a = await _queue(stack.nats_url, names, stream, "gen-a")
+            (lease,) = await queue_a.take()
+            assert lease.num_delivered == 1
+            await gen_a.close()  # generator A dies mid-rollout, without ack or heartbeat
+            gen_b, _, queue_b = await _queue(stack.nats_url, names, stream, "gen-b")
+            leases = []
+            for _ in range(10):
+                leases = await queue_b.take(timeout_s=0.5)
+                if leases:
+                    break
+            assert [(x.prompt.prompt_id, x.num_delivered) for x in leases] == [("hard", 2)]
+            # B dies too; the third delivery is over the limit of 2: dead-lettered, not run
+            for _ in range(10):
+                if await queue_b.take(timeout_s=0.5) == [] and queue_b.dead_letters.counts["max_deliveries"]:
+                    break
+            assert queue_b.dead_letters.counts["max_deliveries"] == 1
+            last = await js.get_last_msg(names.dead_letter_stream, names.prompt_dead_letter_subject)
+            assert last.headers[H_DLQ_REASON] == "max_deliveries" and Prompt.from_json(last.data).prompt_id == "hard"
+            await gen_b.close()
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_malformed_prompt_is_dead_lettered(stack):
+    async def main() -> None:
+        names, stream = RunNames.for_run(f"q-{uuid.uuid4().hex[:8]}"), _stream()
+        nc, js, queue = await _queue(stack.nats_url, names, stream, "gen")
+        try:
+            await js.publish(names.prompt_subject, b'{"prompt_id": 5}')
+            await queue.admit(Prompt("fine", text="x"))
+            got = []
+            for _ in range(5):
+                got += await queue.take(max_prompts=2, timeout_s=0.5)
+                if got:
+                    break
+            assert [x.prompt.prompt_id for x in got] == ["fine"]
+            assert queue.dead_letters.counts == {"bad_prompt": 1}
+        finally:
+            await nc.close()
+
+    asyncio.run(main())

@@ -1,0 +1,344 @@
+"""Trajectory transport against a real nats-server: dedupe, claim check, shared consumer, outages, dead letters."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.bench.transport import LocalNats, free_port, local_nats
+from pipeline.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch
+from pipeline.config import StreamConfig
+from pipeline.names import RunNames
+from pipeline.trajectory import SampleArrays, TrajectoryGroup
+from pipeline.transport import (
+    H_CLAIM_CHECK,
+    H_DLQ_REASON,
+    H_MIN_VERSION,
+    TrajectoryConsumer,
+    TrajectoryPublisher,
+    connect,
+    ensure_trainer_consumer,
+    ensure_trajectory_streams,
+    group_headers,
+)
+from storage.objectstore import FileStore
+
+
+def _group(group_id: str, version: int = 3, num_samples: int = 2, num_tokens: int = 48) -> TrajectoryGroup:
+    rng = np.random.default_rng(zlib.crc32(group_id.encode()))
+    samples = []
+    for _ in range(num_samples):
+        mask = np.r_[np.zeros(8, np.uint8), np.ones(num_tokens - 8, np.uint8)]
+        samples.append(SampleArrays(
+            tokens=rng.integers(0, 151_936, num_tokens).astype(np.int32), loss_mask=mask,
+            logprobs=np.where(mask == 1, -rng.exponential(0.3, num_tokens), 0).astype(np.float32),
+            versions=np.where(mask == 1, version, -1).astype(np.int32), reward=1.0, reward_source="verifier"))
+    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id="p", generator_id="gen-0", samples=samples)
+
+
+def _stream(**overrides) -> StreamConfig:
+    """Small streams: JetStream reserves max_bytes up front, and the session's server holds many."""
+    return StreamConfig(**{"max_bytes": 64 * 2**20, **overrides})
+
+
+def _names() -> RunNames:
+    return RunNames.for_run(f"t-{uuid.uuid4().hex[:10]}")
+
+
+async def _setup(url: str, names: RunNames, stream: StreamConfig, **consumer_kw):
+    nc = await connect(url, name="test")
+    js = nc.jetstream(timeout=10)
+    await ensure_trajectory_streams(js, names, stream)
+    await ensure_trainer_consumer(js, names, **consumer_kw)
+    return nc, js
+
+
+async def _drain(consumer: TrajectoryConsumer, expected: int, timeout_s: float = 20.0) -> list[str]:
+    got: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < expected and time.monotonic() < deadline:
+        batch = await consumer.fetch(timeout_s=0.5)
+        got.extend(d.group.group_id for d in batch)
+        await consumer.ack([d.seq for d in batch])
+    return got
+
+
+def test_publish_dedupes_by_group_id_and_consumer_acks_when_told(stack):
+    async def main() -> None:
+        names, stream = _names(), _stream()
+        nc, js = await _setup(stack.nats_url, names, stream)
+        try:
+            publisher = TrajectoryPublisher(js, names, stream)
+            first = await publisher.publish_many([_group(f"g{i}", version=i) for i in range(5)])
+            assert [r.seq for r in first] == [1, 2, 3, 4, 5] and not any(r.duplicate for r in first)
+            again = await publisher.publish(_group("g2", version=2))
+            assert again.duplicate and again.seq == 3
+            consumer = await TrajectoryConsumer.bind(js, names, stream)
+            batch = await consumer.fetch(max_groups=5)
+            assert [d.seq for d in batch] == [1, 2]  # a 16 MiB fetch budget / 8 MiB largest message
+            batch += await consumer.fetch(max_groups=1)
+            assert [d.seq for d in batch] == [1, 2, 3]
+            assert batch[2].group.group_id == "g2" and batch[2].msg.headers[H_MIN_VERSION] == "2"
+            assert consumer.held_seqs == [1, 2, 3]
+            assert await consumer.ack([1, 2, 3]) == 3
+            rest = await _drain(consumer, 2)
+            assert rest == ["g3", "g4"]
+            info = await js.consumer_info(names.trajectory_stream, names.trainer_consumer)
+            assert info.num_ack_pending == 0 and info.num_pending == 0
+            assert (await js.stream_info(names.trajectory_stream)).state.messages == 5
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_large_group_travels_by_claim_check(stack, tmp_path):
+    async def main() -> None:
+        names = _names()
+        stream = _stream(max_inline_bytes=8192)
+        store = FileStore(tmp_path / "store")
+        nc, js = await _setup(stack.nats_url, names, stream)
+        try:
+            big, small = _group("big", num_tokens=2000), _group("small", num_tokens=16, num_samples=1)
+            publisher = TrajectoryPublisher(js, names, stream, store)
+            result = await publisher.publish(big)
+            assert result.claim_check_key == f"{names.run}/trajectories/big.arrow"
+            assert result.payload_bytes < 300 and store.get(result.claim_check_key) == encode_group(big)
+            assert (await publisher.publish(small)).claim_check_key is None
+            consumer = await TrajectoryConsumer.bind(js, names, stream, store)
+            batch = await consumer.fetch(timeout_s=2)
+            assert [d.group.group_id for d in batch] == ["big", "small"]
+            assert H_CLAIM_CHECK in batch[0].msg.headers
+            np.testing.assert_array_equal(batch[0].group.tokens, big.tokens)
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+def test_trainer_ranks_share_the_durable_and_unacked_groups_come_back(stack):
+    async def main() -> None:
+        names, stream = _names(), _stream(fetch_batch=4, max_msg_bytes=2**20)
+        nc, js = await _setup(stack.nats_url, names, stream, ack_wait_s=1.0)
+        rank_ncs = [await connect(stack.nats_url, name=f"rank{i}") for i in range(2)]
+        try:
+            await TrajectoryPublisher(js, names, stream).publish_many([_group(f"g{i}") for i in range(20)])
+            ranks = [await TrajectoryConsumer.bind(r.jetstream(), names, stream) for r in rank_ncs]
+            seen = [await ranks[0].fetch(max_groups=3), await ranks[1].fetch(max_groups=3)]
+            ids = [d.group.group_id for batch in seen for d in batch]
+            assert len(ids) == len(set(ids)) == 6
+            await ranks[0].ack([d.seq for d in seen[0]])
+            await rank_ncs[1].close()  # rank 1 dies holding 3 groups
+            got = await _drain(ranks[0], 17, timeout_s=15)
+            assert sorted(got + [d.group.group_id for d in seen[0]]) == sorted(f"g{i}" for i in range(20))
+        finally:
+            for r in rank_ncs:
+                await r.close()
+            await nc.close()
+
+    asyncio.run(main())
+
+
+# --- outages -------------------------------------------------------------------------------------------------
+
+
+class _CuttableProxy:
+    """A loopback TCP proxy whose live connections can be cut (and new ones refused) on demand."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self.accepting = True
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.accepting:
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            writer.close()
+            return
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await src.read(1 << 16):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        self.accepting = False
+        for w in self._writers:
+            w.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+@pytest.fixture
+def own_nats(tmp_path: Path) -> Iterator[LocalNats]:
+    with local_nats(tmp_path / "nats") as server:
+        yield server
+
+
+def test_no_loss_no_duplicate_across_connection_cut_and_server_restart(own_nats):
+    num_groups = 60
+
+    async def main() -> None:
+        names = _names()
+        stream = _stream(publish_ack_timeout_s=1.0, publish_retries=40)
+        admin, js = await _setup(own_nats.url, names, stream)
+        await admin.close()
+        proxy = _CuttableProxy(own_nats.port)
+        await proxy.start()
+        pub_nc = await connect(f"nats://127.0.0.1:{proxy.port}", name="publisher")
+        publisher = TrajectoryPublisher(pub_nc.jetstream(timeout=5), names, stream)
+        groups = [_group(f"g{i:03d}") for i in range(num_groups)]
+        published: list[str] = []
+
+        async def publish_all() -> None:
+            for g in groups:
+                await publisher.publish(g)
+                published.append(g.group_id)
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(publish_all())
+        await asyncio.sleep(0.15)
+        proxy.cut()  # the publisher's connection drops; reconnects are refused for a while
+        await asyncio.sleep(1.0)
+        proxy.accepting = True
+        while len(published) < num_groups // 2:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(own_nats.stop)  # the server goes away ...
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(own_nats.start)  # ... and comes back on the same store dir and port
+        await asyncio.wait_for(task, timeout=60)
+        await pub_nc.close()
+        await proxy.close()
+
+        nc = await connect(own_nats.url, name="trainer")
+        try:
+            consumer = await TrajectoryConsumer.bind(nc.jetstream(timeout=10), names, stream)
+            got = await _drain(consumer, num_groups + 1, timeout_s=8)
+            assert sorted(got) == [g.group_id for g in groups]  # every id, each exactly once
+            assert (await nc.jetstream().stream_info(names.trajectory_stream)).state.messages == num_groups
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+# --- dead letters (hypothesis) ---------------------------------------------------------------------------------
+
+
+def _ipc(batch: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        w.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def _bad_message(kind: str, data: st.DataObject, group_id: str) -> tuple[dict[str, str], bytes, set[str]]:
+    """(headers, body, acceptable reasons) for one kind of bad input."""
+    good = _group(group_id)
+    headers = group_headers(good)
+    if kind == "random_bytes":
+        return headers, data.draw(st.binary(max_size=2048)), {"decode_error"}
+    if kind == "truncated":
+        body = encode_group(good)
+        return headers, body[:data.draw(st.integers(0, len(body) - 1))], {"decode_error"}
+    if kind == "wrong_schema":
+        cols = data.draw(st.lists(st.sampled_from(["tokens", "reward", "x"]), min_size=1, max_size=3, unique=True))
+        batch = pa.record_batch([pa.array(np.arange(3, dtype=np.int64)) for _ in cols], names=cols)
+        return headers, _ipc(batch), {"schema_mismatch"}
+    if kind == "lengths_disagree":
+        batch = group_to_record_batch(good)
+        column = data.draw(st.sampled_from(["loss_mask", "logprobs", "versions"]))
+        values = batch.column(column).to_pylist()
+        values[1] = values[1][:-data.draw(st.integers(1, 5))]
+        fixed = batch.set_column(batch.schema.get_field_index(column), TRAJECTORY_SCHEMA.field(column),
+                                 pa.array(values, TRAJECTORY_SCHEMA.field(column).type))
+        return headers, _ipc(fixed), {"validation_error"}
+    if kind == "huge_length":
+        raw = bytearray(encode_group(good))
+        pattern = struct.pack("<q", good.num_tokens * 4)  # a zstd buffer's declared uncompressed length
+        at = raw.find(pattern)
+        raw[at:at + 8] = struct.pack("<q", data.draw(st.sampled_from([2**31, 2**40, 2**62])))
+        return headers, bytes(raw), {"decode_error"}
+    if kind == "missing_claim":
+        key = f"nowhere/trajectories/{group_id}.arrow"
+        return ({**headers, H_CLAIM_CHECK: key}, b'{"key": "%s", "bytes": 10, "sha256": "00"}' % key.encode(),
+                {"claim_check_missing"})
+    assert kind == "random_headers"
+    junk = data.draw(st.dictionaries(st.sampled_from(["Leeway-Schema-Version", "Leeway-Min-Version", "X"]),
+                                     st.text("0123456789abc-", max_size=4), max_size=3))
+    return junk, encode_group(good), {"schema_mismatch", "bad_headers", "header_mismatch"}
+
+
+@pytest.fixture(scope="module")
+def fuzz_env(stack, tmp_path_factory):
+    """One loop, connection and consumer for all hypothesis examples (each example costs milliseconds)."""
+    loop = asyncio.new_event_loop()
+    names, stream = _names(), _stream()
+    nc, js = loop.run_until_complete(_setup(stack.nats_url, names, stream))
+    store = FileStore(tmp_path_factory.mktemp("claims"))
+    consumer = loop.run_until_complete(TrajectoryConsumer.bind(js, names, stream, store))
+    yield loop, js, names, consumer
+    loop.run_until_complete(nc.close())
+    loop.close()
+
+
+KINDS = ["random_bytes", "truncated", "wrong_schema", "lengths_disagree", "huge_length", "missing_claim",
+         "random_headers"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(kind=st.sampled_from(KINDS), data=st.data())
+def test_bad_messages_end_in_dead_letters_and_the_consumer_keeps_going(fuzz_env, kind, data):
+    loop, js, names, consumer = fuzz_env
+    tag = uuid.uuid4().hex[:12]
+    headers, body, reasons = _bad_message(kind, data, "bad-group")  # deterministic for hypothesis
+
+    async def main() -> None:
+        await js.publish(names.trajectory_subject, body, headers={**headers, "Nats-Msg-Id": f"raw-{tag}"})
+        sentinel = _group(f"ok-{tag}")
+        await TrajectoryPublisher(js, names, _stream()).publish(sentinel)
+        got: list[str] = []
+        deadline = time.monotonic() + 10
+        while f"ok-{tag}" not in got:
+            assert time.monotonic() < deadline, "consumer blocked"
+            batch = await consumer.fetch(timeout_s=0.5)
+            got += [d.group.group_id for d in batch]
+            await consumer.ack([d.seq for d in batch])
+        assert got == [f"ok-{tag}"]  # the bad one never reaches the trainer
+        last = await js.get_last_msg(names.dead_letter_stream, names.trajectory_dead_letter_subject)
+        assert last.headers[H_DLQ_REASON] in reasons, (kind, last.headers)
+        assert last.headers["Leeway-Original-Msg-Id"] == f"raw-{tag}"
+        assert last.data == body or (not body and not last.data)
+
+    loop.run_until_complete(main())
