@@ -1,0 +1,246 @@
+"""The generator side of weight sync: learn of new versions, pull them, hand them to the engine.
+
+```
+  KV "latest" (doorbell) ──watch──┐
+                                  ├─► learn(version) ─► newest_known ──(in_flight)──► catch_up()
+  store LATEST ──poll every───────┘                          │                           │
+               generator.poll_interval_s                      │ waiters (ensure) wake      │ WeightSubscriber.pull
+                                                              ▼                           ▼ (deltas applied in place,
+  generator loop ── ensure(min_version) before a batch ── catch_up() between batches     hashes verified)
+                                                                                          │
+                                                 engine.update_weights(tensors, version) ◄┘ (in a worker thread;
+                                                 swaps between two decode steps)
+```
+
+- Two sources of news: the KV announcement wakes us within milliseconds; the LATEST poll every
+  ``generator.poll_interval_s`` works without it. Either only raises `newest_known`.
+- ``update_mode = in_flight``: a version learned while a rollout runs is pulled and applied at once;
+  the engine swaps between two decode steps. ``between_rollouts``: the generator calls `catch_up`
+  between batches only.
+- One pull at a time (`_pull_lock`), and the next pull starts only after `Engine.update_weights` has
+  returned, i.e. after the engine copied the tensors: the subscriber, which mutates its tensors in
+  place, never changes a tensor the engine has not yet copied.
+- `ensure(min_version)` returns once the engine holds at least that version, pulling first and, when
+  the version is not yet visible in the store, waiting for it (polling faster while someone waits).
+  Versions only move forward (a resumed trainer publishes a new full version after the newest).
+- A failed poll or pull is logged with its traceback and retried at the next poll: weights are never
+  half-applied (the subscriber verifies every tensor's hash before handing tensors over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from actors.engines.base import Engine, NamedTensors
+from actors.gen_metrics import GeneratorMetrics
+
+log = logging.getLogger(__name__)
+
+WAITING_POLL_S = 0.2
+"""LATEST poll interval while a rollout waits for a version that is not visible yet."""
+RETRY_S = 1.0
+"""Pause after a failed poll or pull before the next attempt."""
+WAIT_LOG_INTERVAL_S = 30.0
+"""While waiting for a first version (no trainer yet), log this often."""
+
+UpdateMode = Literal["in_flight", "between_rollouts"]
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """What one pull hands to the engine: the tensors to write (all, or only the changed ones)."""
+
+    version: int
+    tensors: NamedTensors
+    num_bytes: int
+    full: bool
+
+
+class WeightSource(Protocol):
+    """What weight sync needs from the weight store (`storage.weights.WeightSubscriber`, adapted)."""
+
+    def latest(self) -> int | None:
+        """The version LATEST points at, or None before version 0 exists."""
+        ...
+
+    def pull(self, version: int) -> Pulled:
+        """Bring the local copy to `version` (deltas or a full snapshot, whichever is fewer bytes)."""
+        ...
+
+
+class WeightSync:
+    """Keeps one engine's weights within reach of the newest version; see the module docstring."""
+
+    def __init__(
+        self,
+        source: WeightSource,
+        engine: Engine,
+        metrics: GeneratorMetrics,
+        *,
+        poll_interval_s: float,
+        update_mode: UpdateMode,
+        announcements: Callable[[], AsyncIterator[tuple[int, float]]] | None = None,
+    ) -> None:
+        self._source = source
+        self._engine = engine
+        self._metrics = metrics
+        self._poll_interval_s = poll_interval_s
+        self._update_mode = update_mode
+        self._announcements = announcements
+        self.newest_known = -1
+        self._learned_at_s: dict[int, float] = {}
+        self._news = asyncio.Event()
+        self._pull_lock = asyncio.Lock()
+        self._catch_up_task: asyncio.Task[None] | None = None
+        self.last_pull: Pulled | None = None
+        """The most recent pull (tests and logs: full snapshot or delta chain, bytes)."""
+
+    @property
+    def engine_version(self) -> int:
+        return self._engine.version
+
+    # ---- learning of versions --------------------------------------------------------------------
+
+    def learn(self, version: int, announced_at_s: float | None = None) -> None:
+        """Note that `version` exists (from KV or a poll); in in_flight mode start pulling it at once."""
+        if version <= self.newest_known:
+            return
+        self.newest_known = version
+        self._learned_at_s[version] = announced_at_s if announced_at_s else time.time()
+        self._news.set()
+        if self._update_mode == "in_flight" and self.engine_version >= 0:
+            self._schedule_catch_up()
+
+    async def poll_once(self) -> int | None:
+        latest = await asyncio.to_thread(self._source.latest)
+        if latest is not None:
+            self.learn(latest)
+        return latest
+
+    async def run(self) -> None:
+        """Background task: the LATEST poll loop, plus the KV watch when there is one. Runs until cancelled."""
+        watch = asyncio.create_task(self._watch()) if self._announcements is not None else None
+        try:
+            while True:
+                try:
+                    await self.poll_once()
+                except Exception:  # a background loop we own: log, retry at the next poll
+                    log.exception("polling LATEST failed; retrying in %.1f s", self._poll_interval_s)
+                await asyncio.sleep(self._poll_interval_s)
+        finally:
+            for task in (watch, self._catch_up_task):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+    async def _watch(self) -> None:
+        assert self._announcements is not None
+        while True:
+            try:
+                async for version, published_at_s in self._announcements():
+                    self.learn(version, published_at_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the doorbell is an optimisation: polling still works
+                log.exception("watching version announcements failed; retrying in %.1f s", RETRY_S)
+            await asyncio.sleep(RETRY_S)
+
+    # ---- applying versions -----------------------------------------------------------------------
+
+    def _schedule_catch_up(self) -> None:
+        if self._catch_up_task is None or self._catch_up_task.done():
+            self._catch_up_task = asyncio.create_task(self._background_catch_up())
+
+    async def _background_catch_up(self) -> None:
+        while self.engine_version < self.newest_known:
+            try:
+                await self.catch_up()
+            except Exception:  # a background loop we own: the next poll or rollout retries
+                log.exception("pulling version %d failed; retrying in %.1f s", self.newest_known, RETRY_S)
+                await asyncio.sleep(RETRY_S)
+
+    async def catch_up(self) -> int:
+        """Pull and apply the newest known version if the engine is behind it; returns the engine version."""
+        async with self._pull_lock:
+            target = self.newest_known
+            if target <= self.engine_version:
+                return self.engine_version
+            behind = target - self.engine_version if self.engine_version >= 0 else target + 1
+            start = time.perf_counter()
+            pulled = await asyncio.to_thread(self._source.pull, target)
+            pull_s = time.perf_counter() - start
+            apply = self._engine.load_state if pulled.full or self.engine_version < 0 else self._engine.update_weights
+            await asyncio.to_thread(apply, pulled.tensors, pulled.version)  # returns after the engine copied them
+            self.last_pull = pulled
+            learned = self._learned_at_s.pop(pulled.version, None)
+            for old in [v for v in self._learned_at_s if v <= pulled.version]:
+                del self._learned_at_s[old]
+            self._metrics.pull_finished(
+                num_bytes=pulled.num_bytes,
+                pull_s=pull_s,
+                versions_behind=behind,
+                announce_to_applied_s=None if learned is None else time.time() - learned,
+            )
+            log.info(
+                "applied weights version %d (%s, %.1f KiB, pulled in %.2f s, %d behind)",
+                pulled.version,
+                "full" if pulled.full else "delta",
+                pulled.num_bytes / 1024,
+                pull_s,
+                behind,
+            )
+            return self.engine_version
+
+    async def ensure(self, min_version: int, *, on_wait: Callable[[float], None] | None = None) -> int:
+        """Return once the engine holds a version >= `min_version` (pulling, or waiting for it to appear).
+
+        `on_wait(waited_s)` is called about every `WAIT_LOG_INTERVAL_S` while waiting (first call at 0).
+        Cancel the caller to give up (shutdown).
+        """
+        waited_from = time.monotonic()
+        next_log = 0.0
+        while self.engine_version < min_version:
+            if self.newest_known >= min_version:
+                try:
+                    await self.catch_up()
+                except Exception:
+                    log.exception("pulling version %d failed; retrying in %.1f s", self.newest_known, RETRY_S)
+                    await asyncio.sleep(RETRY_S)
+                continue
+            waited = time.monotonic() - waited_from
+            if on_wait is not None and waited >= next_log:
+                on_wait(waited)
+                next_log = waited + WAIT_LOG_INTERVAL_S
+            self._news.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._news.wait(), timeout=WAITING_POLL_S)
+            if self.newest_known < min_version:
+                with contextlib.suppress(Exception):  # the background poll logs failures
+                    await self.poll_once()
+        return self.engine_version
+
+
+def staleness_floor(newest_known: int, max_staleness: int, policy_versions: list[int]) -> int:
+    """Oldest engine version a new rollout may start with (pure; the rule of DESIGN "Versions and staleness").
+
+    The engine must be within `max_staleness` of the newest version it knows of, and of the version the
+    trainer held when it admitted each prompt (``metadata["policy_version"]``). With max_staleness 0 this
+    makes the synchronous setting exact: every rollout uses the trainer's current version.
+
+    >>> staleness_floor(newest_known=7, max_staleness=2, policy_versions=[3, 8])
+    6
+    """
+    floor = max([newest_known, *policy_versions]) - max_staleness
+    return max(floor, 0)
+
+
+def crosses_cap(start_version: int, newest_known: int, max_staleness: int) -> bool:
+    """True when tokens sampled at `start_version` are already staler than the cap (abort_in_flight)."""
+    return newest_known - start_version > max_staleness

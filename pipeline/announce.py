@@ -1,0 +1,88 @@
+"""New-version announcements on a NATS KV bucket, and the subject generators report metrics on.
+
+The object store's `LATEST` is the truth; the KV key is a doorbell. A generator that watches it
+learns of version V+1 within milliseconds instead of at its next poll; one that only polls the
+store still works. The trainer writes the key only after the version's manifest and `LATEST`
+are in the store, so a generator woken by it always finds the version there.
+
+    KV bucket  leeway_<run>_versions   key "latest" -> {"version": V, "published_at_s": t}
+    subject    leeway.<run>.metrics.generator      generator metric reports (core NATS, JSON)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+import orjson
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+
+from pipeline.names import RunNames
+
+LATEST_KEY = "latest"
+
+
+def version_bucket(names: RunNames) -> str:
+    return f"leeway_{names.run}_versions"
+
+
+def generator_metrics_subject(names: RunNames) -> str:
+    return f"leeway.{names.run}.metrics.generator"
+
+
+async def version_kv(js: JetStreamContext, names: RunNames) -> Any:
+    """The run's announcement bucket, created on first use by whichever process comes first."""
+    try:
+        return await js.key_value(version_bucket(names))
+    except nats.js.errors.BucketNotFoundError:
+        config = KeyValueConfig(bucket=version_bucket(names), history=1, storage=StorageType.FILE)
+        try:
+            return await js.create_key_value(config)
+        except nats.js.errors.BadRequestError:
+            return await js.key_value(version_bucket(names))  # created concurrently by another process
+
+
+async def announce_version(kv: Any, version: int) -> None:
+    """Ring the doorbell for `version` (call only after the store's LATEST points at it)."""
+    await kv.put(LATEST_KEY, orjson.dumps({"version": int(version), "published_at_s": time.time()}))
+
+
+def parse_announcement(value: bytes | None) -> tuple[int, float] | None:
+    """(version, published_at_s) from a KV value; None for a missing or malformed value (polling covers it)."""
+    if not value:
+        return None
+    try:
+        data = orjson.loads(value)
+        return int(data["version"]), float(data.get("published_at_s", 0.0))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+async def latest_announcement(kv: Any) -> tuple[int, float] | None:
+    try:
+        entry = await kv.get(LATEST_KEY)
+    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+        return None
+    return parse_announcement(entry.value)
+
+
+async def watch_announcements(kv: Any) -> AsyncIterator[tuple[int, float]]:
+    """Yield (version, published_at_s) for each announcement, starting with the current one if any."""
+    watcher = await kv.watch(LATEST_KEY)
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=5.0)
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            if entry is None:  # end of the initial values
+                continue
+            parsed = parse_announcement(entry.value)
+            if parsed is not None:
+                yield parsed
+    finally:
+        await watcher.stop()

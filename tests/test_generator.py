@@ -1,0 +1,463 @@
+"""The generator end to end against the real NATS and S3 (the `stack` fixture), with a test-side fake trainer.
+
+The fake trainer uses the real pieces a trainer uses: `WeightPublisher` + the KV announcement for weights,
+the prompt work queue for admission (prompts tagged with `policy_version`), and the trainer's durable
+consumer to read groups. Each test has its own run name, so streams, buckets and prefixes never mix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from actors.engines.torch_engine import TorchEngine, sampling_logprobs
+from actors.gen_metrics import GeneratorMetrics
+from actors.generator import GeneratorRuntime, policy_version, queue_prompt, sampling_params, task_prompt
+from actors.models import build_model
+from actors.stack_client import connect_nats, open_run_store
+from actors.weight_sync import crosses_cap, staleness_floor
+from pipeline.announce import announce_version, generator_metrics_subject, version_kv
+from pipeline.config import LeewayConfig, load_config
+from pipeline.names import RunNames
+from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue
+from pipeline.tasks import Prompt, Task
+from pipeline.tasks.char_tokenizer import PAD_ID, load_char_tokenizer
+from pipeline.tasks.reverse import ReverseDigitsTask
+from pipeline.trajectory import TrajectoryGroup, validate_group
+from pipeline.transport import TrajectoryConsumer, ensure_trainer_consumer, ensure_trajectory_streams
+from storage.weights import WeightPublisher
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = load_char_tokenizer()
+MODEL = "tiny-llama-2x64"
+WAIT_S = 30.0
+
+
+# ---- pure pieces --------------------------------------------------------------------------------------
+
+
+def test_staleness_floor_follows_the_newest_known_and_the_admission_version() -> None:
+    assert staleness_floor(newest_known=7, max_staleness=2, policy_versions=[3, 8]) == 6
+    assert staleness_floor(newest_known=5, max_staleness=0, policy_versions=[5]) == 5
+    assert staleness_floor(newest_known=-1, max_staleness=2, policy_versions=[-1]) == 0
+    assert crosses_cap(start_version=3, newest_known=6, max_staleness=2)
+    assert not crosses_cap(start_version=4, newest_known=6, max_staleness=2)
+
+
+def test_prompts_keep_answer_tags_and_admission_version_across_the_queue() -> None:
+    prompt = Prompt("reverse-1", text="123>", answer="321", tags=("reverse",), metadata={"difficulty": 2})
+    wire = queue_prompt(prompt, policy_version=7)
+    assert policy_version(wire) == 7
+    back = task_prompt(type(wire).from_json(wire.to_json()))
+    assert (back.prompt_id, back.text, back.answer, back.tags) == ("reverse-1", "123>", "321", ("reverse",))
+    assert back.metadata == {"difficulty": 2, "policy_version": 7}
+
+
+def test_idle_fraction_counts_wall_time_without_a_running_generate() -> None:
+    now = [0.0]
+    metrics = GeneratorMetrics("g", clock=lambda: now[0])
+    now[0] = 1.0
+    metrics.generate_started()
+    now[0] = 4.0
+    metrics.generate_finished(num_tokens=300)
+    report = metrics.report(version=3, newest_known=4)
+    assert report["idle_fraction"] == pytest.approx(0.25) and report["tokens_per_s"] == pytest.approx(75.0)
+    now[0] = 6.0  # a window with nothing running
+    assert metrics.report(version=3, newest_known=4)["idle_fraction"] == pytest.approx(1.0)
+
+
+# ---- the fake trainer ---------------------------------------------------------------------------------
+
+
+def _cfg(stack: Any, run: str, *sets: str) -> LeewayConfig:
+    return load_config(
+        None,
+        [
+            f"run.name={run}",
+            f"nats.stack_dir={stack.dir}",
+            f"store.url=s3://{stack.bucket}/test-generator",
+            f"model.name_or_path={MODEL}",
+            "model.dtype=float32",
+            "advantages.group_size=4",
+            "generator.concurrency=2",
+            "generator.poll_interval_s=0.5",
+            "engine.sampling.max_new_tokens=12",
+            "task.args={num_digits: 4}",
+            "stream.max_bytes=16777216",  # JetStream reserves max_bytes per stream: keep the session stack roomy
+            *sets,
+        ],
+        environ={},
+    )
+
+
+class FakeTrainer:
+    """Publishes versions (random perturbations of one tiny model), admits prompts, reads groups."""
+
+    def __init__(self, cfg: LeewayConfig) -> None:
+        self.cfg = cfg
+        self.names = RunNames.for_run(cfg.run.name)
+        self.model = build_model(MODEL, vocab_size=TOKENIZER.get_vocab_size(), seed=0, dtype=torch.float32)
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.store = open_run_store(cfg)
+        self.publisher = WeightPublisher(
+            self.store, cfg.run.name, model_config_hash="test", dtype=torch.float32, full_every=50
+        )
+        self.prompts = ReverseDigitsTask(num_digits=4, seed=int(uuid.uuid4().int % 10_000)).prompts()
+
+    async def __aenter__(self) -> FakeTrainer:
+        self.nc = await connect_nats(self.cfg)
+        js = self.nc.jetstream()
+        await ensure_trajectory_streams(js, self.names, self.cfg.stream)
+        await ensure_trainer_consumer(js, self.names)
+        await ensure_prompt_queue(js, self.names, self.cfg.stream)
+        self.js = js
+        self.queue = PromptQueue(js, self.names, self.cfg.stream)
+        self.consumer = await TrajectoryConsumer.bind(js, self.names, self.cfg.stream, self.store)
+        self.kv = await version_kv(js, self.names)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.consumer.close()
+        await self.nc.drain()
+        self.publisher.close()
+
+    async def publish(self, version: int, *, announce: bool = True) -> None:
+        if version > 0:
+            with torch.no_grad():
+                generator = torch.Generator().manual_seed(version)
+                for name, param in self.model.named_parameters():
+                    if name.endswith(("lm_head.weight", "q_proj.weight")):
+                        param.add_(torch.randn(param.shape, generator=generator) * 0.3)
+        tensors = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+        self.versions[version] = tensors
+        await asyncio.to_thread(self.publisher.publish, version, tensors)
+        if announce:
+            await announce_version(self.kv, version)
+
+    async def admit(self, count: int, policy_version: int) -> list[str]:
+        prompts = [next(self.prompts) for _ in range(count)]
+        for p in prompts:
+            await self.queue.admit(queue_prompt(p, policy_version))
+        return [p.prompt_id for p in prompts]
+
+    async def groups(self, count: int, timeout_s: float = WAIT_S) -> list[TrajectoryGroup]:
+        out: list[TrajectoryGroup] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < count and time.monotonic() < deadline:
+            try:
+                deliveries = await self.consumer.fetch(count - len(out), timeout_s=0.5)
+            except asyncio.TimeoutError:  # nats-py may raise a bare one that transport does not catch
+                continue
+            out.extend(d.group for d in deliveries)
+            await self.consumer.ack([d.seq for d in deliveries])
+        assert len(out) == count, f"expected {count} groups within {timeout_s} s, got {len(out)}"
+        return out
+
+    async def stored_groups(self) -> int:
+        return (await self.js.stream_info(self.names.trajectory_stream)).state.messages
+
+
+@contextlib.asynccontextmanager
+async def running_generator(cfg: LeewayConfig, generator_id: str, engine: Any = None) -> AsyncIterator[Any]:
+    async with GeneratorRuntime.open(cfg, generator_id=generator_id, engine=engine) as rt:
+        task = asyncio.create_task(rt.generator.run())
+        try:
+            yield rt
+        finally:
+            rt.generator.request_stop()
+            await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def _loss_versions(group: TrajectoryGroup, sample: int) -> np.ndarray:
+    s = group.token_slice(sample)
+    return group.versions[s][group.loss_mask[s].astype(bool)]
+
+
+def _unique_run() -> str:
+    return f"gen-{uuid.uuid4().hex[:10]}"
+
+
+# ---- end to end ---------------------------------------------------------------------------------------
+
+
+def test_a_generator_started_before_the_trainer_waits_for_version_0_then_publishes_valid_groups(stack) -> None:
+    cfg = _cfg(stack, _unique_run())
+
+    async def main() -> None:
+        async with FakeTrainer(cfg) as trainer, running_generator(cfg, "early") as rt:
+            reports: list[dict[str, Any]] = []
+
+            async def on_report(msg: Any) -> None:
+                reports.append(orjson.loads(msg.data))
+
+            await trainer.nc.subscribe(generator_metrics_subject(trainer.names), cb=on_report)
+            prompt_ids = await trainer.admit(3, policy_version=0)
+            await asyncio.sleep(1.0)
+            assert rt.weights.engine_version == -1 and await trainer.stored_groups() == 0
+            await trainer.publish(0)
+            groups = await trainer.groups(3)
+            assert sorted(g.group_id for g in groups) == sorted(prompt_ids)
+            for group in groups:
+                validate_group(group)
+                assert group.prompt_id == group.group_id and group.generator_id == "early"
+                assert group.num_samples == cfg.advantages.group_size
+                assert set(group.status) <= {"ok", "truncated", "format_error"}
+                assert set(group.reward_source) == {"verifier"} and not np.isnan(group.reward).any()
+                assert all((_loss_versions(group, i) == 0).all() for i in range(group.num_samples))
+            await _until(lambda: bool(reports) and reports[-1]["groups_published"] == 3, timeout_s=10)
+            report = reports[-1]
+            assert report["generator_id"] == "early" and report["version"] == 0 and report["weight_pulls"] == 1
+            assert report["tokens_generated"] > 0 and 0.0 <= report["idle_fraction_total"] <= 1.0
+            await _until(lambda: rt.generator.metrics.groups_published == 3)
+            assert await trainer.queue.pending() == 0
+
+    asyncio.run(main())
+
+
+class _HoldAtStep:
+    """An `on_decode_step` hook: holds the first generate call at decode step `step` until released,
+    then slows the remaining steps so an in-flight pull lands mid-sequence."""
+
+    def __init__(self, step: int = 3, slow_s: float = 0.03) -> None:
+        self.step, self.slow_s = step, slow_s
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, step: int) -> None:
+        if step == self.step and not self.reached.is_set():
+            self.reached.set()
+            self.release.wait(WAIT_S)
+        elif self.reached.is_set() and step > self.step:
+            time.sleep(self.slow_s)
+
+
+def _engine(hook: _HoldAtStep) -> TorchEngine:
+    model = build_model(MODEL, vocab_size=TOKENIZER.get_vocab_size(), seed=123, dtype=torch.float32)
+    return TorchEngine(model, pad_token_id=PAD_ID, seed=7, version=-1, on_decode_step=hook)
+
+
+def _reference_logprobs(
+    trainer: FakeTrainer, cfg: LeewayConfig, tokens: np.ndarray, loss_mask: np.ndarray, versions: np.ndarray
+) -> np.ndarray:
+    """Behaviour log-probs recomputed outside the engine: the old version's weights up to the swap, then the
+    new version's on top of the KV cache the old weights computed (the engine keeps its cache)."""
+    params = sampling_params(cfg, TOKENIZER)
+    start = int(np.flatnonzero(loss_mask)[0])
+    models = {}
+    for v in set(versions[start:].tolist()):
+        models[v] = build_model(MODEL, vocab_size=TOKENIZER.get_vocab_size(), seed=0, dtype=torch.float32)
+        models[v].load_state_dict(trainer.versions[v])
+    ids = torch.as_tensor(np.array(tokens), dtype=torch.long)[None]
+    kwarg = "cache" if "cache" in inspect.signature(models[versions[-1]].forward).parameters else "past_key_values"
+    generated = versions[start:]
+    out = np.zeros(len(generated), np.float32)
+    cache = None
+    position = 0  # tokens [0, position) are in the cache
+    with torch.no_grad():
+        for v in sorted(set(generated.tolist())):
+            rows = np.flatnonzero(generated == v)
+            first, last = int(rows[0]), int(rows[-1])
+            # logits of generated token i come from the forward of input position start + i - 1
+            upto = start + last
+            result = models[v](input_ids=ids[:, position:upto], use_cache=True, **{kwarg: cache})
+            logits = result.logits[0, start + first - 1 - position : upto - position]
+            cache, position = getattr(result, kwarg), upto
+            chosen = torch.as_tensor(np.array(tokens[start + first : start + last + 1]), dtype=torch.long)[:, None]
+            out[first : last + 1] = sampling_logprobs(logits, params).gather(-1, chosen)[:, 0].numpy()
+    return out
+
+
+def test_a_version_published_mid_generation_switches_versions_inside_sequences_with_exact_logprobs(stack) -> None:
+    cfg = _cfg(stack, _unique_run(), "engine.sampling.max_new_tokens=40")
+    hook = _HoldAtStep()
+
+    async def main() -> None:
+        async with FakeTrainer(cfg) as trainer, running_generator(cfg, "in-flight", _engine(hook)) as rt:
+            await trainer.admit(2, policy_version=0)
+            await trainer.publish(0)
+            assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
+            await trainer.publish(1)
+            await _until(lambda: rt.weights.newest_known >= 1)
+            hook.release.set()
+            groups = await trainer.groups(2)
+            switched = 0
+            for group in groups:
+                for i in range(group.num_samples):
+                    s = group.token_slice(i)
+                    versions = _loss_versions(group, i)
+                    assert (np.diff(versions) >= 0).all() and set(versions.tolist()) <= {0, 1}
+                    switched += int(versions[0] == 0 and versions[-1] == 1)
+                    loss = group.loss_mask[s].astype(bool)
+                    expected = _reference_logprobs(trainer, cfg, group.tokens[s], group.loss_mask[s], group.versions[s])
+                    np.testing.assert_allclose(group.logprobs[s][loss], expected, atol=2e-4)
+            assert switched >= 1, "no sequence spans the weight swap"
+            assert rt.weights.engine_version == 1
+
+    asyncio.run(main())
+
+
+def test_abort_in_flight_naks_a_batch_that_crosses_the_cap_and_redoes_it_with_fresh_weights(stack) -> None:
+    cfg = _cfg(
+        stack,
+        _unique_run(),
+        "engine.sampling.max_new_tokens=40",
+        "staleness.max_staleness=0",
+        "staleness.abort_in_flight=true",
+    )
+    hook = _HoldAtStep()
+
+    async def main() -> None:
+        async with FakeTrainer(cfg) as trainer, running_generator(cfg, "aborter", _engine(hook)) as rt:
+            prompt_ids = await trainer.admit(2, policy_version=0)
+            await trainer.publish(0)
+            assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
+            await trainer.publish(1)
+            await _until(lambda: rt.weights.newest_known >= 1)
+            hook.release.set()
+            groups = await trainer.groups(2)
+            assert sorted(g.group_id for g in groups) == sorted(prompt_ids)
+            for group in groups:
+                assert all((_loss_versions(group, i) == 1).all() for i in range(group.num_samples))
+                assert "aborted" not in group.status
+            assert rt.generator.metrics.groups_aborted == 2
+            assert await trainer.stored_groups() == 2
+
+    asyncio.run(main())
+
+
+def test_a_late_generator_catches_up_through_the_delta_chain_and_syncs_past_the_cap_before_a_rollout(stack) -> None:
+    cfg = _cfg(
+        stack, _unique_run(), "weights.announce=false", "generator.poll_interval_s=60", "staleness.max_staleness=1"
+    )
+
+    async def main() -> None:
+        async with FakeTrainer(cfg) as trainer:
+            for version in range(4):
+                await trainer.publish(version, announce=False)
+            async with running_generator(cfg, "late") as rt:
+                await _until(lambda: rt.weights.engine_version == 3)
+                first = rt.weights.last_pull
+                assert first is not None and first.full  # newest snapshot (v0) + the deltas after it
+                for version in range(4, 7):
+                    await trainer.publish(version, announce=False)
+                assert rt.weights.newest_known == 3  # polls every 60 s, no doorbell: it cannot know yet
+                await trainer.admit(2, policy_version=6)
+                groups = await trainer.groups(2)
+                second = rt.weights.last_pull
+                assert second is not None and second.version == 6 and not second.full
+                assert second.num_bytes < first.num_bytes
+                for group in groups:
+                    assert all((_loss_versions(group, i) >= 5).all() for i in range(group.num_samples))
+                assert rt.generator.metrics.versions_behind_at_pull.max == 4
+
+    asyncio.run(main())
+
+
+class _SlowVerifier(ReverseDigitsTask):
+    def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> Any:
+        time.sleep(120)
+        return super().verify(prompt, completion_text, completion_ids)
+
+
+def slow_reverse_digits(**kwargs: Any) -> Task:
+    """A task whose verifier never returns in time: its generator is always mid-rollout (tests/SIGKILL)."""
+    return _SlowVerifier(**kwargs)
+
+
+def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_partial_group(stack, tmp_path) -> None:
+    cfg = _cfg(stack, _unique_run(), "stream.prompt_ack_wait_s=2", "generator.concurrency=1")
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(cfg.to_yaml())
+    argv = [
+        sys.executable,
+        "-m",
+        "actors.cli",
+        "generator",
+        str(config_path),
+        "--set",
+        "generator.id=victim",
+        "--set",
+        "task.name=tests.test_generator:slow_reverse_digits",
+        "--set",
+        "generator.heartbeat_s=0.3",
+        "--set",
+        "generator.verifier_timeout_s=300",
+    ]
+    log_path = tmp_path / "victim.log"
+
+    async def main() -> None:
+        async with FakeTrainer(cfg) as trainer:
+            await trainer.publish(0)
+            (prompt_id,) = await trainer.admit(1, policy_version=0)
+            with open(log_path, "wb") as log:
+                victim = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                info: Any = None
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and victim.poll() is None:
+                    info = await trainer.js.consumer_info(trainer.names.prompt_stream, trainer.names.generator_consumer)
+                    if info.num_ack_pending == 1:
+                        break
+                    await asyncio.sleep(0.1)
+                assert info is not None and info.num_ack_pending == 1, log_path.read_text()[-3000:]
+                await asyncio.sleep(3.0)  # past the ack wait: heartbeats keep it held while it verifies
+                assert await trainer.stored_groups() == 0
+            finally:
+                victim.kill()
+                victim.wait()
+            async with running_generator(cfg, "rescuer"):
+                (group,) = await trainer.groups(1)
+            assert group.group_id == prompt_id and group.generator_id == "rescuer"
+            assert group.num_samples == cfg.advantages.group_size
+            assert await trainer.stored_groups() == 1
+
+    asyncio.run(main())
+
+
+def test_shutdown_aborts_a_batch_that_outlives_the_grace_and_hands_its_prompts_to_another_generator(
+    stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import actors.generator
+
+    monkeypatch.setattr(actors.generator, "SHUTDOWN_GRACE_S", 0.3)
+    cfg = _cfg(stack, _unique_run(), "engine.sampling.max_new_tokens=40")
+    hook = _HoldAtStep()
+
+    async def main() -> None:
+        async with FakeTrainer(cfg) as trainer:
+            prompt_ids = await trainer.admit(2, policy_version=0)
+            await trainer.publish(0)
+            async with GeneratorRuntime.open(cfg, generator_id="stopping", engine=_engine(hook)) as rt:
+                run = asyncio.create_task(rt.generator.run())
+                assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
+                rt.generator.request_stop()
+                await asyncio.sleep(1.0)  # past the grace: the engine is told to abort
+                hook.release.set()
+                await asyncio.wait_for(run, timeout=WAIT_S)
+                assert rt.generator.metrics.groups_aborted == 2 and await trainer.stored_groups() == 0
+            async with running_generator(cfg, "second"):
+                groups = await trainer.groups(2)
+            assert sorted(g.group_id for g in groups) == sorted(prompt_ids)
+            assert {g.generator_id for g in groups} == {"second"}
+
+    asyncio.run(main())
