@@ -100,7 +100,10 @@ def prepare_group(group: TrajectoryGroup, *, version: int, policy: GroupPolicy) 
         prepared.drop_reason = DROP_CAP
         return prepared
     advantages, trainable = compute_advantages(
-        rewards, valid, estimator=policy.estimator, std_normalize=policy.std_normalize  # type: ignore[arg-type]
+        rewards,
+        valid,
+        estimator=policy.estimator,
+        std_normalize=policy.std_normalize,  # type: ignore[arg-type]
     )
     if not trainable:
         uncapped_valid = valid_mask(rewards, group.status, group.reward_source)

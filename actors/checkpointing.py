@@ -1,0 +1,197 @@
+"""Trainer checkpoints in the object store: backend tensors as safetensors, the loop's state as JSON.
+
+    <run>/checkpoints/v00000040/model.safetensors, optimizer.safetensors, rng.safetensors, meta.json
+    <run>/checkpoints/v00000040/trainer_state.json     step, version, stream watermark, recent group ids
+    <run>/checkpoints/v00000040/manifest.json          written last (create-only): the checkpoint exists
+
+Invariants and failure behaviour:
+- A checkpoint counts only once its manifest is written; files without a manifest are ignored.
+- Older checkpoints are pruned only after the new manifest is written, so a trainer killed mid-write
+  resumes from the one before. Pruning deletes a checkpoint's manifest first, so a half-deleted
+  checkpoint is never taken for a complete one; leftovers of interrupted writes older than the
+  newest complete checkpoint are deleted with it.
+- Every file's hash is in the manifest and checked on load; a mismatch raises ValueError naming the
+  file. Nothing is pickled.
+- The directory is named by the policy version the checkpoint holds. Versions only move forward
+  across trainer sessions (a resume publishes LATEST+1), so the highest version is the newest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+from torch import Tensor
+
+from actors.backends.checkpoint import decode_checkpoint, encode_checkpoint
+from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+KEEP_CHECKPOINTS = 2
+"""Complete checkpoints kept; the newest is what `--resume` loads."""
+STATE_FORMAT = 1
+"""Version of `trainer_state.json`; `TrainerState.from_json` refuses others."""
+RECENT_GROUP_IDS_KEPT = 50_000
+"""Group ids remembered for deduplication (and persisted); far more than one checkpoint interval holds."""
+
+
+@dataclass
+class TrainerState:
+    """What the trainer loop needs, besides the backend's tensors, to continue exactly.
+
+    `consumed_seq` is the highest trajectory-stream sequence whose group was handled (trained or
+    dropped) in a committed step; at a step boundary nothing delivered is left unhandled, so a
+    resumed trainer re-reads from `consumed_seq + 1`. `handled_group_ids` are the most recent
+    handled group ids (a superset of those handled since the previous checkpoint), so that a
+    group delivered twice, or stored twice in the stream, is trained once.
+    """
+
+    step: int = 0
+    version: int = 0
+    admitted: int = 0
+    trained_groups: int = 0
+    discarded_groups: int = 0
+    consumed_seq: int = 0
+    handled_group_ids: list[str] = field(default_factory=list)
+    dropped_by_cap_total: int = 0
+    state_format: int = STATE_FORMAT
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> TrainerState:
+        try:
+            raw = orjson.loads(data)
+            state = cls(**raw)
+        except (orjson.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"{where}: unreadable trainer state: {exc}") from exc
+        if state.state_format != STATE_FORMAT:
+            raise ValueError(f"{where}: state_format={state.state_format!r}, this trainer reads {STATE_FORMAT}")
+        return state
+
+
+class RecentIds:
+    """An insertion-ordered set that forgets its oldest ids past `limit` (the trainer's dedupe record)."""
+
+    def __init__(self, ids: Iterable[str] = (), limit: int = RECENT_GROUP_IDS_KEPT) -> None:
+        self.limit = limit
+        self._order: deque[str] = deque()
+        self._set: set[str] = set()
+        self.add_all(ids)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._set
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add_all(self, ids: Iterable[str]) -> None:
+        for item in ids:
+            if item not in self._set:
+                self._order.append(item)
+                self._set.add(item)
+        while len(self._order) > self.limit:
+            self._set.discard(self._order.popleft())
+
+    def to_list(self) -> list[str]:
+        return list(self._order)
+
+
+def checkpoint_prefix(run: str, version: int) -> str:
+    return f"{run}/checkpoints/v{version:08d}/"
+
+
+def _version_dir(run: str, key: str) -> int | None:
+    """`<run>/checkpoints/v00000040/...` -> 40; None for anything else."""
+    parts = key[len(f"{run}/checkpoints/") :].split("/", 1)
+    name = parts[0]
+    return int(name[1:]) if len(parts) == 2 and name.startswith("v") and name[1:].isdigit() else None
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def write_checkpoint(
+    store: ObjectStore, run: str, state: TrainerState, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
+) -> str:
+    """Write every file, then the manifest (create-only), then prune older checkpoints. Returns the prefix."""
+    prefix = checkpoint_prefix(run, state.version)
+    files = encode_checkpoint(tensors, meta)
+    files[STATE_FILE] = state.to_json()
+    for name, data in files.items():
+        store.put(prefix + name, data)
+    manifest = {
+        "run": run,
+        "version": state.version,
+        "step": state.step,
+        "files": {name: _digest(data) for name, data in files.items()},
+    }
+    try:
+        store.put_if_absent(prefix + MANIFEST_FILE, orjson.dumps(manifest))
+    except PreconditionFailed:
+        raise ValueError(f"checkpoint {prefix} already has a manifest; versions must not be reused") from None
+    prune_checkpoints(store, run, keep=KEEP_CHECKPOINTS)
+    return prefix
+
+
+def _scan(store: ObjectStore, run: str) -> dict[int, list[str]]:
+    """Every checkpoint directory's keys, by version (complete or not)."""
+    dirs: dict[int, list[str]] = {}
+    for key in store.list(f"{run}/checkpoints/"):
+        version = _version_dir(run, key)
+        if version is not None:
+            dirs.setdefault(version, []).append(key)
+    return dirs
+
+
+def complete_checkpoints(store: ObjectStore, run: str) -> list[int]:
+    """Versions whose manifest exists, oldest first."""
+    return sorted(v for v, keys in _scan(store, run).items() if any(k.endswith("/" + MANIFEST_FILE) for k in keys))
+
+
+def prune_checkpoints(store: ObjectStore, run: str, keep: int = KEEP_CHECKPOINTS) -> list[int]:
+    """Keep the newest `keep` complete checkpoints; delete older ones and older incomplete leftovers."""
+    dirs = _scan(store, run)
+    complete = sorted(v for v, keys in dirs.items() if any(k.endswith("/" + MANIFEST_FILE) for k in keys))
+    if not complete:
+        return []
+    kept = set(complete[-keep:]) if keep > 0 else set()
+    doomed = [v for v in dirs if v not in kept and v < complete[-1]]
+    for version in sorted(doomed):
+        # The manifest goes first, so a half-deleted checkpoint is never taken for a complete one.
+        for key in sorted(dirs[version], key=lambda k: not k.endswith("/" + MANIFEST_FILE)):
+            store.delete(key)
+    return sorted(doomed)
+
+
+def load_latest_checkpoint(
+    store: ObjectStore, run: str
+) -> tuple[TrainerState, dict[str, Tensor], dict[str, Any]] | None:
+    """The newest complete checkpoint (state, tensors, meta), verified against its manifest; None if none."""
+    complete = complete_checkpoints(store, run)
+    if not complete:
+        return None
+    prefix = checkpoint_prefix(run, complete[-1])
+    manifest = orjson.loads(store.get(prefix + MANIFEST_FILE))
+    files: dict[str, bytes] = {}
+    for name, digest in manifest["files"].items():
+        try:
+            data = store.get(prefix + name)
+        except ObjectNotFound as exc:
+            raise ValueError(f"checkpoint {prefix}: file {name} named in its manifest is missing") from exc
+        if _digest(data) != digest:
+            raise ValueError(f"checkpoint {prefix}: file {name} does not match its manifest hash")
+        files[name] = data
+    state = TrainerState.from_json(files.pop(STATE_FILE), prefix + STATE_FILE)
+    tensors, meta = decode_checkpoint(files)
+    return state, tensors, meta

@@ -1,0 +1,361 @@
+"""The trainer loop against real NATS and S3: training, the cap, versions out, acks, resume, replay, golden loss."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from actors.stack_client import open_run_store, resolve_endpoints
+from actors.trainer import Trainer
+from infra.stack import StackState
+from pipeline.announce import version_kv, watch_announcements
+from pipeline.config import LeewayConfig, load_config
+from pipeline.names import RunNames
+from pipeline.trajectory import SampleArrays, TrajectoryGroup
+from pipeline.transport import ReplaySelection, TrajectoryPublisher, connect, ensure_trajectory_streams
+from storage.manifest import manifest_key
+from storage.objectstore import ObjectNotFound
+from storage.weights import list_versions
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = [1, 5, 6, 7, 8, 18]  # <bos> 1 2 3 4 >  (char tokenizer ids)
+
+
+def _cfg(stack: StackState, tmp_path: Path, *overrides: str) -> LeewayConfig:
+    run = f"tr-{uuid.uuid4().hex[:10]}"
+    base = [
+        f"run.name={run}",
+        f"run.dir={tmp_path / run}",
+        f"nats.stack_dir={stack.dir}",
+        "model.name_or_path=tiny-llama-1x32",
+        "model.dtype=float32",
+        "advantages.group_size=2",
+        "trainer.batch_groups=2",
+        "trainer.max_steps=3",
+        "trainer.checkpoint_every=2",
+        "trainer.lr=0.01",
+        "trainer.queue_wait_timeout_s=60",
+        "engine.sampling.max_new_tokens=4",
+        "stream.max_bytes=8388608",
+        "weights.grace_s=0",
+        "logging.level=WARNING",
+    ]
+    return load_config(None, [*base, *overrides], environ={})
+
+
+def _sample(reward: float, version: int, seed: int) -> SampleArrays:
+    rng = np.random.default_rng(seed)
+    completion = rng.integers(4, 14, 4)
+    n = len(PROMPT) + len(completion)
+    mask = np.r_[np.zeros(len(PROMPT), np.uint8), np.ones(len(completion), np.uint8)]
+    return SampleArrays(
+        tokens=np.r_[PROMPT, completion].astype(np.int32),
+        loss_mask=mask,
+        logprobs=np.where(mask == 1, -rng.uniform(2.0, 3.5, n), 0).astype(np.float32),
+        versions=np.where(mask == 1, version, -1).astype(np.int32),
+        reward=reward,
+        reward_source="verifier",
+        status="ok",
+    )
+
+
+def _group(group_id: str, version: int = 0, rewards: tuple[float, float] = (1.0, 0.0)) -> TrajectoryGroup:
+    seed = int.from_bytes(group_id.encode()[-6:], "little")
+    samples = [_sample(r, version, seed + i) for i, r in enumerate(rewards)]
+    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id=group_id, generator_id="test", samples=samples)
+
+
+async def _publish(cfg: LeewayConfig, groups: list[TrajectoryGroup]) -> None:
+    names = RunNames.for_run(cfg.run.name)
+    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-publisher")
+    try:
+        js = nc.jetstream()
+        await ensure_trajectory_streams(js, names, cfg.stream)
+        publisher = TrajectoryPublisher(js, names, cfg.stream)
+        for group in groups:  # one by one: stream order is the order given
+            await publisher.publish(group)
+    finally:
+        await nc.drain()
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+# ---- integration: train, cap, versions out, acks after publish --------------------------------------------
+
+
+class _ObservedTrainer(Trainer):
+    """Records what reaches the loss and checks, at every ack, that the step's version is in the store."""
+
+    def __init__(self, cfg: LeewayConfig) -> None:
+        super().__init__(cfg)
+        self.sample_ids_trained: list[str] = []
+        self.acks_checked = 0
+
+    async def setup(self) -> None:
+        await super().setup()
+        train_step, ack = self.backend.train_step, self.consumer.ack
+
+        def recording_train_step(batch: Any, loss_fn: Any, **kw: Any) -> Any:
+            self.sample_ids_trained += [s.sample_id for s in batch.sequences if s.loss_mask.any()]
+            return train_step(batch, loss_fn, **kw)
+
+        async def checked_ack(seqs: list[int]) -> int:
+            latest = self.publisher.latest_version()
+            assert latest == self.state.version, f"ack before version {self.state.version} was published"
+            assert self.store.exists(manifest_key(self.names.run, self.state.version))
+            self.acks_checked += 1
+            return await ack(seqs)
+
+        self.backend.train_step = recording_train_step
+        self.consumer.ack = checked_ack
+
+
+def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: StackState, tmp_path: Path) -> None:
+    cfg = _cfg(stack, tmp_path, "staleness.max_staleness=1", "trainer.max_steps=3")
+    # step 1 at V0: a, b | step 2 at V1: c, d | step 3 at V2: stale (v0, staleness 2 > 1), same (filtered), e, f
+    groups = [
+        _group("a"),
+        _group("b"),
+        _group("c"),
+        _group("d", version=1),
+        _group("stale", version=0),
+        _group("same", version=2, rewards=(1.0, 1.0)),
+        _group("e", version=2),
+        _group("f", version=1),
+    ]
+
+    async def scenario() -> tuple[_ObservedTrainer, list[int]]:
+        await _publish(cfg, groups)
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-watch")
+        kv = await version_kv(nc.jetstream(), RunNames.for_run(cfg.run.name))
+        announced: list[int] = []
+
+        async def watch() -> None:
+            async for version, _ in watch_announcements(kv):
+                announced.append(version)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.2)
+        trainer = _ObservedTrainer(cfg)
+        await asyncio.wait_for(trainer.run(), timeout=90)
+        deadline = time.monotonic() + 5
+        while 3 not in announced and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await nc.drain()
+        return trainer, announced
+
+    trainer, announced = asyncio.run(scenario())
+    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and [r["version"] for r in records] == [1, 2, 3]
+    assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["c", "d"], ["e", "f"]]
+    assert records[2]["dropped_group_ids"] == {"stale": "staleness_cap", "same": "no_disagreement"}
+    assert records[2]["samples/dropped_by_cap"] == 2 and records[2]["samples/dropped_by_filter"] == 2
+    assert records[2]["staleness/max"] == 2
+    assert not any(s.startswith(("stale:", "same:")) for s in trainer.sample_ids_trained)
+    assert len(trainer.sample_ids_trained) == 12
+    assert trainer.acks_checked == 3
+    assert sorted(set(announced)) == [0, 1, 2, 3]
+    store = open_run_store(cfg)
+    assert list_versions(store, cfg.run.name)[-4:] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
+
+
+def test_masked_tokens_policy_keeps_the_fresh_samples(stack: StackState, tmp_path: Path) -> None:
+    cfg = _cfg(stack, tmp_path, "staleness.max_staleness=0", "staleness.policy=mask_tokens", "trainer.max_steps=2")
+    # step 2 runs at V1 with K=0: "mix" keeps only its fresh sample, so its valid samples cannot disagree
+    mix = TrajectoryGroup.from_samples(
+        group_id="mix", prompt_id="mix", generator_id="t", samples=[_sample(1.0, 1, 1), _sample(0.0, 0, 2)]
+    )
+    future = _group("future", version=5)  # newer than any version the trainer published: refused, not fatal
+    groups = [_group("a"), _group("b"), mix, future, _group("c", version=1), _group("d", version=1)]
+    asyncio.run(_publish(cfg, groups))
+    asyncio.run(asyncio.wait_for(Trainer(cfg).run(), timeout=60))
+    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["c", "d"]]
+    assert records[1]["dropped_group_ids"] == {"mix": "staleness_cap", "future": "invalid"}
+
+
+def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: StackState, tmp_path: Path) -> None:
+    from actors.checkpointing import complete_checkpoints
+    from pipeline.prompt_queue import PromptQueue
+
+    cfg = _cfg(stack, tmp_path, "trainer.max_steps=10", "trainer.checkpoint_every=50", "staleness.max_staleness=1")
+    asyncio.run(_publish(cfg, [_group("a"), _group("b"), _group("c")]))
+
+    async def scenario() -> list[Any]:
+        trainer = Trainer(cfg)
+        task = asyncio.create_task(trainer.run())
+        while trainer.state.step < 1 or not trainer.consumer.held_seqs:  # step 1 done, "c" held for step 2
+            await asyncio.sleep(0.02)
+        trainer.stop.set()
+        assert await asyncio.wait_for(task, timeout=30) == 0
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-prompts")
+        names = RunNames.for_run(cfg.run.name)
+        info = await nc.jetstream().consumer_info(names.trajectory_stream, names.trainer_consumer)
+        assert info.num_ack_pending == 0 and info.num_pending + info.num_redelivered >= 1  # "c" was given back
+        queue = PromptQueue(nc.jetstream(), names, cfg.stream)
+        leases = await queue.take(max_prompts=100, timeout_s=1.0)
+        await queue.close()
+        await nc.drain()
+        return leases
+
+    leases = asyncio.run(scenario())
+    assert complete_checkpoints(open_run_store(cfg), cfg.run.name) == [1]
+    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [["a", "b"]]
+    # admission: (K + 1) * batch_groups prompts at version 0, then more once step 1 was published
+    versions = [lease.prompt.metadata["policy_version"] for lease in leases]
+    assert versions[:4] == [0, 0, 0, 0] and len({lease.prompt.prompt_id for lease in leases}) == len(leases) >= 4
+
+
+# ---- resume: SIGKILL at random points, then --resume -------------------------------------------------------
+
+
+def _spawn(config_path: Path, log_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "actors.cli", "trainer", str(config_path), *extra],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _latest(store: Any, run: str) -> int:
+    try:
+        return int(orjson.loads(store.get(f"{run}/weights/LATEST"))["version"])
+    except ObjectNotFound:  # not yet published
+        return -1
+
+
+@pytest.mark.slow
+def test_resume_after_sigkills_trains_every_group_exactly_once(stack: StackState, tmp_path: Path) -> None:
+    max_steps, kills = 12, 3
+    cfg = _cfg(
+        stack,
+        tmp_path,
+        f"trainer.max_steps={max_steps}",
+        "staleness.max_staleness=1000",
+        "trainer.checkpoint_every=2",
+        "weights.full_every=5",
+        "logging.level=INFO",
+    )
+    rng = random.Random(7)
+    trainable = [f"g{i:03d}" for i in range(max_steps * cfg.trainer.batch_groups)]
+    filtered = [f"f{i:03d}" for i in range(6)]
+    ids = trainable + filtered
+    rng.shuffle(ids)
+    asyncio.run(_publish(cfg, [_group(g, rewards=(1.0, 1.0) if g.startswith("f") else (1.0, 0.0)) for g in ids]))
+    config_path = tmp_path / "trainer.yaml"
+    config_path.write_text(cfg.to_yaml())
+    log_path = tmp_path / "trainer.log"
+    store = open_run_store(cfg)
+    seen_latest: list[int] = []
+    for attempt in range(kills):
+        proc = _spawn(config_path, log_path, *(["--resume"] if attempt else []))
+        start = _latest(store, cfg.run.name)
+        deadline = time.monotonic() + 60
+        # wait for the (re)published version and at least one step after it, then kill at a random moment
+        while _latest(store, cfg.run.name) < start + 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.4))
+        seen_latest.append(_latest(store, cfg.run.name))
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    proc = _spawn(config_path, log_path, "--resume")
+    assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    seen_latest.append(_latest(store, cfg.run.name))
+
+    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    trained = [g for r in records for g in r["trained_group_ids"]]
+    dropped = {g: reason for r in records for g, reason in r["dropped_group_ids"].items()}
+    context = f"kills at LATEST {seen_latest}; log tail:\n{log_path.read_text()[-4000:]}"
+    assert len(trained) == len(set(trained)), f"a group was trained twice: {trained}; {context}"
+    assert set(trained) == set(ids) - set(dropped), context
+    assert set(dropped) == set(filtered) and set(dropped.values()) == {"no_disagreement"}
+    assert [r["step"] for r in records] == list(range(1, max_steps + 1))
+    versions = [r["version"] for r in records]
+    assert versions == sorted(set(versions)), f"versions went backward: {versions}"
+    assert seen_latest == sorted(seen_latest)
+
+
+# ---- replay: same range, same seed, same losses -----------------------------------------------------------
+
+
+def test_two_replays_of_the_same_range_give_the_same_losses(stack: StackState, tmp_path: Path) -> None:
+    cfg = _cfg(stack, tmp_path, "trainer.max_steps=100", "staleness.max_staleness=1", "correction.method=tis")
+    groups = [_group(f"r{i}", version=i // 3, rewards=(1.0, 0.0) if i % 4 else (0.0, 1.0)) for i in range(10)]
+    asyncio.run(_publish(cfg, [*groups[:9], _group("late", version=0), groups[9]]))
+
+    def replay(until: int | None) -> list[dict[str, Any]]:
+        trainer = Trainer(cfg, replay=ReplaySelection(from_seq=1, until_seq=until))
+        asyncio.run(asyncio.wait_for(trainer.run(), timeout=60))
+        assert trainer.metrics is not None
+        return _records(trainer.metrics.path)
+
+    first, second = replay(None), replay(None)
+    assert len(first) == 5
+    assert [r["loss"] for r in first] == [r["loss"] for r in second]
+    assert [r["trained_group_ids"] for r in first] == [r["trained_group_ids"] for r in second]
+    assert first[-1]["dropped_group_ids"] == {"late": "staleness_cap"}  # newest version seen is 2, late is 0
+    assert len(replay(4)) == 2  # until seq 4: groups r0..r3
+
+
+# ---- golden: the loss of a fixed tiny batch ---------------------------------------------------------------
+
+
+GOLDEN_LOSSES = (0.2328278124332428, 0.4551418721675873)
+"""Loss of steps 1 and 2 on the batch of `test_golden_loss` (tiny-llama-1x32, seed 0, tis, constant norm)."""
+
+
+def test_golden_loss_of_a_fixed_tiny_batch() -> None:
+    from actors.backends import TrainBatch, TrainSequence, build_backend
+    from actors.models import build_model
+    from actors.objective import CorrectedObjective
+    from pipeline.batching import GroupPolicy, prepare_group
+
+    torch.set_num_threads(1)
+    cfg = LeewayConfig.model_validate(
+        {"model": {"name_or_path": "tiny-llama-1x32"}, "trainer": {"lr": 0.01}, "advantages": {"group_size": 2}}
+    )
+    backend = build_backend(cfg, build_model("tiny-llama-1x32", vocab_size=21, seed=0))
+    groups = [_group("a", version=0), _group("b", version=1, rewards=(0.25, 1.0))]
+    prepared = [prepare_group(g, version=1, policy=GroupPolicy(max_staleness=2)) for g in groups]
+    batch = TrainBatch(
+        tuple(
+            TrainSequence(
+                tokens=s.tokens,
+                loss_mask=s.loss_mask,
+                versions=s.versions,
+                behaviour_logprobs=s.behaviour_logprobs,
+                advantage=s.advantage,
+                sample_id=s.sample_id,
+            )
+            for p in prepared
+            for s in p.samples
+        )
+    )
+    objective = CorrectedObjective(cfg.correction, cfg.advantages, version=1, constant_tokens=16)
+    losses = tuple(backend.train_step(batch, objective).loss for _ in range(2))
+    assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-5, abs=1e-7)

@@ -1,0 +1,153 @@
+"""Trainer checkpoint layout, metrics roll-back, the prompt feed and the dedupe record (no servers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from actors.checkpointing import (
+    KEEP_CHECKPOINTS,
+    MANIFEST_FILE,
+    RecentIds,
+    TrainerState,
+    checkpoint_prefix,
+    complete_checkpoints,
+    load_latest_checkpoint,
+    write_checkpoint,
+)
+from actors.trainer_parts import PromptFeed, roll_back_metrics
+from pipeline.config import LeewayConfig
+from pipeline.tasks import get_task
+from storage.objectstore import FileStore
+
+RUN = "ckpt-run"
+
+
+class _RecordingStore(FileStore):
+    """A FileStore that remembers the order of writes."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(str(root))
+        self.writes: list[str] = []
+
+    def put(self, key: str, data: bytes) -> str:
+        self.writes.append(key)
+        return super().put(key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> str:
+        self.writes.append(key)
+        return super().put_if_absent(key, data)
+
+
+def _write(store: FileStore, version: int, step: int | None = None) -> str:
+    state = TrainerState(
+        step=step if step is not None else version,
+        version=version,
+        consumed_seq=10 * version,
+        handled_group_ids=[f"g{version}"],
+    )
+    tensors = {"model/w": torch.full((2, 3), float(version)), "optimizer/w/exp_avg": torch.zeros(2, 3)}
+    return write_checkpoint(store, RUN, state, tensors, {"backend": "fake", "version": version})
+
+
+def test_manifest_is_written_last(tmp_path: Path) -> None:
+    store = _RecordingStore(tmp_path)
+    prefix = _write(store, 4)
+    assert store.writes[-1] == prefix + MANIFEST_FILE
+    assert len(store.writes) > 2
+
+
+def test_checkpoint_round_trips_state_tensors_and_meta(tmp_path: Path) -> None:
+    store = FileStore(str(tmp_path))
+    _write(store, 4)
+    loaded = load_latest_checkpoint(store, RUN)
+    assert loaded is not None
+    state, tensors, meta = loaded
+    assert (state.step, state.version, state.consumed_seq, state.handled_group_ids) == (4, 4, 40, ["g4"])
+    assert torch.equal(tensors["model/w"], torch.full((2, 3), 4.0))
+    assert meta == {"backend": "fake", "version": 4}
+
+
+def test_checkpoint_without_manifest_is_ignored(tmp_path: Path) -> None:
+    store = FileStore(str(tmp_path))
+    _write(store, 2)
+    _write(store, 4)
+    store.delete(checkpoint_prefix(RUN, 4) + MANIFEST_FILE)  # as if killed before the manifest
+    loaded = load_latest_checkpoint(store, RUN)
+    assert loaded is not None and loaded[0].version == 2
+    assert complete_checkpoints(store, RUN) == [2]
+
+
+def test_no_checkpoint_loads_none(tmp_path: Path) -> None:
+    assert load_latest_checkpoint(FileStore(str(tmp_path)), RUN) is None
+
+
+def test_prune_keeps_the_newest_and_removes_older_leftovers(tmp_path: Path) -> None:
+    store = FileStore(str(tmp_path))
+    _write(store, 1)
+    store.delete(checkpoint_prefix(RUN, 1) + MANIFEST_FILE)  # an interrupted write, older than what follows
+    for version in (2, 4, 6, 8):
+        _write(store, version)
+    assert complete_checkpoints(store, RUN) == [6, 8][-KEEP_CHECKPOINTS:]
+    assert store.list(checkpoint_prefix(RUN, 1)) == []
+    assert store.list(checkpoint_prefix(RUN, 2)) == []
+
+
+def test_corrupted_file_is_refused(tmp_path: Path) -> None:
+    store = FileStore(str(tmp_path))
+    prefix = _write(store, 3)
+    store.put(prefix + "model.safetensors", b"not what the manifest says")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_latest_checkpoint(store, RUN)
+
+
+def test_reused_version_is_an_error(tmp_path: Path) -> None:
+    store = FileStore(str(tmp_path))
+    _write(store, 3)
+    with pytest.raises(ValueError, match="already has a manifest"):
+        _write(store, 3)
+
+
+def test_state_of_another_format_is_refused() -> None:
+    data = orjson.dumps({**orjson.loads(TrainerState().to_json()), "state_format": 99})
+    with pytest.raises(ValueError, match="state_format"):
+        TrainerState.from_json(data, "x")
+
+
+def test_roll_back_moves_records_after_the_checkpoint_and_torn_lines(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [orjson.dumps({"step": s, "version": s}) for s in (1, 2, 3, 4)]
+    path.write_bytes(b"\n".join(lines) + b'\n{"step": 5, "ver')
+    assert roll_back_metrics(path, 2) == 3
+    assert [orjson.loads(x)["step"] for x in path.read_bytes().splitlines()] == [1, 2]
+    rolled = (tmp_path / "metrics.rolled_back.jsonl").read_bytes().splitlines()
+    assert [orjson.loads(x)["step"] for x in rolled[:2]] == [3, 4] and rolled[2].startswith(b'{"step": 5')
+
+
+def test_prompt_feed_is_deterministic_unique_and_resumable() -> None:
+    cfg = LeewayConfig()
+    task = get_task("reverse_digits", num_digits=4)
+    first = PromptFeed(cfg, task, start=0).take(7)
+    resumed = PromptFeed(cfg, task, start=4).take(3)
+    assert [p.prompt_id for p in first[4:]] == [p.prompt_id for p in resumed]
+    assert [p.text for p in first[4:]] == [p.text for p in resumed]
+    assert len({p.prompt_id for p in first}) == 7
+
+
+def test_prompt_feed_ids_stay_unique_when_the_task_cycles(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1>", "answer": "1"}\n{"prompt": "2>", "answer": "2"}\n')
+    cfg = LeewayConfig.model_validate({"task": {"name": "exact_match", "args": {"path": str(path)}}})
+    prompts = PromptFeed(cfg, get_task("exact_match", path=str(path)), start=0).take(6)
+    assert len({p.prompt_id for p in prompts}) == 6
+    assert [p.text for p in prompts] != []
+
+
+def test_recent_ids_forget_the_oldest_past_the_limit() -> None:
+    ids = RecentIds(["a", "b"], limit=3)
+    ids.add_all(["b", "c", "d"])
+    assert "a" not in ids and all(x in ids for x in "bcd")
+    assert ids.to_list() == ["b", "c", "d"]
