@@ -105,7 +105,7 @@ def test_single_turn_group_aligns_tokens_masks_versions_and_logprobs() -> None:
 
 
 def test_single_turn_statuses_follow_finish_reason_and_verifier() -> None:
-    engine = _ScriptedEngine([_result("12"), _result("1x"), _result("121212", "length"), _result("1", "abort")])
+    engine = _ScriptedEngine([_result("12"), _result("xx"), _result("121212", "length"), _result("1", "abort")])
     ok, bad_format, cut, aborted = _run(engine, group_size=4)
     assert (ok.status, ok.reward, ok.reward_source) == ("ok", 1.0, "verifier")
     assert (bad_format.status, bad_format.reward) == ("format_error", 0.0)

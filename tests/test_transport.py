@@ -77,7 +77,7 @@ async def _drain(consumer: TrajectoryConsumer, expected: int, timeout_s: float =
 
 def test_publish_dedupes_by_group_id_and_consumer_acks_when_told(stack):
     async def main() -> None:
-        names, stream = _names(), _stream()
+        names, stream = _names(), _stream(max_msg_bytes=8 * 2**20)
         nc, js = await _setup(stack.nats_url, names, stream)
         try:
             publisher = TrajectoryPublisher(js, names, stream)
