@@ -65,8 +65,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
         return 0
     status = stack.stack_status(directory)
     print(json.dumps(status, indent=2, default=str))
-    healthy = all(s.get("healthy") for s in status.get("servers", {}).values()) if status.get("servers") else False
-    return 0 if healthy else 1
+    return 0 if all(status.get(name, {}).get("healthy") for name in (stack.NATS, stack.SEAWEED)) else 1
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:

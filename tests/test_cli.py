@@ -52,3 +52,23 @@ def test_readme_config_reference_is_current() -> None:
 
     readme = (ROOT / "README.md").read_text()
     assert config_reference() in readme, "README config reference is stale: run `leeway config reference`"
+
+
+def test_stack_up_status_down_through_the_cli(tmp_path: Path) -> None:
+    import json
+
+    directory = str(tmp_path / "stack")
+    up = _leeway("stack", "up", "--dir", directory)
+    assert up.returncode == 0, up.stderr + up.stdout
+    try:
+        status = _leeway("stack", "status", "--dir", directory)
+        assert status.returncode == 0, status.stdout
+        servers = json.loads(status.stdout)
+        assert servers["nats"]["healthy"] and servers["seaweed"]["healthy"]
+        assert servers["nats"]["endpoint"].startswith("nats://127.0.0.1:")
+    finally:
+        down = _leeway("stack", "down", "--dir", directory)
+    assert down.returncode == 0, down.stderr
+    after = _leeway("stack", "status", "--dir", directory)
+    assert after.returncode == 1
+    assert not json.loads(after.stdout)["nats"]["running"]
