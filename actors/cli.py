@@ -118,8 +118,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(*, bench: str | None = None) -> argparse.ArgumentParser:
-    """`bench`: the benchmark being run, whose module is imported to add its own flags."""
+def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
+    """`bench_name`: the benchmark being run, whose module is imported to add its own flags."""
     from actors.replay import add_arguments as add_replay_arguments
     from actors.replay import add_selection_arguments
 
@@ -219,7 +219,7 @@ def build_parser(*, bench: str | None = None) -> argparse.ArgumentParser:
         bench_parser = bench_sub.add_parser(name, help=text, description=text)
         bench_parser.add_argument("--json", action="store_true", help="one JSON line (default: indented JSON)")
         bench_parser.set_defaults(handler=cmd_bench)
-        if name == bench:
+        if name == bench_name:
             import importlib
 
             importlib.import_module(f"actors.bench.{name}").add_arguments(bench_parser)
@@ -228,7 +228,7 @@ def build_parser(*, bench: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(bench=argv[1] if len(argv) >= 2 and argv[0] == "bench" else None)
+    parser = build_parser(bench_name=argv[1] if len(argv) >= 2 and argv[0] == "bench" else None)
     args = parser.parse_args(argv)
     from pipeline.config import ConfigError
 

@@ -72,3 +72,12 @@ def test_stack_up_status_down_through_the_cli(tmp_path: Path) -> None:
     after = _leeway("stack", "status", "--dir", directory)
     assert after.returncode == 1
     assert not json.loads(after.stdout)["nats"]["running"]
+
+
+@pytest.mark.parametrize("bench", ["weights", "transport", "e2e"])
+def test_each_bench_adds_its_own_flags(bench: str) -> None:
+    result = _leeway("bench", bench, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--json" in result.stdout
+    own_flag = {"weights": "--lr", "transport": "--tokens", "e2e": "--target"}[bench]
+    assert own_flag in result.stdout

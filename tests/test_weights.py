@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import storage.weights as weights
+import storage.publisher as publisher
 from infra.stack import StackState, load_credentials
 from storage.manifest import Manifest, ManifestError, PartSpec, TensorSpec, config_hash, latest_key
 from storage.objectstore import FileStore, ObjectStore
@@ -22,9 +22,16 @@ CONFIG_HASH = config_hash({"model": "tiny", "hidden": 8})
 
 def s3_store_for(stack: StackState, prefix: str) -> S3Store:
     creds = load_credentials(stack.dir)
-    return S3Store(stack.bucket, prefix, S3Options(endpoint=stack.s3_endpoint, region=stack.region,
-                                                   access_key_id=creds.access_key_id,
-                                                   secret_access_key=creds.secret_access_key))
+    return S3Store(
+        stack.bucket,
+        prefix,
+        S3Options(
+            endpoint=stack.s3_endpoint,
+            region=stack.region,
+            access_key_id=creds.access_key_id,
+            secret_access_key=creds.secret_access_key,
+        ),
+    )
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -40,7 +47,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
 @pytest.fixture(autouse=True)
 def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     """Split tensors into several delta blobs, as large tensors are in production."""
-    monkeypatch.setattr(weights, "SEGMENT_ELEMS", 700)
+    monkeypatch.setattr(publisher, "SEGMENT_ELEMS", 700)
 
 
 def _model(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -75,9 +82,14 @@ def _publish_series(store: ObjectStore, run: str, count: int, **kwargs: object) 
 
 
 def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and torch.equal(a[n].view(-1).view(torch.int16 if
-                                        a[n].element_size() == 2 else torch.int32), b[n].view(-1).view(
-                                        torch.int16 if b[n].element_size() == 2 else torch.int32)) for n in a)
+    return a.keys() == b.keys() and all(
+        a[n].dtype == b[n].dtype
+        and torch.equal(
+            a[n].view(-1).view(torch.int16 if a[n].element_size() == 2 else torch.int32),
+            b[n].view(-1).view(torch.int16 if b[n].element_size() == 2 else torch.int32),
+        )
+        for n in a
+    )
 
 
 def test_a_subscriber_following_every_version_is_bit_exact_and_keeps_its_tensor_objects(store: ObjectStore) -> None:
@@ -171,16 +183,27 @@ def _fake_manifest(version: int, *, full: bool, base: int | None, published_at: 
     spec = TensorSpec("w", "bfloat16", (1,), "0" * 64)
     part = PartSpec(f"r/weights/v{version:08d}/part-00000-x.lwd", 1, "0" * 64, ("w",))
     return Manifest(
-        run="r", version=version, kind="full" if full else "delta", base_version=None if full else base,
-        parent_version=base, anchor_version=version if full else 0, model_config_hash="h", publish_id="p",
-        published_at=published_at, tensors=(spec,), parts=(part,), codec="safetensors" if full else "lwdc1",
+        run="r",
+        version=version,
+        kind="full" if full else "delta",
+        base_version=None if full else base,
+        parent_version=base,
+        anchor_version=version if full else 0,
+        model_config_hash="h",
+        publish_id="p",
+        published_at=published_at,
+        tensors=(spec,),
+        parts=(part,),
+        codec="safetensors" if full else "lwdc1",
     )
 
 
 def test_retention_keeps_the_newest_versions_their_chains_and_anything_still_in_grace() -> None:
     full_every = 4
-    manifests = {v: _fake_manifest(v, full=v % full_every == 0, base=v - 1 if v else None, published_at=100.0 + v)
-                 for v in range(11)}
+    manifests = {
+        v: _fake_manifest(v, full=v % full_every == 0, base=v - 1 if v else None, published_at=100.0 + v)
+        for v in range(11)
+    }
     kw = dict(latest=10, keep_versions=2, now=1000.0)
     # keep 9, 10, their chain back to the full snapshot 8; version 11 is mid-publish (no LATEST yet)
     manifests[11] = _fake_manifest(11, full=False, base=10, published_at=111.0)

@@ -23,8 +23,12 @@ RACE_TRIALS = 3
 @pytest.fixture
 def store(stack: StackState) -> Iterator[ObjectStore]:
     creds = load_credentials(stack.dir)
-    options = S3Options(endpoint=stack.s3_endpoint, region=stack.region, access_key_id=creds.access_key_id,
-                        secret_access_key=creds.secret_access_key)
+    options = S3Options(
+        endpoint=stack.s3_endpoint,
+        region=stack.region,
+        access_key_id=creds.access_key_id,
+        secret_access_key=creds.secret_access_key,
+    )
     with S3Store(stack.bucket, f"test-weights-failures/{uuid.uuid4().hex}", options) as s:
         yield s
 
@@ -94,8 +98,13 @@ def test_two_publishers_racing_for_one_version_have_exactly_one_winner(store: Ob
         outcomes: dict[int, object] = {}
         barrier = threading.Barrier(2)
 
-        def publish(i: int, run: str = run, candidates: list = candidates, outcomes: dict = outcomes,
-                    barrier: threading.Barrier = barrier) -> None:
+        def publish(
+            i: int,
+            run: str = run,
+            candidates: list = candidates,
+            outcomes: dict = outcomes,
+            barrier: threading.Barrier = barrier,
+        ) -> None:
             with WeightPublisher(store, run, model_config_hash=CONFIG) as pub:
                 barrier.wait()
                 try:
@@ -174,8 +183,9 @@ def test_held_tensors_that_went_bad_fall_back_to_the_full_snapshot(store: Object
 
 
 @pytest.mark.parametrize("damage", ["truncated", "invalid", "other-run"])
-def test_a_bad_manifest_is_rejected_with_a_clear_error_and_the_tensors_unchanged(store: ObjectStore,
-                                                                                  damage: str) -> None:
+def test_a_bad_manifest_is_rejected_with_a_clear_error_and_the_tensors_unchanged(
+    store: ObjectStore, damage: str
+) -> None:
     _published(store, "bad", 3)
     _published(store, "other", 3)
     sub = _subscriber_at(store, "bad", 1)
@@ -198,8 +208,9 @@ def test_a_bad_manifest_is_rejected_with_a_clear_error_and_the_tensors_unchanged
 def test_retention_keeps_what_a_reader_may_be_pulling_within_grace(store: ObjectStore) -> None:
     now = [1000.0]
     versions = _versions(8)
-    pub = WeightPublisher(store, "retain", model_config_hash=CONFIG, full_every=3, keep_versions=1, grace_s=10.0,
-                          clock=lambda: now[0])
+    pub = WeightPublisher(
+        store, "retain", model_config_hash=CONFIG, full_every=3, keep_versions=1, grace_s=10.0, clock=lambda: now[0]
+    )
     for v, tensors in enumerate(versions):
         now[0] += 4.0  # a version every 4 s: the two before the latest are still within the 10 s grace
         pub.publish(v, tensors)

@@ -38,9 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=int, default=DEFAULT_PARAMS, help="parameters of the synthetic model")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="measured delta versions after version 0")
-    parser.add_argument("--store", default=None,
-                        help="object store URL (s3://bucket/prefix uses the standard AWS environment, or file:///path); "
-                             "default: an embedded SeaweedFS in a temporary directory")
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="object store URL (s3://bucket/prefix uses the standard AWS environment, or file:///path); "
+        "default: an embedded SeaweedFS in a temporary directory",
+    )
     parser.add_argument("--part-bytes", type=int, default=16 * 1024 * 1024, help="target size of one stored part")
     parser.add_argument("--parallelism", type=int, default=4, help="parallel transfers and codec threads in the store")
     parser.add_argument("--seed", type=int, default=0)
@@ -61,8 +64,12 @@ def _open_bench_store(url: str | None, tmp: str) -> tuple[ObjectStore, str | Non
     _progress(f"starting the embedded stack in {stack_dir}")
     state = start_stack(stack_dir)
     creds = load_credentials(stack_dir)
-    options = S3Options(endpoint=state.s3_endpoint, region=state.region, access_key_id=creds.access_key_id,
-                        secret_access_key=creds.secret_access_key)
+    options = S3Options(
+        endpoint=state.s3_endpoint,
+        region=state.region,
+        access_key_id=creds.access_key_id,
+        secret_access_key=creds.secret_access_key,
+    )
     return S3Store(state.bucket, f"bench/{os.getpid()}-{int(time.time())}", options), stack_dir
 
 
@@ -95,8 +102,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _measure(args: argparse.Namespace, store: ObjectStore) -> dict[str, Any]:
     run_name = f"{RUN}-{os.getpid()}-{int(time.time())}"
-    pub = WeightPublisher(store, run_name, model_config_hash="bench", full_every=1 << 30, keep_versions=args.steps + 1,
-                          part_bytes=args.part_bytes, parallelism=args.parallelism)
+    pub = WeightPublisher(
+        store,
+        run_name,
+        model_config_hash="bench",
+        full_every=1 << 30,
+        keep_versions=args.steps + 1,
+        part_bytes=args.part_bytes,
+        parallelism=args.parallelism,
+    )
     sub = WeightSubscriber(store, run_name, parallelism=args.parallelism)
     stats: list[dict[str, Any]] = []
     delta_s: list[float] = []
@@ -107,12 +121,16 @@ def _measure(args: argparse.Namespace, store: ObjectStore) -> dict[str, Any]:
             if prev is None:
                 full_s = _timed_round(pub, sub, version, tensors)
                 full_stored = sub.manifest(version).num_bytes
-                _progress(f"v{version}: full snapshot {full_stored / 1e6:.1f} MB published and pulled in {full_s:.2f} s")
+                _progress(
+                    f"v{version}: full snapshot {full_stored / 1e6:.1f} MB published and pulled in {full_s:.2f} s"
+                )
             else:
                 stats.append(codec_stats(prev, tensors, threads=1))
                 delta_s.append(_timed_round(pub, sub, version, tensors))
-                _progress(f"v{version}: changed {stats[-1]['changed_fraction']:.4%}, delta "
-                          f"{sub.manifest(version).num_bytes / 1e6:.2f} MB, publish->applied {delta_s[-1]:.2f} s")
+                _progress(
+                    f"v{version}: changed {stats[-1]['changed_fraction']:.4%}, delta "
+                    f"{sub.manifest(version).num_bytes / 1e6:.2f} MB, publish->applied {delta_s[-1]:.2f} s"
+                )
             bit_exact &= _bits_equal(sub.tensors, tensors)
             prev = tensors
     finally:
@@ -121,8 +139,14 @@ def _measure(args: argparse.Namespace, store: ObjectStore) -> dict[str, Any]:
     return _summary(args, stats, delta_s, full_s, full_stored, bit_exact)
 
 
-def _summary(args: argparse.Namespace, stats: list[dict[str, Any]], delta_s: list[float], full_s: float,
-             full_stored: int, bit_exact: bool) -> dict[str, Any]:
+def _summary(
+    args: argparse.Namespace,
+    stats: list[dict[str, Any]],
+    delta_s: list[float],
+    full_s: float,
+    full_stored: int,
+    bit_exact: bool,
+) -> dict[str, Any]:
     steps = len(stats)
     out: dict[str, Any] = {"params": stats[0]["num_elements"], "lr": args.lr, "steps": steps}
     for key in _MEAN_KEYS:

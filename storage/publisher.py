@@ -1,0 +1,302 @@
+"""Trainer side of the weight store: `WeightPublisher` (see `storage.weights` for the protocol).
+
+One publish reads the trainer's tensors once, in one pass per tensor that, segment by segment,
+encodes the delta against the previous version, feeds the tensor's sha256 and copies the segment
+into the buffer that becomes the next publish's base. Buffers are reused between publishes (the
+previous version's, and a spare that held the one before), so a delta publish allocates nothing
+large and touches no fresh pages; tensors the publisher had to convert (another device or dtype,
+not contiguous) are already private copies and are kept as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import safetensors.torch
+import torch
+
+from storage.delta_codec import CHUNK_ELEMS, encode_delta, tensor_bits
+from storage.manifest import (
+    DELTA_CODEC,
+    FULL_CODEC,
+    Manifest,
+    PartSpec,
+    TensorSpec,
+    manifest_key,
+    part_key,
+    validate_run,
+)
+from storage.objectstore import ObjectStore, PreconditionFailed
+from storage.retention import prune_versions
+from storage.weights_base import MiB, VersionConflict, advance_latest, byte_view, dtype_name, read_latest
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["SEGMENT_ELEMS", "WeightPublisher"]
+
+log = logging.getLogger(__name__)
+
+SEGMENT_ELEMS = CHUNK_ELEMS
+"""Largest tensor slice coded as one delta blob (one codec chunk, 8 MiB of bf16): the slice is encoded,
+hashed and copied while it is still in cache, and one huge tensor spreads over several parts."""
+
+
+def _pack(items: list[tuple[str, int]], part_bytes: int) -> list[list[int]]:
+    """Greedy, order-keeping grouping of sized items into parts of about `part_bytes`."""
+    groups: list[list[int]] = []
+    size = part_bytes
+    for i, (_, nbytes) in enumerate(items):
+        if size + nbytes > part_bytes and (not groups or groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return [g for g in groups if g]
+
+
+def _segments(numel: int) -> list[tuple[int, int]]:
+    return [(start, min(start + SEGMENT_ELEMS, numel)) for start in range(0, numel, SEGMENT_ELEMS)]
+
+
+def _stage_tensor(src: torch.Tensor, dst: torch.Tensor, base: torch.Tensor | None) -> tuple[str, list[bytes]]:
+    """One pass over `src`: per segment, the delta blob against `base` (if given), then sha256 and the
+    copy into `dst` (skipped when `dst` is `src`). Returns the tensor's sha256 and the blobs."""
+    src_bits, dst_bits = tensor_bits(src), tensor_bits(dst)
+    src_bytes = byte_view(src)
+    width = src.element_size()
+    digest = hashlib.sha256()
+    blobs: list[bytes] = []
+    for start, end in _segments(src_bits.size):
+        if base is not None:
+            blobs.append(encode_delta(tensor_bits(base)[start:end], src_bits[start:end]))
+        digest.update(src_bytes[start * width : end * width].data)
+        if dst is not src:
+            dst_bits[start:end] = src_bits[start:end]
+    return digest.hexdigest(), blobs
+
+
+class WeightPublisher:
+    """Trainer side. Keeps the previous version (CPU, served dtype) to compute exact deltas.
+
+    A publisher started fresh (or after a resume) has no previous version in memory, so its first
+    publish is a full snapshot whose `parent_version` is the run's current `LATEST`.
+    Memory: two CPU copies of the weights in the served dtype (the previous version and a spare
+    buffer reused for the next one), the same peak as copying each version afresh.
+    `publish` reads the given tensors without copying them first, so the caller must not change them
+    until it returns (a trainer publishes between optimizer steps).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        run: str,
+        *,
+        model_config_hash: str,
+        dtype: torch.dtype = torch.bfloat16,
+        full_every: int = 50,
+        keep_versions: int = 10,
+        grace_s: float = 120.0,
+        part_bytes: int = 16 * MiB,
+        parallelism: int = 4,
+        prune: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if full_every < 1 or keep_versions < 1 or part_bytes < 1 or parallelism < 1 or grace_s < 0:
+            raise ValueError("full_every, keep_versions, part_bytes and parallelism must be >= 1, grace_s >= 0")
+        self.store, self.run = store, validate_run(run)
+        self.model_config_hash, self.dtype = model_config_hash, dtype
+        self.dtype_name = dtype_name(dtype)
+        self.full_every, self.keep_versions, self.grace_s = full_every, keep_versions, grace_s
+        self.part_bytes, self.prune_after_publish, self.clock = part_bytes, prune, clock
+        self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="weights-pub")
+        self._prev: dict[str, torch.Tensor] | None = None
+        self._spare: dict[str, torch.Tensor] = {}
+        self._prev_version: int | None = None
+        self._manifests: dict[int, Manifest] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def latest_version(self) -> int | None:
+        """The run's `LATEST` (None if nothing was published), e.g. to choose the next version on resume."""
+        return read_latest(self.store, self.run)
+
+    def publish(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> Manifest:
+        """Publish `version`; returns its manifest once it exists and `LATEST` is at least `version`.
+
+        Raises `VersionConflict` if the version already exists (another publisher, or a resumed
+        trainer reusing a number: pick `latest_version() + 1` instead). On any failure the publisher
+        still holds the previous version, so publishing again can send a delta.
+        """
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        sources = {name: self._source(t) for name, t in named_tensors.items()}
+        publish_id = uuid.uuid4().hex
+        full = self._needs_full(version, {n: s for n, (s, _) in sources.items()})
+        parent = self._prev_version if self._prev_version is not None else self.latest_version()
+        staged = {name: src if owned else self._buffer(name, src) for name, (src, owned) in sources.items()}
+        base = None if full else self._prev
+        names = list(sources)
+
+        def stage(name: str) -> tuple[str, list[bytes]]:
+            return _stage_tensor(sources[name][0], staged[name], None if base is None else base[name])
+
+        results = dict(zip(names, self._pool.map(stage, names), strict=True))
+        if full:
+            parts = self._write_full(version, staged, publish_id)
+        else:
+            parts = self._write_delta(version, staged, {n: r[1] for n, r in results.items()}, publish_id)
+        manifest = Manifest(
+            run=self.run,
+            version=version,
+            kind="full" if full else "delta",
+            base_version=None if full else self._prev_version,
+            parent_version=parent if parent is not None and parent < version else None,
+            anchor_version=version if full else self._manifests[self._prev_version].anchor_version,  # type: ignore[index]
+            model_config_hash=self.model_config_hash,
+            publish_id=publish_id,
+            published_at=self.clock(),
+            tensors=tuple(
+                TensorSpec(name, self.dtype_name, tuple(t.shape), results[name][0]) for name, t in staged.items()
+            ),
+            parts=tuple(parts),
+            codec=FULL_CODEC if full else DELTA_CODEC,
+        )
+        self._commit_manifest(manifest)
+        self._manifests[version] = manifest
+        self._spare, self._prev, self._prev_version = self._prev or {}, staged, version
+        advance_latest(self.store, self.run, version, publish_id)
+        if self.prune_after_publish:
+            self._prune_quietly()
+        return manifest
+
+    def _source(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The tensor as a contiguous CPU tensor of the served dtype, and whether that is a private copy."""
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu" and tensor.dtype == self.dtype and tensor.is_contiguous():
+            return tensor, False
+        return tensor.to(device="cpu", dtype=self.dtype).contiguous(), True
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The spare buffer for `name` if it fits (its pages are already mapped), else a new one."""
+        spare = self._spare.get(name)
+        if spare is not None and spare.shape == like.shape and spare.dtype == like.dtype:
+            return spare
+        return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    def prune(self) -> list[int]:
+        """Apply retention now (see `storage.retention`); returns the deleted versions."""
+        latest = self.latest_version()
+        if latest is None:
+            return []
+        deleted = prune_versions(
+            self.store,
+            self.run,
+            latest=latest,
+            keep_versions=self.keep_versions,
+            grace_s=self.grace_s,
+            now=self.clock(),
+            known=self._manifests,
+        )
+        for version in deleted:
+            self._manifests.pop(version, None)
+        return deleted
+
+    def _prune_quietly(self) -> None:
+        try:
+            self.prune()
+        except Exception:  # a boundary we own: retention must not fail a publish that already happened
+            log.exception("weights retention for run %s failed; will retry after the next publish", self.run)
+
+    def _needs_full(self, version: int, tensors: dict[str, torch.Tensor]) -> bool:
+        if version == 0 or version % self.full_every == 0 or self._prev is None:
+            return True
+        if self._prev_version != version - 1 or self._prev.keys() != tensors.keys():
+            return True
+        return any(self._prev[n].shape != t.shape for n, t in tensors.items())
+
+    def _upload(self, keyed: list[tuple[str, bytes]]) -> None:
+        """Upload parts in parallel; on failure delete what went up (best effort) and re-raise."""
+        try:
+            list(self._pool.map(lambda kv: self.store.put(*kv), keyed))
+        except BaseException:
+            self._discard([k for k, _ in keyed])
+            raise
+
+    def _discard(self, keys: list[str]) -> None:
+        try:
+            self.store.delete_many(keys)
+        except Exception:  # the parts are unreferenced garbage; retention removes them later
+            log.warning("could not delete %d unreferenced weight parts", len(keys), exc_info=True)
+
+    def _write_full(self, version: int, tensors: dict[str, torch.Tensor], publish_id: str) -> list[PartSpec]:
+        names = list(tensors)
+        groups = _pack([(n, tensors[n].numel() * tensors[n].element_size()) for n in names], self.part_bytes)
+        meta = {"run": self.run, "version": str(version), "publish_id": publish_id}
+
+        def shard(index_group: tuple[int, list[int]]) -> tuple[PartSpec, bytes]:
+            index, group = index_group
+            data = safetensors.torch.save({names[i]: tensors[names[i]] for i in group}, metadata=meta)
+            key = part_key(self.run, version, index, publish_id, "safetensors")
+            spec = PartSpec(key, len(data), hashlib.sha256(data).hexdigest(), tuple(names[i] for i in group))
+            return spec, data
+
+        built = list(self._pool.map(shard, enumerate(groups)))
+        self._upload([(spec.key, data) for spec, data in built])
+        return [spec for spec, _ in built]
+
+    def _write_delta(
+        self, version: int, tensors: dict[str, torch.Tensor], blobs_of: dict[str, list[bytes]], publish_id: str
+    ) -> list[PartSpec]:
+        segments = [(name, start, end) for name, t in tensors.items() for start, end in _segments(t.numel())]
+        blobs = [blob for name in tensors for blob in blobs_of[name]]
+        parts: list[PartSpec] = []
+        keyed: list[tuple[str, bytes]] = []
+        for index, group in enumerate(
+            _pack([(s[0], len(b)) for s, b in zip(segments, blobs, strict=True)], self.part_bytes)
+        ):
+            entries, offset = [], 0
+            for i in group:
+                name, start, end = segments[i]
+                entries.append((name, start, end, offset, len(blobs[i])))
+                offset += len(blobs[i])
+            data = b"".join(blobs[i] for i in group)
+            key = part_key(self.run, version, index, publish_id, "lwd")
+            names = tuple(dict.fromkeys(e[0] for e in entries))
+            parts.append(PartSpec(key, len(data), hashlib.sha256(data).hexdigest(), names, tuple(entries)))
+            keyed.append((key, data))
+        self._upload(keyed)
+        return parts
+
+    def _commit_manifest(self, manifest: Manifest) -> None:
+        """Create-only manifest write, then read it back: our publish_id there means we won."""
+        key = manifest_key(self.run, manifest.version)
+        body = manifest.to_json()
+        part_keys = [p.key for p in manifest.parts]
+        try:
+            self.store.put_if_absent(key, body)
+            won = self.store.get(key) == body
+        except PreconditionFailed:
+            won = False
+        except BaseException:
+            self._discard(part_keys)
+            raise
+        if not won:
+            self._discard(part_keys)
+            raise VersionConflict(
+                f"version {manifest.version} of run {self.run!r} was already published by another publisher "
+                f"(our publish_id {manifest.publish_id} lost; its parts were deleted)"
+            )
