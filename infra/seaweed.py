@@ -8,15 +8,17 @@ so two stacks on one machine would collide. Telemetry to seaweedfs.com is switch
 Data lives under `<stack>/seaweed/` (master metadata in `master/`, volumes and the filer's leveldb
 in `data/`), fixed across restarts even though the ports change.
 
-SeaweedFS also creates gRPC Unix sockets named after the ports (`/tmp/seaweedfs-*-<port>.sock`);
-they are not configurable for every service in 4.48 and may outlive a SIGKILL. Unique ports keep
-them apart.
+SeaweedFS also creates Unix sockets named after the ports (`/tmp/seaweedfs-*-<port>.sock`); they are
+not configurable for every service in 4.48 and outlive even a clean stop, so the stack removes them
+(`remove_unix_sockets`) once the process is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,9 @@ leaves room for one bucket only, because each bucket (a SeaweedFS collection) gr
 PROBE_TIMEOUT_S = 2.0
 """Connect and read timeout of one readiness or health probe."""
 
+_UNIX_SOCKET_SERVICES = ("master_grpc", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+"""Services whose port names a Unix socket `seaweedfs-<service>-<port>.sock` (dash for underscore)."""
+
 PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 
 
@@ -54,6 +59,15 @@ class Credentials:
 
     def __repr__(self) -> str:
         return f"Credentials(access_key_id={self.access_key_id!r}, secret_access_key='***')"
+
+
+def remove_unix_sockets(ports: dict[str, int]) -> None:
+    """Delete the Unix sockets a stopped `weed server` left behind for these ports. Call only after it exited."""
+    names = [f"seaweedfs-{service.replace('_', '-')}-{ports[service]}.sock" for service in _UNIX_SOCKET_SERVICES]
+    for folder in {Path(tempfile.gettempdir()), Path("/tmp")}:
+        for name in names:
+            with contextlib.suppress(OSError):
+                (folder / name).unlink()
 
 
 def binary_path(override: str | Path | None = None) -> Path:

@@ -34,7 +34,7 @@ import secrets
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -239,7 +239,7 @@ def start_stack(
         if existing is not None and existing.processes:
             if _healthy(existing):
                 return _reuse(root, existing, bucket)
-            stop_processes(existing.processes, DEFAULT_STOP_TIMEOUT_S)
+            _stop(existing.processes, DEFAULT_STOP_TIMEOUT_S)
             _write_state(root, replace(existing, processes=()))
         credentials = _ensure_credentials(root)
         binaries = (nats_server.binary_path(nats_bin), seaweed.binary_path(weed_bin))
@@ -274,7 +274,7 @@ def stop_stack(dir: str | Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> No
         state = load_state(root)
         if state is None or not state.processes:
             return
-        stop_processes(state.processes, timeout_s)
+        _stop(state.processes, timeout_s)
         _write_state(root, replace(state, processes=()))
 
 
@@ -360,7 +360,7 @@ def _launch(
         )
         seaweed.ensure_bucket(s3_client(state, credentials), bucket)
     except BaseException:
-        stop_processes([info for _, info in started], timeout_s=1.0)
+        _stop([info for _, info in started], timeout_s=1.0)
         _write_state(root, replace(state, processes=()))
         raise
     return state
@@ -397,6 +397,14 @@ def _wait_ready(
                 )
             )
         time.sleep(POLL_INTERVAL_S)
+
+
+def _stop(processes: Sequence[ProcessInfo], timeout_s: float) -> None:
+    """Stop the recorded processes, then clear the Unix sockets SeaweedFS leaves in /tmp."""
+    stop_processes(processes, timeout_s)
+    for info in processes:
+        if info.name == SEAWEED:
+            seaweed.remove_unix_sockets(dict(info.ports))
 
 
 def _reuse(root: Path, state: StackState, bucket: str) -> StackState:

@@ -1,0 +1,147 @@
+"""Where a role finds its servers: the config's URLs, or the embedded stack's state file.
+
+Every process of a run resolves endpoints the same way, so `leeway run`, `leeway trainer` and
+`leeway generator` launched by hand in separate terminals meet on the same servers. Credentials come
+from the environment (AWS_*), the embedded stack's 0600 key file, or `nats.creds_file`; none of them
+is ever logged or written into a config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import LeewayConfig
+
+
+class EndpointError(RuntimeError):
+    """No server to talk to: the message says which one and how to start it."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    nats_url: str
+    store_url: str
+    store_options: dict[str, Any]
+
+    def __repr__(self) -> str:  # never print the S3 secret
+        return f"Endpoints(nats_url={self.nats_url!r}, store_url={self.store_url!r})"
+
+
+def _embedded_state(cfg: LeewayConfig) -> Any:
+    from infra.stack import load_state
+
+    state = load_state(cfg.nats.stack_dir)
+    if state is None or not state.processes:
+        raise EndpointError(
+            f"no embedded stack is running in {cfg.nats.stack_dir}: start one with "
+            f"`leeway stack up --dir {cfg.nats.stack_dir}`, or set nats.url and store.endpoint"
+        )
+    return state
+
+
+def resolve_endpoints(cfg: LeewayConfig) -> Endpoints:
+    """NATS URL and store URL/options for this config (embedded stack where the config names none)."""
+    store = cfg.store
+    options: dict[str, Any] = {}
+    if store.url.startswith("s3://"):
+        options = {
+            "endpoint": store.endpoint,
+            "region": store.region,
+            "max_concurrency": store.max_concurrency,
+            "multipart_threshold_bytes": store.multipart_threshold_bytes,
+            "part_size_bytes": store.part_size_bytes,
+            "max_retries": store.max_retries,
+            "connect_timeout_s": store.connect_timeout_s,
+            "read_timeout_s": store.read_timeout_s,
+        }
+    nats_url = cfg.nats.url
+    store_url = store.url
+    if nats_url is None or (store.url.startswith("s3://") and store.endpoint is None):
+        from infra.stack import load_credentials
+
+        state = _embedded_state(cfg)
+        if nats_url is None:
+            nats_url = state.nats_url
+        if store.url.startswith("s3://") and store.endpoint is None:
+            credentials = load_credentials(state.dir)
+            bucket_and_prefix = store.url[len("s3://") :].split("/", 1)
+            prefix = bucket_and_prefix[1] if len(bucket_and_prefix) > 1 else ""
+            store_url = f"s3://{state.bucket}/{prefix}"
+            options.update(
+                endpoint=state.s3_endpoint,
+                region=state.region,
+                access_key_id=credentials.access_key_id,
+                secret_access_key=credentials.secret_access_key,
+            )
+    return Endpoints(nats_url=nats_url, store_url=store_url, store_options=options)
+
+
+def open_run_store(cfg: LeewayConfig, endpoints: Endpoints | None = None) -> Any:
+    from storage.objectstore import open_store
+
+    endpoints = endpoints or resolve_endpoints(cfg)
+    return open_store(endpoints.store_url, **endpoints.store_options)
+
+
+async def connect_nats(cfg: LeewayConfig, endpoints: Endpoints | None = None, **kwargs: Any) -> Any:
+    """A nats-py connection that keeps reconnecting while the server is away (roles must survive restarts)."""
+    import nats
+
+    endpoints = endpoints or resolve_endpoints(cfg)
+    options: dict[str, Any] = {
+        "connect_timeout": cfg.nats.connect_timeout_s,
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "allow_reconnect": True,
+    }
+    if cfg.nats.creds_file:
+        options["user_credentials"] = cfg.nats.creds_file
+    options.update(kwargs)
+    return await nats.connect(endpoints.nats_url, **options)
+
+
+def running_stack_healthy(stack_dir: str | Path) -> bool:
+    """True when a stack recorded in `stack_dir` has both servers running and answering."""
+    from infra.stack import load_state, stack_status
+
+    state = load_state(stack_dir)
+    if state is None or not state.processes:
+        return False
+    status = stack_status(stack_dir)
+    servers = [v for v in status.values() if isinstance(v, dict) and "healthy" in v]
+    return bool(servers) and all(bool(s["healthy"]) for s in servers)
+
+
+def private_stack_dir(cfg: LeewayConfig, run_dir: Path) -> Path | None:
+    """For `leeway run`: where to start a private stack, or None when the run needs none.
+
+    None when the config names both servers, or when a healthy stack runs at `nats.stack_dir`
+    (started by `leeway stack up`; it is used and left running). Otherwise `<run_dir>/stack`.
+    """
+    if not cfg.uses_embedded_stack:
+        return None
+    if running_stack_healthy(cfg.nats.stack_dir):
+        return None
+    return (run_dir / "stack").resolve()
+
+
+def stack_bucket(cfg: LeewayConfig) -> str:
+    """The bucket named by `store.url` (s3://BUCKET/prefix), the embedded stack creates it."""
+    if cfg.store.url.startswith("s3://"):
+        return cfg.store.url[len("s3://") :].split("/", 1)[0] or "leeway"
+    return "leeway"
+
+
+def ensure_stack(cfg: LeewayConfig, run_dir: Path) -> Path | None:
+    """Use a running stack at nats.stack_dir, else start a private one in `<run_dir>/stack`.
+
+    Returns the directory of a stack this call started (the caller stops it), or None.
+    """
+    from infra.stack import start_stack
+
+    private = private_stack_dir(cfg, run_dir)
+    if private is not None:
+        start_stack(private, bucket=stack_bucket(cfg))
+    return private
