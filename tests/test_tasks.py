@@ -1,4 +1,4 @@
-"""Tasks: the char tokenizer, the reverse_digits reward and prompts, the registry, verifier failures, prompt files."""
+"""Tasks: the char and digits tokenizers, the reverse_digits reward and prompts, the registry, verifier failures, prompt files."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from pipeline.tasks.char_tokenizer import (
     build_char_tokenizer,
     load_char_tokenizer,
 )
-from pipeline.tasks.reverse import ReverseDigitsTask, score_reversal
+from pipeline.tasks.digits_tokenizer import TOKENIZER_PATH as DIGITS_TOKENIZER_PATH
+from pipeline.tasks.digits_tokenizer import build_digits_tokenizer, load_digits_tokenizer
+from pipeline.tasks.reverse import ReverseDigitsTask, completion_positions, score_reversal
 
 
 def test_shipped_tokenizer_json_is_what_build_char_tokenizer_writes(tmp_path) -> None:
@@ -42,14 +44,55 @@ def test_char_tokenizer_round_trips_and_loads_in_transformers() -> None:
     assert fast.decode(encoded, skip_special_tokens=True) == "31415926>"
 
 
+def test_shipped_digits_tokenizer_json_is_what_build_digits_tokenizer_writes(tmp_path) -> None:
+    build_digits_tokenizer(tmp_path / "tok.json")
+    assert json.loads((tmp_path / "tok.json").read_text()) == json.loads(DIGITS_TOKENIZER_PATH.read_text())
+
+
+def test_digits_tokenizer_has_only_specials_digits_and_the_separator() -> None:
+    tok = load_digits_tokenizer()
+    assert tok.get_vocab_size() == 14
+    assert [tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>")] == [PAD_ID, BOS_ID, EOS_ID]
+    encoded = tok.encode("31415926>").ids
+    assert encoded[0] == BOS_ID and len(encoded) == 10 and tok.decode(encoded) == "31415926>"
+    assert tok.decode([*tok.encode("12", add_special_tokens=False).ids, EOS_ID], skip_special_tokens=False) == "12<eos>"
+    with pytest.raises(Exception, match="UNK"):  # no <unk>: a character outside the vocabulary cannot be encoded
+        tok.encode("1+1")
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(DIGITS_TOKENIZER_PATH), pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>")
+    assert fast.encode("31415926>") == encoded
+
+
+def test_reverse_task_chooses_its_tokenizer() -> None:
+    assert ReverseDigitsTask().tokenizer.get_vocab_size() == load_char_tokenizer().get_vocab_size()
+    task = get_task("reverse_digits", num_digits=6, tokenizer="digits")
+    assert task.tokenizer.get_vocab_size() == 14
+    prompt = next(task.prompts())
+    assert task.tokenizer.decode(task.tokenizer.encode(prompt.text).ids) == prompt.text
+    with pytest.raises(ValueError, match="tokenizer must be one of"):
+        ReverseDigitsTask(tokenizer="bpe")
+
+
 def test_reverse_reward_gives_partial_credit_per_position() -> None:
     assert score_reversal("12345678", "12345678")[:2] == (1.0, "ok")
     assert score_reversal("12345678", "12340000")[:2] == (0.5, "ok")
     assert score_reversal("12345678", "1234")[:2] == (0.5, "ok")  # missing digits count as wrong
     assert score_reversal("12345678", "1234567899")[:2] == (0.8, "ok")  # extra digits dilute the credit
-    assert score_reversal("12345678", "1234>678")[:2] == (0.0, "format_error")
-    assert score_reversal("12345678", "")[:2] == (0.0, "format_error")
-    assert score_reversal("12345678", "1234<pad>")[:2] == (0.0, "format_error")
+    # the length limit (num_digits + 1) without the stop token: one extra position, reward below 1
+    assert score_reversal("12345678", "123456789")[:2] == (8 / 9, "ok")
+
+
+def test_reverse_reward_counts_a_stray_symbol_or_special_token_as_one_wrong_position() -> None:
+    assert score_reversal("12345678", "1234>678")[:2] == (7 / 8, "ok")
+    assert score_reversal("12345678", "1234<pad>678")[:2] == (7 / 8, "ok")  # <pad> is one position, not five
+    assert score_reversal("12345678", "<unk>2345678<bos>") == (7 / 9, "ok", {"matches": 7})
+
+
+def test_reverse_reward_is_a_format_error_without_any_digit() -> None:
+    assert score_reversal("12345678", "") == (0.0, "format_error", {"reason": "completion holds no digit"})
+    assert score_reversal("12345678", ">>=+")[:2] == (0.0, "format_error")
+    assert score_reversal("12345678", "<pad><unk>")[:2] == (0.0, "format_error")
+    assert completion_positions("1<pad>>") == ["1", "<pad>", ">"]
 
 
 def test_reverse_task_verifies_against_the_reversed_digits() -> None:

@@ -282,3 +282,21 @@ def test_cuda_bf16_autocast_tracks_fp32_log_probs() -> None:
     result = gpu.train_step(batch, _nll)
     assert np.isfinite(result.loss) and np.isfinite(result.grad_norm) and result.skipped_minibatches == 0
     assert all(t.device.type == "cpu" for t in gpu.export_weights(torch.bfloat16).values())
+
+
+def test_gpt2_preset_trains_and_exports_under_hf_names() -> None:
+    model = build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=0)
+    backend = TorchBackend(model, lr=1e-2, grad_clip=1.0, micro_batch_tokens=4096)
+    batch = _batch([10, 14, 7, 12])
+    reference = build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=0)
+    for seq, logp in zip(batch.sequences, backend.logprobs(batch), strict=True):
+        ids = torch.from_numpy(seq.tokens.astype(np.int64))[None]
+        with torch.no_grad():
+            log_probs = torch.log_softmax(reference(input_ids=ids).logits[0].float(), dim=-1)
+        np.testing.assert_allclose(logp[1:], log_probs[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1).numpy(), atol=1e-5)
+    first = backend.train_step(batch, _nll)
+    for _ in range(10):
+        last = backend.train_step(batch, _nll)
+    assert last.loss < first.loss - 0.5
+    exported = backend.export_weights(torch.float32)
+    assert list(exported) == list(reference.state_dict()) and "transformer.wpe.weight" in exported

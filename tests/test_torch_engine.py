@@ -202,3 +202,28 @@ def test_build_model_is_deterministic_from_seed_and_loads_local_checkpoints(tmp_
     assert torch.equal(loaded.state_dict()["lm_head.weight"], a.state_dict()["lm_head.weight"])
     with pytest.raises(ValueError, match="neither"):
         build_model("no-such-model", vocab_size=VOCAB, seed=0)
+
+
+def test_gpt2_preset_decodes_with_the_kv_cache_and_absolute_positions_under_left_padding(tmp_path) -> None:
+    """The GPT-2 preset (learned absolute positions): cached, left-padded batched decoding gives the log-probs of
+    a cache-free forward and the tokens of one-at-a-time decoding, and in-flight swaps keep working."""
+    model = build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=0)
+    assert type(model).__name__ == "GPT2LMHeadModel" and not model.config.tie_word_embeddings
+    assert model.config.n_positions == 128 and model.config.resid_pdrop == model.config.attn_pdrop == 0.0
+    assert all(torch.equal(t, build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=0).state_dict()[n])
+               for n, t in model.state_dict().items())
+    engine = TorchEngine(model, pad_token_id=PAD)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    requests = [GenerateRequest(p, seed=100 + i) for i, p in enumerate(PROMPTS)]
+    batched = engine.generate(requests, params)
+    for request, together in zip(requests, batched, strict=True):
+        np.testing.assert_allclose(together.logprobs, _reference(model, list(request.input_ids), together.token_ids,
+                                                                 params), atol=1e-4)
+        (alone,) = engine.generate([request], params)
+        np.testing.assert_array_equal(alone.token_ids, together.token_ids)
+    other = build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=1).state_dict()
+    engine.update_weights(other, 1)
+    (after,) = engine.generate([requests[0]], params)
+    assert (after.versions == 1).all()
+    model.save_pretrained(tmp_path)
+    assert type(build_model(str(tmp_path), vocab_size=VOCAB, seed=5)).__name__ == "GPT2LMHeadModel"

@@ -1,0 +1,586 @@
+"""`leeway run` and the roles launched separately, through the real nats-server and SeaweedFS.
+
+Unit part (fast): the live view and plain lines against synthetic records, the report (PNG and
+summary), metrics tailing, thread split, stopping process groups.
+
+Integration part (real servers, real processes):
+- a short demo via `leeway run`: the reward rises, and every token the trainer trained on is within
+  the staleness cap, checked against the recorded trajectory stream (not the trainer's own metric);
+- the roles by hand in any order: a generator first, then the trainer, a second generator late, the
+  first stopped mid-run; the run finishes and every admitted prompt is trained, dropped with a
+  reason, or still queued (nothing lost);
+- Ctrl-C on `leeway run`: exit 130, no process it started (roles, private stack) is left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from actors.live import LiveView, sparkline
+from actors.report import summarize, write_report
+from actors.run import (
+    GeneratorProcessStatus,
+    RoleProcess,
+    RunDirInUse,
+    RunStatus,
+    prepare_run_dir,
+    read_metrics,
+    spawn_role,
+    split_threads,
+    stop_roles,
+)
+from infra.process import start_ticks
+from infra.stack import StackState, load_state
+from pipeline.config import LeewayConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo.yaml"
+
+# Small, bounded versions of the demo (2 CI cores): fewer steps, a stream that reserves little.
+COMMON = ["stream.max_bytes=67108864", "trainer.queue_wait_timeout_s=120", "logging.level=INFO"]
+DEMO_STEPS = 120
+"""The demo's reward sits near chance (~0.08) for its first ~60 steps, then climbs (0.15 by step 100)."""
+EDGE = 10
+"""Reward rises: the mean of the last EDGE steps beats the mean of the first EDGE steps by more than
+three standard errors of that difference (and by at least MIN_RISE)."""
+MIN_RISE = 0.01
+
+
+# ------------------------------------------------------------------------------------ synthetic
+
+
+def synthetic_records(steps: int = 30) -> list[dict[str, Any]]:
+    out = []
+    for step in range(1, steps + 1):
+        reward = 0.1 + 0.8 * step / steps
+        out.append(
+            {
+                "step": step,
+                "version": step,
+                "time_s": 2.0 + 0.5 * step,
+                "reward/unfiltered_mean": reward,
+                "reward/kept_mean": reward + 0.02,
+                "staleness/mean": 1.0 + (step % 3) * 0.3,
+                "staleness/max": 2,
+                "samples/dropped_by_cap_total": step // 10,
+                "time/step_s": 0.5,
+                "time/wait_fraction": 0.2,
+                "generators/tokens_per_s": 3000.0 + step,
+                "trainer/tokens_per_s": 5000.0,
+                "queue/trajectories": 7,
+                "trained_group_ids": [f"p{step}.{i}" for i in range(3)],
+                "dropped_group_ids": {f"d{step}": "no_disagreement"},
+                "generators": {
+                    "gen-0": {
+                        "version": step - 1,
+                        "tokens_per_s": 1500.0,
+                        "idle_fraction": 0.05,
+                        "rollouts_in_flight": 4,
+                        "time_s": time.time(),
+                    },
+                    "gen-9": {
+                        "version": step - 2,
+                        "tokens_per_s": 1500.0,
+                        "idle_fraction": 0.1,
+                        "rollouts_in_flight": 4,
+                        "time_s": time.time() - 3,
+                    },
+                },
+            }
+        )
+    return out
+
+
+def demo_config(tmp_path: Path, *extra: str) -> LeewayConfig:
+    return load_config(str(DEMO), [*COMMON, f"run.dir={tmp_path / 'run'}", *extra])
+
+
+def test_live_view_renders_every_number(tmp_path: Path) -> None:
+    cfg = demo_config(tmp_path, "trainer.max_steps=30")
+    console = Console(record=True, width=140, force_terminal=True)
+    view = LiveView(cfg, 1, console=console)
+    assert not view.plain
+    status = RunStatus(
+        generators=(
+            GeneratorProcessStatus("gen-0", 1234, None, tmp_path / "gen-0.log"),
+            GeneratorProcessStatus("gen-1", 1235, 1, tmp_path / "gen-1.log"),
+        ),
+        queues={"prompts_waiting": 35, "prompts_in_generation": 12, "groups_waiting": 4, "groups_in_step": 0},
+    )
+    records = synthetic_records()
+    console.print(view.render(records, status))
+    text = console.export_text()
+    for expected in (
+        "30/30",  # progress over steps
+        "unfiltered 0.900",
+        "kept 0.920",  # both rewards
+        "version 30",
+        "staleness mean 1.00 max 2 (cap 2)",
+        "prompts 35 waiting, 12 in generation",
+        "groups 4 waiting",  # queue depth
+        "generated 3,030 tok/s",
+        "trained 5,000 tok/s",  # throughput
+        "running (pid 1234)",
+        "exited 1: gen-1.log",
+        "external",  # gen-9 reports but is not ours
+        "Ctrl-C stops everything cleanly",
+    ):
+        assert expected in text, f"{expected!r} missing from the live view:\n{text}"
+    gen_rows = [line for line in text.splitlines() if line.startswith("gen-")]
+    assert [row.split()[:2] for row in gen_rows] == [["gen-0", "29"], ["gen-1", "-"], ["gen-9", "28"]]
+    console.print(view.render([], None))
+    assert "waiting for the first step" in console.export_text()
+
+
+def test_plain_lines_without_terminal(tmp_path: Path) -> None:
+    cfg = demo_config(tmp_path, "trainer.max_steps=30")
+    console = Console(record=True, width=60, force_terminal=False)
+    records = synthetic_records()
+    with LiveView(cfg, 1, console=console) as view:
+        assert view.plain
+        for n in range(1, len(records) + 1):
+            view.update(records[:n], RunStatus(queues={"prompts_waiting": 3}))
+        view.update(records, RunStatus(generators=(GeneratorProcessStatus("gen-0", 1, 1, tmp_path / "g.log"),)))
+    lines = console.export_text().splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/30", "10/30", "20/30", "30/30"]  # first, every 10th; unwrapped
+    assert "reward 0.900 (kept 0.920)" in steps[-1] and "queue prompts 3" in steps[-1]
+    assert "generators gen-0:v29 gen-9:v28" in steps[-1]
+    assert any("gen-0: process exited with 1" in line for line in lines)
+    assert lines[0].startswith("run ") and "max staleness 2" in lines[0]
+
+
+def test_sparkline() -> None:
+    assert sparkline([]) == ""
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+
+
+def test_report_png_and_summary(tmp_path: Path) -> None:
+    cfg = demo_config(tmp_path)
+    records = synthetic_records()
+    summary = write_report(tmp_path, records, cfg)
+    png = (tmp_path / "report.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    text = summary.read_text()
+    assert "| reward, first 5 steps | 0.180 |" in text
+    assert "| reward, last 5 steps | 0.847 |" in text
+    assert "| groups trained / not trained | 90 / 30 (30 no_disagreement) |" in text
+    assert "reverse_digits" in text
+    assert "nothing to report" in summarize([], cfg)
+    write_report(tmp_path / "", [], cfg)  # no step: a summary, no plot, no error
+
+
+def test_read_metrics_waits_for_complete_lines(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    assert read_metrics(path, 0) == ([], 0)
+    path.write_bytes(b'{"step": 1}\n{"step": 2')
+    records, offset = read_metrics(path, 0)
+    assert records == [{"step": 1}] and offset == len(b'{"step": 1}\n')
+    with open(path, "ab") as handle:
+        handle.write(b"}\n")
+    records, offset = read_metrics(path, offset)
+    assert records == [{"step": 2}] and offset == path.stat().st_size
+
+
+def test_split_threads() -> None:
+    assert split_threads(1, cores=2) == (1, 1)
+    assert split_threads(3, cores=2) == (1, 1)
+    assert split_threads(2, cores=16) == (8, 4)
+
+
+def test_run_dir_is_never_mixed_with_an_earlier_run(tmp_path: Path) -> None:
+    cfg = demo_config(tmp_path)
+    run_dir = prepare_run_dir(cfg, fresh=False)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirInUse, match="--fresh"):
+        prepare_run_dir(cfg, fresh=False)
+    assert not (prepare_run_dir(cfg, fresh=True) / "metrics.jsonl").exists()
+
+
+def test_stop_roles_kills_the_whole_group_of_a_role_ignoring_sigterm(tmp_path: Path) -> None:
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    log = tmp_path / "role.log"
+    with open(log, "wb") as out:
+        popen = subprocess.Popen([sys.executable, "-c", script], stdout=out, start_new_session=True)
+    role = RoleProcess("stubborn", popen, log)
+    deadline = time.monotonic() + 10
+    while not log.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(log.read_text().split()[0])
+    started = time.monotonic()
+    stop_roles([role], timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    assert popen.returncode == -signal.SIGKILL
+    _wait_gone([grandchild])
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _alive(pid: int, ticks: int | None = None) -> bool:
+    """Running and not a zombie (and, given `ticks`, still the same process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    if stat.rsplit(")", 1)[1].split()[0] == "Z":
+        return False
+    return ticks is None or start_ticks(pid) == ticks
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "processes left running"
+
+
+def _children_of(pid: int) -> dict[int, int | None]:
+    """pid -> start ticks of every direct child of `pid` right now."""
+    out: dict[int, int | None] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            out[int(entry.name)] = start_ticks(int(entry.name))
+    return out
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention `text` (e.g. a run directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if text in cmdline and _alive(int(entry.name)):
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists():
+            records, _ = read_metrics(path, 0)
+            if records and int(records[-1]["step"]) >= step:
+                return
+        for proc in procs:
+            assert proc.poll() is None, f"{proc.args} exited with {proc.returncode} before step {step}"
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout_s} s")
+
+
+def _leeway(*args: str) -> list[str]:
+    return [sys.executable, "-m", "actors.cli", *args]
+
+
+def _log_tails(run_dir: Path) -> str:
+    out = []
+    for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
+        out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
+    return "\n".join(out)
+
+
+async def _recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> list[Any]:
+    """Every group in the run's trajectory stream (from `from_seq`), read back through a replay."""
+    from actors.stack_client import open_run_store, resolve_endpoints
+    from pipeline import transport
+    from pipeline.names import RunNames
+
+    endpoints = resolve_endpoints(cfg)
+    nc = await transport.connect(endpoints.nats_url, name="test-run-replay")
+    try:
+        js = nc.jetstream()
+        reader = await transport.ReplayReader.open(
+            js,
+            RunNames.for_run(cfg.run.name),
+            cfg.stream,
+            open_run_store(cfg, endpoints),
+            transport.ReplaySelection(from_seq=from_seq),
+        )
+        groups = []
+        while not reader.done:
+            groups += [d.group for d in await reader.fetch(max_groups=64, timeout_s=1.0)]
+        await reader.close()
+        return groups
+    finally:
+        await nc.close()
+
+
+async def _queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
+    """(prompts ever admitted, ids still in the prompt work queue) of the run."""
+    from actors.stack_client import resolve_endpoints
+    from pipeline import transport
+    from pipeline.names import RunNames
+    from pipeline.prompt_queue import Prompt
+
+    names = RunNames.for_run(cfg.run.name)
+    nc = await transport.connect(resolve_endpoints(cfg).nats_url, name="test-run-prompts")
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(names.prompt_stream)
+        queued = set()
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                msg = await js.get_msg(names.prompt_stream, seq)
+            except Exception:  # acked (deleted from the work queue) meanwhile
+                continue
+            queued.add(Prompt.from_json(msg.data).prompt_id)
+        return int(info.state.last_seq), queued
+    finally:
+        await nc.close()
+
+
+async def _unconsumed_from(cfg: LeewayConfig) -> int:
+    """First trajectory-stream sequence the trainer has not acked."""
+    from actors.stack_client import resolve_endpoints
+    from pipeline import transport
+    from pipeline.names import RunNames
+
+    names = RunNames.for_run(cfg.run.name)
+    nc = await transport.connect(resolve_endpoints(cfg).nats_url, name="test-run-acks")
+    try:
+        info = await nc.jetstream().consumer_info(names.trajectory_stream, names.trainer_consumer)
+        return int(info.ack_floor.stream_seq) + 1
+    finally:
+        await nc.close()
+
+
+def _shared_stack_config(tmp_path: Path, stack: StackState, name: str, steps: int, *extra: str) -> LeewayConfig:
+    return load_config(
+        str(DEMO),
+        [
+            *COMMON,
+            f"run.name={name}",
+            f"run.dir={tmp_path / 'run'}",
+            f"nats.stack_dir={stack.dir}",
+            f"trainer.max_steps={steps}",
+            *extra,
+        ],
+    )
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test started; killed (with their groups) if the test fails half-way."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
+# ---------------------------------------------------------------------------------- integration
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_short_demo_learns_within_the_cap(
+    tmp_path: Path, stack: StackState, cleanup: list[subprocess.Popen[bytes]]
+) -> None:
+    """`leeway run` on the demo task, fewer steps, on a running stack (found at nats.stack_dir and left up)."""
+    cfg = _shared_stack_config(tmp_path, stack, "run-demo", DEMO_STEPS)
+    assert cfg.staleness.policy == "drop_trajectory"
+    run_dir = cfg.run.run_dir
+    config_path = tmp_path / "demo.yaml"
+    config_path.write_text(cfg.to_yaml())
+    proc = subprocess.Popen(
+        _leeway("run", str(config_path), "--no-live", "--fresh"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    cleanup.append(proc)
+    out, _ = proc.communicate(timeout=200)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text + _log_tails(run_dir)
+    assert f"step {DEMO_STEPS}/{DEMO_STEPS} reward" in text
+
+    # the report
+    assert (run_dir / "report.png").read_bytes().startswith(b"\x89PNG")
+    assert f"| steps | {DEMO_STEPS} " in (run_dir / "summary.md").read_text()
+    assert not (run_dir / "stack").exists(), "a healthy stack at nats.stack_dir must be used, not a private one"
+    assert load_state(stack.dir) is not None and load_state(stack.dir).processes  # type: ignore[union-attr]
+
+    # the reward rises: last steps against first steps, by a margin well above the step-to-step noise.
+    # Per-step noise from successive differences (a slow trend barely inflates it): sigma ~ sd(diff)/sqrt(2);
+    # the difference of two means of EDGE steps then has standard error sigma * sqrt(2 / EDGE).
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, DEMO_STEPS + 1))
+    rewards = [float(r["reward/unfiltered_mean"]) for r in records]
+    first, last = rewards[:EDGE], rewards[-EDGE:]
+    sigma = statistics.pstdev([b - a for a, b in zip(rewards, rewards[1:], strict=False)]) / 2**0.5
+    rise = statistics.mean(last) - statistics.mean(first)
+    margin = max(MIN_RISE, 3 * sigma * (2 / EDGE) ** 0.5)
+    assert rise > margin, f"reward rose by {rise:.3f} (needed {margin:.3f}): {[round(r, 3) for r in rewards]}"
+
+    # every trained token is within the cap: checked on the recorded groups, not the trainer's metric
+    groups = {g.group_id: g for g in asyncio.run(_recorded_groups(cfg))}
+    cap = cfg.staleness.max_staleness
+    checked = 0
+    for record in records:
+        trainer_version = int(record["version"]) - 1  # the weights the step was computed with
+        for group_id in record["trained_group_ids"]:
+            group = groups[group_id]
+            loss_versions = group.versions[group.loss_mask.astype(bool)]
+            assert loss_versions.size > 0
+            assert int(loss_versions.min()) >= trainer_version - cap, (group_id, record["step"])
+            assert int(loss_versions.max()) <= trainer_version, (group_id, record["step"])
+            checked += int(loss_versions.size)
+    assert checked > 0
+    assert max(int(r["staleness/max"]) for r in records) >= 1, "the run was not asynchronous at all"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
+    tmp_path: Path, stack: StackState, cleanup: list[subprocess.Popen[bytes]]
+) -> None:
+    """Generator first, trainer next, a second generator late, the first stopped mid-run."""
+    steps = 24
+    cfg = _shared_stack_config(tmp_path, stack, "run-roles", steps)
+    run_dir = cfg.run.run_dir
+    run_dir.mkdir(parents=True)
+    config_path = run_dir / "config.yaml"
+    config_path.write_text(cfg.to_yaml())
+    logs = run_dir / "logs"
+
+    def role(kind: str, name: str, *sets: str) -> RoleProcess:
+        started = spawn_role(kind, config_path, list(sets), logs / f"{name}.log", threads=1, name=name)
+        cleanup.append(started.popen)
+        return started
+
+    gen_a = role("generator", "gen-a", "generator.id=gen-a")
+    trainer = role("trainer", "trainer")
+    try:
+        _wait_for_step(run_dir, 6, [gen_a.popen, trainer.popen], timeout_s=120)
+        gen_b = role("generator", "gen-b", "generator.id=gen-b")
+        _wait_for_step(run_dir, 12, [gen_a.popen, gen_b.popen, trainer.popen], timeout_s=60)
+        stop_roles([gen_a], timeout_s=20)
+        assert gen_a.popen.returncode == 0, _log_tails(run_dir)
+        trainer.popen.wait(timeout=120)
+        assert trainer.popen.returncode == 0, _log_tails(run_dir)
+        stop_roles([gen_b], timeout_s=20)
+        assert gen_b.popen.returncode == 0, _log_tails(run_dir)
+    except BaseException:
+        print(_log_tails(run_dir))
+        raise
+
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    reporters = set().union(*(set(r.get("generators") or {}) for r in records))
+    assert reporters == {"gen-a", "gen-b"}
+
+    # every admitted prompt is trained, dropped with a reason, or still waiting (queue or stream)
+    trained = [g for r in records for g in r["trained_group_ids"]]
+    dropped = [g for r in records for g in r["dropped_group_ids"]]
+    assert len(trained) == len(set(trained)) == steps * cfg.trainer.batch_groups
+    assert not set(trained) & set(dropped)
+    admitted_count, queued = asyncio.run(_queued_prompt_ids(cfg))
+    unconsumed = {g.group_id for g in asyncio.run(_recorded_groups(cfg, asyncio.run(_unconsumed_from(cfg))))}
+    from actors.trainer_parts import PromptFeed
+    from pipeline.tasks import get_task
+
+    admitted = {p.prompt_id for p in PromptFeed(cfg, get_task(cfg.task.name, **cfg.task.args), 0).take(admitted_count)}
+    accounted = set(trained) | set(dropped) | queued | unconsumed
+    lost = admitted - accounted
+    assert not lost, f"{len(lost)} of {len(admitted)} admitted prompts lost: {sorted(lost)[:10]}"
+    assert accounted <= admitted, "a group that was never admitted"
+
+    # both generators produced trained groups: the late one joined, the stopped one counted until it left
+    by_generator = {g.group_id: g.generator_id for g in asyncio.run(_recorded_groups(cfg))}
+    assert {by_generator[g] for g in trained} == {"gen-a", "gen-b"}
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_everything(tmp_path: Path, cleanup: list[subprocess.Popen[bytes]]) -> None:
+    """SIGINT after the first steps: exit 130, every role and the private stack are gone, a report is written."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        _leeway(
+            "run",
+            str(DEMO),
+            "--no-live",
+            "--generators",
+            "2",
+            *(
+                f"--set={item}"
+                for item in [
+                    *COMMON,
+                    f"run.dir={run_dir}",
+                    "run.name=run-sigint",
+                    f"nats.stack_dir={tmp_path / 'no-stack-here'}",
+                ]
+            ),
+        ),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    cleanup.append(proc)
+    seen: dict[int, int | None] = {}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        seen.update(_children_of(proc.pid))
+        records, _ = read_metrics(run_dir / "metrics.jsonl", 0)
+        if len(records) >= 2 or proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode() + _log_tails(run_dir)
+    seen.update(_children_of(proc.pid))
+    state = load_state(run_dir / "stack")
+    assert state is not None and len(state.processes) == 2, "a private stack in <run.dir>/stack"
+    stack_pids = {p.pid: start_ticks(p.pid) for p in state.processes}
+    roles = set(seen) - set(stack_pids)
+    assert set(stack_pids) <= set(seen) and len(roles) == 3, f"stack + trainer + 2 generators expected, saw {seen}"
+
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C delivers (roles run in their own sessions)
+    out, _ = proc.communicate(timeout=60)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 130, text
+    assert "interrupted" in text
+    left = [pid for pid, ticks in {**seen, **stack_pids}.items() if _alive(pid, ticks)]
+    assert not left, f"left running: {left}"
+    assert not _processes_mentioning(str(run_dir)), _processes_mentioning(str(run_dir))
+    assert (run_dir / "summary.md").exists() and (run_dir / "report.png").exists()
+    assert not load_state(run_dir / "stack").processes  # type: ignore[union-attr]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "checkpoint written" in trainer_log  # the trainer stopped cleanly, not killed
