@@ -49,8 +49,14 @@ def is_preset(spec: str) -> bool:
     return _PRESET_RE.match(spec) is not None
 
 
-def preset_config(spec: str, *, vocab_size: int, pad_token_id: int | None = None,
-                  bos_token_id: int | None = None, eos_token_id: int | None = None) -> PretrainedConfig:
+def preset_config(
+    spec: str,
+    *,
+    vocab_size: int,
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> PretrainedConfig:
     """The config of a tiny preset (`LlamaConfig` or `GPT2Config`); raises ValueError for a name that is not one."""
     match = _PRESET_RE.match(spec)
     if match is None:
@@ -93,9 +99,16 @@ def preset_config(spec: str, *, vocab_size: int, pad_token_id: int | None = None
     )
 
 
-def build_model(spec: str, *, vocab_size: int, seed: int, dtype: torch.dtype = torch.float32,
-                pad_token_id: int | None = None, bos_token_id: int | None = None,
-                eos_token_id: int | None = None) -> PreTrainedModel:
+def build_model(
+    spec: str,
+    *,
+    vocab_size: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> PreTrainedModel:
     """Build the causal LM named by ``spec`` in eval mode on the CPU.
 
     A preset is initialised from ``seed`` inside a forked RNG, so the same (spec, vocab_size, seed)
@@ -104,8 +117,9 @@ def build_model(spec: str, *, vocab_size: int, seed: int, dtype: torch.dtype = t
     index past the embedding table.
     """
     if is_preset(spec):
-        config = preset_config(spec, vocab_size=vocab_size, pad_token_id=pad_token_id,
-                               bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        config = preset_config(
+            spec, vocab_size=vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model_class = GPT2LMHeadModel if isinstance(config, GPT2Config) else LlamaForCausalLM
@@ -117,6 +131,7 @@ def build_model(spec: str, *, vocab_size: int, seed: int, dtype: torch.dtype = t
         if rows < vocab_size:
             raise ValueError(f"model {spec!r} has {rows} embedding rows, fewer than vocab_size={vocab_size}")
     else:
-        raise ValueError(f"model spec {spec!r} is neither a tiny preset ({PRESET_FORMS}) "
-                         "nor an existing local checkpoint directory")
+        raise ValueError(
+            f"model spec {spec!r} is neither a tiny preset ({PRESET_FORMS}) nor an existing local checkpoint directory"
+        )
     return model.eval()

@@ -36,8 +36,14 @@ def add_selection_arguments(parser: argparse.ArgumentParser, *, required: bool) 
     start = parser.add_mutually_exclusive_group(required=required)
     start.add_argument("--from-seq", type=int, metavar="N", help="first stream sequence (inclusive)")
     start.add_argument("--since", type=_parse_time, metavar="TIME", help="groups stored at or after TIME (ISO 8601)")
-    start.add_argument("--min-version", "--from-version", dest="min_version", type=int, metavar="V",
-                       help="groups whose every trained token has policy version >= V")
+    start.add_argument(
+        "--min-version",
+        "--from-version",
+        dest="min_version",
+        type=int,
+        metavar="V",
+        help="groups whose every trained token has policy version >= V",
+    )
     end = parser.add_mutually_exclusive_group()
     end.add_argument("--until-seq", type=int, metavar="N", help="last stream sequence (inclusive)")
     end.add_argument("--until", type=_parse_time, metavar="TIME", help="groups stored at or before TIME")
@@ -47,15 +53,19 @@ def selection_from_args(args: argparse.Namespace) -> Any:
     """The parsed selection flags as a `pipeline.transport.ReplaySelection`."""
     from pipeline.transport import ReplaySelection
 
-    return ReplaySelection(from_seq=args.from_seq, since=args.since, min_version=args.min_version,
-                           until_seq=args.until_seq, until=args.until)
+    return ReplaySelection(
+        from_seq=args.from_seq,
+        since=args.since,
+        min_version=args.min_version,
+        until_seq=args.until_seq,
+        until=args.until,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_selection_arguments(parser, required=True)
     parser.add_argument("--to-parquet", metavar="DIR", help="write the selection as Parquet files into DIR")
-    parser.add_argument("--groups-per-file", type=int, default=DEFAULT_GROUPS_PER_FILE,
-                        help="groups per Parquet file")
+    parser.add_argument("--groups-per-file", type=int, default=DEFAULT_GROUPS_PER_FILE, help="groups per Parquet file")
 
 
 def main(cfg: Any, args: argparse.Namespace) -> int:
@@ -78,8 +88,12 @@ async def replay(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.to_parquet) if args.to_parquet else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    nc = await connect(endpoints.nats_url, creds_file=cfg.nats.creds_file,
-                       connect_timeout_s=cfg.nats.connect_timeout_s, name="leeway-replay")
+    nc = await connect(
+        endpoints.nats_url,
+        creds_file=cfg.nats.creds_file,
+        connect_timeout_s=cfg.nats.connect_timeout_s,
+        name="leeway-replay",
+    )
     files: list[str] = []
     seqs: list[int] = []
     try:
@@ -95,9 +109,15 @@ async def replay(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
             files.append(_write(out_dir, pending, write_parquet))
     finally:
         await nc.close()
-    return {"run": names.run, "groups": len(seqs), "first_seq": seqs[0] if seqs else None,
-            "last_seq": seqs[-1] if seqs else None, "filtered": reader.stats.filtered,
-            "skipped": dict(reader.stats.skipped), "files": files}
+    return {
+        "run": names.run,
+        "groups": len(seqs),
+        "first_seq": seqs[0] if seqs else None,
+        "last_seq": seqs[-1] if seqs else None,
+        "filtered": reader.stats.filtered,
+        "skipped": dict(reader.stats.skipped),
+        "files": files,
+    }
 
 
 def _write(out_dir: Path, deliveries: list, write_parquet) -> str:

@@ -74,8 +74,9 @@ class CodecError(ValueError):
 def group_to_record_batch(group: TrajectoryGroup) -> pa.RecordBatch:
     """The group as one Arrow record batch (numpy buffers are wrapped, not copied)."""
     if group.num_tokens > _INT32_MAX:
-        raise TrajectoryValidationError(f"{group.num_tokens} tokens exceed Arrow list offsets (int32)",
-                                        group_id=group.group_id, column="tokens")
+        raise TrajectoryValidationError(
+            f"{group.num_tokens} tokens exceed Arrow list offsets (int32)", group_id=group.group_id, column="tokens"
+        )
     offsets = pa.array(group.offsets.astype(np.int32))
     n = group.num_samples
     columns = {
@@ -155,15 +156,21 @@ def group_from_record_batch(batch: pa.RecordBatch, *, validate: bool = True) -> 
     offsets, values = _token_columns(batch, group_id)
     col = batch.column
     group = TrajectoryGroup(
-        group_id=group_id, prompt_id=_single_value(batch, "prompt_id"),
+        group_id=group_id,
+        prompt_id=_single_value(batch, "prompt_id"),
         generator_id=_single_value(batch, "generator_id"),
-        trajectory_ids=tuple(col("trajectory_id").to_pylist()), offsets=offsets, **values,
-        min_version=col("min_version").to_numpy(), max_version=col("max_version").to_numpy(),
+        trajectory_ids=tuple(col("trajectory_id").to_pylist()),
+        offsets=offsets,
+        **values,
+        min_version=col("min_version").to_numpy(),
+        max_version=col("max_version").to_numpy(),
         reward=col("reward").to_numpy(zero_copy_only=False).astype(np.float32, copy=False),
-        reward_source=tuple(col("reward_source").to_pylist()), status=tuple(col("status").to_pylist()),
+        reward_source=tuple(col("reward_source").to_pylist()),
+        status=tuple(col("status").to_pylist()),
         finish_reason=tuple(col("finish_reason").to_pylist()),
         tags=tuple(tuple(t) for t in col("tags").to_pylist()),
-        created_at_s=col("created_at_s").to_numpy(), gen_start_s=col("gen_start_s").to_numpy(),
+        created_at_s=col("created_at_s").to_numpy(),
+        gen_start_s=col("gen_start_s").to_numpy(),
         gen_end_s=col("gen_end_s").to_numpy(),
     )
     if validate:
@@ -196,8 +203,12 @@ def _token_columns(batch: pa.RecordBatch, group_id: str) -> tuple[np.ndarray, di
         elif not np.array_equal(offsets, rebased):
             lengths, theirs = np.diff(offsets), np.diff(rebased)
             sample = int(np.flatnonzero(lengths != theirs)[0])
-            raise TrajectoryValidationError(f"length {theirs[sample]} != tokens length {lengths[sample]}",
-                                            group_id=group_id, sample=sample, column=name)
+            raise TrajectoryValidationError(
+                f"length {theirs[sample]} != tokens length {lengths[sample]}",
+                group_id=group_id,
+                sample=sample,
+                column=name,
+            )
     assert offsets is not None
     return offsets, values
 

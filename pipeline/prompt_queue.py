@@ -79,9 +79,14 @@ class Prompt:
             raise PromptError(f"prompt {self.prompt_id!r}: metadata must be an object")
 
     def to_json(self) -> bytes:
-        return orjson.dumps({"prompt_id": self.prompt_id, "text": self.text,
-                             "token_ids": None if self.token_ids is None else list(self.token_ids),
-                             "metadata": dict(self.metadata)})
+        return orjson.dumps(
+            {
+                "prompt_id": self.prompt_id,
+                "text": self.text,
+                "token_ids": None if self.token_ids is None else list(self.token_ids),
+                "metadata": dict(self.metadata),
+            }
+        )
 
     @classmethod
     def from_json(cls, data: bytes) -> Prompt:
@@ -91,8 +96,12 @@ class Prompt:
             raise PromptError(f"not JSON: {exc}") from exc
         if not isinstance(obj, dict) or set(obj) - {"prompt_id", "text", "token_ids", "metadata"}:
             raise PromptError(f"expected an object with prompt_id, text, token_ids, metadata; got {str(obj)[:80]}")
-        return cls(prompt_id=obj.get("prompt_id"), text=obj.get("text"), token_ids=obj.get("token_ids"),
-                   metadata=obj.get("metadata") or {})
+        return cls(
+            prompt_id=obj.get("prompt_id"),
+            text=obj.get("text"),
+            token_ids=obj.get("token_ids"),
+            metadata=obj.get("metadata") or {},
+        )
 
 
 @dataclass(eq=False)
@@ -118,13 +127,26 @@ class PromptLease:
 
 async def ensure_prompt_queue(js: JetStreamContext, names: RunNames, stream: PromptSettings) -> None:
     """The work-queue stream and the generators' durable consumer (idempotent)."""
-    await _ensure_stream(js, StreamConfig(
-        name=names.prompt_stream, subjects=[names.prompt_subject], retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_msg_size=stream.max_msg_bytes,
-        num_replicas=stream.replicas, duplicate_window=DUPLICATE_WINDOW_S))
-    config = ConsumerConfig(durable_name=names.generator_consumer, ack_policy=AckPolicy.EXPLICIT,
-                            ack_wait=stream.prompt_ack_wait_s, max_deliver=stream.prompt_max_deliver + 1,
-                            filter_subject=names.prompt_subject)
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.prompt_stream,
+            subjects=[names.prompt_subject],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_msg_size=stream.max_msg_bytes,
+            num_replicas=stream.replicas,
+            duplicate_window=DUPLICATE_WINDOW_S,
+        ),
+    )
+    config = ConsumerConfig(
+        durable_name=names.generator_consumer,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=stream.prompt_ack_wait_s,
+        max_deliver=stream.prompt_max_deliver + 1,
+        filter_subject=names.prompt_subject,
+    )
     await js.add_consumer(names.prompt_stream, config)
 
 
@@ -141,8 +163,12 @@ class PromptQueue:
 
     async def admit(self, prompt: Prompt) -> bool:
         """Enqueue a prompt (`Nats-Msg-Id` = prompt id); False if the queue already had it (deduped)."""
-        ack, _ = await self._publisher.publish_raw(self._names.prompt_subject, prompt.to_json(),
-                                                   {H_MSG_ID: prompt.prompt_id}, stream_name=self._names.prompt_stream)
+        ack, _ = await self._publisher.publish_raw(
+            self._names.prompt_subject,
+            prompt.to_json(),
+            {H_MSG_ID: prompt.prompt_id},
+            stream_name=self._names.prompt_stream,
+        )
         return not ack.duplicate
 
     async def admit_many(self, prompts: Iterable[Prompt]) -> int:
@@ -153,8 +179,9 @@ class PromptQueue:
     async def take(self, max_prompts: int = 1, timeout_s: float = PROMPT_FETCH_TIMEOUT_S) -> list[PromptLease]:
         """Up to `max_prompts` leases; [] when none arrived within `timeout_s`. Bad prompts are dead-lettered."""
         if self._sub is None:
-            self._sub = await self._js.pull_subscribe_bind(self._names.generator_consumer,
-                                                           stream=self._names.prompt_stream)
+            self._sub = await self._js.pull_subscribe_bind(
+                self._names.generator_consumer, stream=self._names.prompt_stream
+            )
         try:
             msgs = await self._sub.fetch(max_prompts, timeout=timeout_s)
         except asyncio.TimeoutError:  # nats-py raises both its own and the plain asyncio one
@@ -169,8 +196,11 @@ class PromptQueue:
     async def _receive(self, msg: Msg) -> PromptLease | None:
         delivered = msg.metadata.num_delivered
         if delivered > self._stream.prompt_max_deliver:
-            await self.dead_letters.dispose(msg, "max_deliveries", f"delivered {delivered} times without an ack "
-                                                                   f"(limit {self._stream.prompt_max_deliver})")
+            await self.dead_letters.dispose(
+                msg,
+                "max_deliveries",
+                f"delivered {delivered} times without an ack (limit {self._stream.prompt_max_deliver})",
+            )
             return None
         try:
             prompt = Prompt.from_json(msg.data)
@@ -193,5 +223,4 @@ class PromptQueue:
             self._sub = None
 
 
-__all__: Sequence[str] = ["Prompt", "PromptError", "PromptLease", "PromptQueue", "PublishError",
-                          "ensure_prompt_queue"]
+__all__: Sequence[str] = ["Prompt", "PromptError", "PromptLease", "PromptQueue", "PublishError", "ensure_prompt_queue"]

@@ -88,8 +88,9 @@ class GenerateRequest:
         if len(self.input_ids) == 0:
             raise ValueError(f"GenerateRequest {self.request_id!r}: input_ids is empty")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"GenerateRequest {self.request_id!r}: max_new_tokens must be >= 1, "
-                             f"got {self.max_new_tokens}")
+            raise ValueError(
+                f"GenerateRequest {self.request_id!r}: max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
 
 
 @dataclass
@@ -186,8 +187,13 @@ class Turn:
 
     @classmethod
     def policy(cls, result: GenerateResult) -> Turn:
-        return cls("policy", np.asarray(result.token_ids, np.int32), np.asarray(result.logprobs, np.float32),
-                   np.asarray(result.versions, np.int32), result.finish_reason)
+        return cls(
+            "policy",
+            np.asarray(result.token_ids, np.int32),
+            np.asarray(result.logprobs, np.float32),
+            np.asarray(result.versions, np.int32),
+            result.finish_reason,
+        )
 
 
 @dataclass
@@ -235,11 +241,21 @@ def sample_status(finish_reason: FinishReason, truncated: bool, verdict: Verifie
     return "truncated" if truncated else "ok"
 
 
-async def run_group(engine: Engine, task: Task, prompt: Prompt, group_size: int, sampling: SamplingParams,
-                    env: EnvironmentFactory | None = None, *, tokenizer: Tokenizer,
-                    verifier_timeout_s: float = VERIFIER_TIMEOUT_S, env_timeout_s: float = ENV_TIMEOUT_S,
-                    max_turns: int = MAX_TURNS, max_total_tokens: int | None = None,
-                    group_id: str | None = None) -> list[RolloutSample]:
+async def run_group(
+    engine: Engine,
+    task: Task,
+    prompt: Prompt,
+    group_size: int,
+    sampling: SamplingParams,
+    env: EnvironmentFactory | None = None,
+    *,
+    tokenizer: Tokenizer,
+    verifier_timeout_s: float = VERIFIER_TIMEOUT_S,
+    env_timeout_s: float = ENV_TIMEOUT_S,
+    max_turns: int = MAX_TURNS,
+    max_total_tokens: int | None = None,
+    group_id: str | None = None,
+) -> list[RolloutSample]:
     """Roll out ``group_size`` samples of one prompt; every sample comes back, whatever its status.
 
     Without ``env``: one batched generate call and one verifier call per sample. With ``env``: each sample
@@ -251,18 +267,32 @@ async def run_group(engine: Engine, task: Task, prompt: Prompt, group_size: int,
     group_id = group_id or uuid.uuid4().hex
     prompt_ids = _prompt_ids(prompt, tokenizer)
     if max_total_tokens is not None and len(prompt_ids) >= max_total_tokens:
-        raise ValueError(f"prompt {prompt.prompt_id!r} has {len(prompt_ids)} tokens, no room under "
-                         f"max_total_tokens={max_total_tokens}")
+        raise ValueError(
+            f"prompt {prompt.prompt_id!r} has {len(prompt_ids)} tokens, no room under "
+            f"max_total_tokens={max_total_tokens}"
+        )
     ctx = _Context(engine, task, prompt, sampling, tokenizer, verifier_timeout_s, group_id)
     if env is None:
         requests = [GenerateRequest(prompt_ids, request_id=f"{group_id}-{i}") for i in range(group_size)]
         results = await asyncio.to_thread(engine.generate, requests, sampling)
-        return list(await asyncio.gather(*(
-            ctx.finish(i, [Turn.context("prompt", prompt_ids), Turn.policy(r)], r.gen_s, r.finish_reason == "length")
-            for i, r in enumerate(results))))
-    return list(await asyncio.gather(*(
-        _run_episode(ctx, i, prompt_ids, env(prompt), env_timeout_s, max_turns, max_total_tokens)
-        for i in range(group_size))))
+        return list(
+            await asyncio.gather(
+                *(
+                    ctx.finish(
+                        i, [Turn.context("prompt", prompt_ids), Turn.policy(r)], r.gen_s, r.finish_reason == "length"
+                    )
+                    for i, r in enumerate(results)
+                )
+            )
+        )
+    return list(
+        await asyncio.gather(
+            *(
+                _run_episode(ctx, i, prompt_ids, env(prompt), env_timeout_s, max_turns, max_total_tokens)
+                for i in range(group_size)
+            )
+        )
+    )
 
 
 @dataclass
@@ -277,16 +307,37 @@ class _Context:
     verifier_timeout_s: float
     group_id: str
 
-    def sample(self, index: int, turns: list[Turn], *, reward: float | None, status: Status, gen_s: float,
-               verify_s: float = 0.0, info: dict[str, Any] | None = None) -> RolloutSample:
+    def sample(
+        self,
+        index: int,
+        turns: list[Turn],
+        *,
+        reward: float | None,
+        status: Status,
+        gen_s: float,
+        verify_s: float = 0.0,
+        info: dict[str, Any] | None = None,
+    ) -> RolloutSample:
         tokens, loss_mask, logprobs, versions = assemble(turns)
         policy_turns = [t for t in turns if t.kind == "policy"]
         return RolloutSample(
-            trajectory_id=f"{self.group_id}-{index}", group_id=self.group_id, prompt_id=self.prompt.prompt_id,
-            tokens=tokens, loss_mask=loss_mask, logprobs=logprobs, versions=versions, reward=reward,
-            reward_source="none" if reward is None else "verifier", status=status,
-            finish_reason=policy_turns[-1].finish_reason or "abort", num_turns=len(policy_turns),
-            tags=self.prompt.tags, gen_s=gen_s, verify_s=verify_s, info=info or {})
+            trajectory_id=f"{self.group_id}-{index}",
+            group_id=self.group_id,
+            prompt_id=self.prompt.prompt_id,
+            tokens=tokens,
+            loss_mask=loss_mask,
+            logprobs=logprobs,
+            versions=versions,
+            reward=reward,
+            reward_source="none" if reward is None else "verifier",
+            status=status,
+            finish_reason=policy_turns[-1].finish_reason or "abort",
+            num_turns=len(policy_turns),
+            tags=self.prompt.tags,
+            gen_s=gen_s,
+            verify_s=verify_s,
+            info=info or {},
+        )
 
     async def finish(self, index: int, turns: list[Turn], gen_s: float, truncated: bool) -> RolloutSample:
         """Score the completion (everything after the prompt) with the task's verifier and build the sample."""
@@ -298,12 +349,26 @@ class _Context:
         text = "".join(_decode(self.tokenizer, _strip_stop(t, self.sampling)) for t in completion)
         start = time.perf_counter()
         verdict = await run_verifier(self.task, self.prompt, text, ids, timeout_s=self.verifier_timeout_s)
-        return self.sample(index, turns, reward=verdict.reward, status=sample_status(finish_reason, truncated, verdict),
-                           gen_s=gen_s, verify_s=time.perf_counter() - start, info=dict(verdict.info))
+        return self.sample(
+            index,
+            turns,
+            reward=verdict.reward,
+            status=sample_status(finish_reason, truncated, verdict),
+            gen_s=gen_s,
+            verify_s=time.perf_counter() - start,
+            info=dict(verdict.info),
+        )
 
 
-async def _run_episode(ctx: _Context, index: int, prompt_ids: list[int], environment: Environment,
-                       env_timeout_s: float, max_turns: int, max_total_tokens: int | None) -> RolloutSample:
+async def _run_episode(
+    ctx: _Context,
+    index: int,
+    prompt_ids: list[int],
+    environment: Environment,
+    env_timeout_s: float,
+    max_turns: int,
+    max_total_tokens: int | None,
+) -> RolloutSample:
     """One multi-turn sample. An environment message is appended only when a policy reply follows it."""
     turns = [Turn.context("prompt", prompt_ids)]
     pending: list[int] = []
@@ -325,12 +390,19 @@ async def _run_episode(ctx: _Context, index: int, prompt_ids: list[int], environ
             return await ctx.finish(index, turns, gen_s, truncated=True)
         reply_ids = _strip_stop(turns[-1], ctx.sampling)
         try:
-            step = await asyncio.wait_for(environment.step(_decode(ctx.tokenizer, reply_ids), reply_ids),
-                                          timeout=env_timeout_s)
+            step = await asyncio.wait_for(
+                environment.step(_decode(ctx.tokenizer, reply_ids), reply_ids), timeout=env_timeout_s
+            )
         except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
             logger.exception("environment failed in trajectory %s-%d", ctx.group_id, index)
-            return ctx.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s,
-                              info={"error": f"environment: {type(exc).__name__}: {exc}"})
+            return ctx.sample(
+                index,
+                turns,
+                reward=None,
+                status="infra_error",
+                gen_s=gen_s,
+                info={"error": f"environment: {type(exc).__name__}: {exc}"},
+            )
         if step.done and step.reward is not None:
             reward = 0.0 if step.status == "format_error" else float(step.reward)
             return ctx.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))

@@ -156,16 +156,30 @@ class TrajectoryGroup:
         s = self.token_slice(index)
         reward = float(self.reward[index])
         return SampleArrays(
-            tokens=self.tokens[s], loss_mask=self.loss_mask[s], logprobs=self.logprobs[s], versions=self.versions[s],
-            reward=None if math.isnan(reward) else reward, reward_source=self.reward_source[index],
-            status=self.status[index], finish_reason=self.finish_reason[index], tags=self.tags[index],
-            trajectory_id=self.trajectory_ids[index], gen_start_s=float(self.gen_start_s[index]),
+            tokens=self.tokens[s],
+            loss_mask=self.loss_mask[s],
+            logprobs=self.logprobs[s],
+            versions=self.versions[s],
+            reward=None if math.isnan(reward) else reward,
+            reward_source=self.reward_source[index],
+            status=self.status[index],
+            finish_reason=self.finish_reason[index],
+            tags=self.tags[index],
+            trajectory_id=self.trajectory_ids[index],
+            gen_start_s=float(self.gen_start_s[index]),
             gen_end_s=float(self.gen_end_s[index]),
         )
 
     @classmethod
-    def from_samples(cls, *, group_id: str, prompt_id: str, generator_id: str, samples: Sequence[SampleArrays],
-                     created_at_s: float | None = None) -> TrajectoryGroup:
+    def from_samples(
+        cls,
+        *,
+        group_id: str,
+        prompt_id: str,
+        generator_id: str,
+        samples: Sequence[SampleArrays],
+        created_at_s: float | None = None,
+    ) -> TrajectoryGroup:
         """Concatenate per-sample arrays into one validated group (raises `TrajectoryValidationError`).
 
         Lengths are checked per sample before concatenation, so the error names the sample whose
@@ -178,11 +192,13 @@ class TrajectoryGroup:
             for name in TOKEN_COLUMNS:
                 arr = np.asarray(getattr(s, name))
                 if arr.ndim != 1:
-                    raise TrajectoryValidationError(f"expected a 1-d array, got shape {arr.shape}",
-                                                    group_id=group_id, sample=i, column=name)
+                    raise TrajectoryValidationError(
+                        f"expected a 1-d array, got shape {arr.shape}", group_id=group_id, sample=i, column=name
+                    )
                 if arr.shape != n:
-                    raise TrajectoryValidationError(f"length {arr.shape[0]} != tokens length {n[0]}",
-                                                    group_id=group_id, sample=i, column=name)
+                    raise TrajectoryValidationError(
+                        f"length {arr.shape[0]} != tokens length {n[0]}", group_id=group_id, sample=i, column=name
+                    )
         lengths = np.array([len(s.tokens) for s in samples], dtype=np.int64)
         offsets = np.zeros(len(samples) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -191,11 +207,17 @@ class TrajectoryGroup:
         min_v, max_v = loss_version_range(versions, loss_mask, offsets)
         now = time.time() if created_at_s is None else created_at_s
         group = cls(
-            group_id=group_id, prompt_id=prompt_id, generator_id=generator_id,
+            group_id=group_id,
+            prompt_id=prompt_id,
+            generator_id=generator_id,
             trajectory_ids=tuple(s.trajectory_id or f"{group_id}:{i}" for i, s in enumerate(samples)),
-            offsets=offsets, tokens=_concat(samples, "tokens", np.int32, group_id), loss_mask=loss_mask,
-            logprobs=_concat(samples, "logprobs", np.float32, group_id), versions=versions,
-            min_version=min_v, max_version=max_v,
+            offsets=offsets,
+            tokens=_concat(samples, "tokens", np.int32, group_id),
+            loss_mask=loss_mask,
+            logprobs=_concat(samples, "logprobs", np.float32, group_id),
+            versions=versions,
+            min_version=min_v,
+            max_version=max_v,
             reward=np.array([math.nan if s.reward is None else s.reward for s in samples], dtype=np.float32),
             reward_source=tuple(_enum_value(s.reward_source) for s in samples),
             status=tuple(_enum_value(s.status) for s in samples),
@@ -219,18 +241,21 @@ def _concat(samples: Sequence[SampleArrays], name: str, dtype: type, group_id: s
     for i, s in enumerate(samples):
         arr = np.asarray(getattr(s, name))
         if arr.size and not np.can_cast(arr.dtype, dtype, casting="same_kind"):
-            raise TrajectoryValidationError(f"dtype {arr.dtype} cannot be stored as {np.dtype(dtype)}",
-                                            group_id=group_id, sample=i, column=name)
+            raise TrajectoryValidationError(
+                f"dtype {arr.dtype} cannot be stored as {np.dtype(dtype)}", group_id=group_id, sample=i, column=name
+            )
         cast = arr.astype(dtype, copy=False)
         if arr.size and np.issubdtype(arr.dtype, np.integer) and not np.array_equal(cast, arr):
-            raise TrajectoryValidationError(f"values out of range for {np.dtype(dtype)}",
-                                            group_id=group_id, sample=i, column=name)
+            raise TrajectoryValidationError(
+                f"values out of range for {np.dtype(dtype)}", group_id=group_id, sample=i, column=name
+            )
         parts.append(cast)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def loss_version_range(versions: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray,
-                                                                                                     np.ndarray]:
+def loss_version_range(
+    versions: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-sample (min, max) policy version over loss tokens, -1 for a sample with none; vectorised."""
     n = len(offsets) - 1
     lo = np.full(n, -1, dtype=np.int32)
@@ -279,8 +304,12 @@ def validate_group(group: TrajectoryGroup) -> None:
     if n == 0:
         fail("a group needs at least one sample")
     _check_offsets(group, fail)
-    for name, dtype in (("tokens", np.int32), ("loss_mask", np.uint8), ("logprobs", np.float32),
-                        ("versions", np.int32)):
+    for name, dtype in (
+        ("tokens", np.int32),
+        ("loss_mask", np.uint8),
+        ("logprobs", np.float32),
+        ("versions", np.int32),
+    ):
         arr = getattr(group, name)
         if arr.dtype != dtype or arr.ndim != 1:
             fail(f"expected a flat {np.dtype(dtype)} array, got {arr.dtype} with shape {arr.shape}", column=name)
@@ -331,17 +360,26 @@ def _check_tokens(group: TrajectoryGroup, fail) -> None:
     loss = group.loss_mask == 1
     hit = _first_bad(loss & (group.versions < 0), off)
     if hit:
-        fail(f"loss token at position {hit[1]} has version {group.versions[off[hit[0]] + hit[1]]} (must be >= 0)",
-             sample=hit[0], column="versions")
+        fail(
+            f"loss token at position {hit[1]} has version {group.versions[off[hit[0]] + hit[1]]} (must be >= 0)",
+            sample=hit[0],
+            column="versions",
+        )
     hit = _first_bad(~loss & (group.versions != -1), off)
     if hit:
-        fail(f"non-loss token at position {hit[1]} has version {group.versions[off[hit[0]] + hit[1]]} (must be -1)",
-             sample=hit[0], column="versions")
+        fail(
+            f"non-loss token at position {hit[1]} has version {group.versions[off[hit[0]] + hit[1]]} (must be -1)",
+            sample=hit[0],
+            column="versions",
+        )
     lp = group.logprobs
     hit = _first_bad(loss & ~(np.isfinite(lp) & (lp <= LOGPROB_MAX)), off)
     if hit:
-        fail(f"loss token at position {hit[1]} has log-prob {lp[off[hit[0]] + hit[1]]} (must be finite and <= 0)",
-             sample=hit[0], column="logprobs")
+        fail(
+            f"loss token at position {hit[1]} has log-prob {lp[off[hit[0]] + hit[1]]} (must be finite and <= 0)",
+            sample=hit[0],
+            column="logprobs",
+        )
     hit = _first_bad(~np.isfinite(lp), off)
     if hit:
         fail(f"non-finite log-prob at position {hit[1]}", sample=hit[0], column="logprobs")
@@ -353,21 +391,31 @@ def _check_per_sample(group: TrajectoryGroup, fail) -> None:
     sources = {s.value for s in RewardSource}
     for i in range(group.num_samples):
         if group.min_version[i] != lo[i]:
-            fail(f"{group.min_version[i]} disagrees with the loss tokens' minimum {lo[i]}", sample=i,
-                 column="min_version")
+            fail(
+                f"{group.min_version[i]} disagrees with the loss tokens' minimum {lo[i]}",
+                sample=i,
+                column="min_version",
+            )
         if group.max_version[i] != hi[i]:
-            fail(f"{group.max_version[i]} disagrees with the loss tokens' maximum {hi[i]}", sample=i,
-                 column="max_version")
+            fail(
+                f"{group.max_version[i]} disagrees with the loss tokens' maximum {hi[i]}",
+                sample=i,
+                column="max_version",
+            )
         if group.status[i] not in statuses:
             fail(f"{group.status[i]!r} is not one of {sorted(statuses)}", sample=i, column="status")
         if group.reward_source[i] not in sources:
             fail(f"{group.reward_source[i]!r} is not one of {sorted(sources)}", sample=i, column="reward_source")
         has_reward = not math.isnan(float(group.reward[i]))
         if has_reward and group.reward_source[i] != RewardSource.VERIFIER.value:
-            fail(f"reward {group.reward[i]} present but reward_source is {group.reward_source[i]!r}",
-                 sample=i, column="reward")
+            fail(
+                f"reward {group.reward[i]} present but reward_source is {group.reward_source[i]!r}",
+                sample=i,
+                column="reward",
+            )
         if group.reward_source[i] == RewardSource.VERIFIER.value and not (
-                has_reward and math.isfinite(float(group.reward[i]))):
+            has_reward and math.isfinite(float(group.reward[i]))
+        ):
             fail("reward_source is 'verifier' but the reward is missing or not finite", sample=i, column="reward")
         if not isinstance(group.finish_reason[i], str):
             fail(f"expected a string, got {type(group.finish_reason[i]).__name__}", sample=i, column="finish_reason")

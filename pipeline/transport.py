@@ -135,8 +135,9 @@ class DeadLetterError(Exception):
 # --- connection and set-up ------------------------------------------------------------------------------
 
 
-async def connect(url: str, *, creds_file: str | None = None, connect_timeout_s: float = 5.0,
-                  name: str = "leeway") -> NatsClient:
+async def connect(
+    url: str, *, creds_file: str | None = None, connect_timeout_s: float = 5.0, name: str = "leeway"
+) -> NatsClient:
     """Connect for the long haul: reconnect forever, buffer 64 MiB of publishes while away, log state changes."""
 
     async def on_error(exc: Exception) -> None:
@@ -149,9 +150,17 @@ async def connect(url: str, *, creds_file: str | None = None, connect_timeout_s:
         log.info("nats %s: reconnected", name)
 
     return await nats.connect(
-        url, name=name, user_credentials=creds_file, connect_timeout=max(1, round(connect_timeout_s)),
-        max_reconnect_attempts=-1, reconnect_time_wait=0.25, ping_interval=20, max_outstanding_pings=3,
-        pending_size=CONNECT_PENDING_BYTES, error_cb=on_error, disconnected_cb=on_disconnect,
+        url,
+        name=name,
+        user_credentials=creds_file,
+        connect_timeout=max(1, round(connect_timeout_s)),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.25,
+        ping_interval=20,
+        max_outstanding_pings=3,
+        pending_size=CONNECT_PENDING_BYTES,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
     )
 
@@ -166,25 +175,57 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         await js.update_stream(config)
 
 
-async def ensure_trajectory_streams(js: JetStreamContext, names: RunNames, stream: StreamSettings, *,
-                                    duplicate_window_s: float = DUPLICATE_WINDOW_S) -> None:
+async def ensure_trajectory_streams(
+    js: JetStreamContext, names: RunNames, stream: StreamSettings, *, duplicate_window_s: float = DUPLICATE_WINDOW_S
+) -> None:
     """The trajectory stream (limits retention, file storage) and the run's dead-letter stream."""
     window = min(duplicate_window_s, stream.max_age_s)
-    common = dict(retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
-                  max_age=stream.max_age_s, num_replicas=stream.replicas, duplicate_window=window)
-    await _ensure_stream(js, StreamConfig(name=names.trajectory_stream, subjects=[names.trajectory_subject],
-                                          max_bytes=stream.max_bytes, max_msg_size=stream.max_msg_bytes, **common))
-    await _ensure_stream(js, StreamConfig(name=names.dead_letter_stream, subjects=[names.dead_letter_subjects],
-                                          max_bytes=min(stream.max_bytes, DEAD_LETTER_MAX_BYTES), max_msg_size=-1,
-                                          **common))
+    common = dict(
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=stream.max_age_s,
+        num_replicas=stream.replicas,
+        duplicate_window=window,
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.trajectory_stream,
+            subjects=[names.trajectory_subject],
+            max_bytes=stream.max_bytes,
+            max_msg_size=stream.max_msg_bytes,
+            **common,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.dead_letter_stream,
+            subjects=[names.dead_letter_subjects],
+            max_bytes=min(stream.max_bytes, DEAD_LETTER_MAX_BYTES),
+            max_msg_size=-1,
+            **common,
+        ),
+    )
 
 
-async def ensure_trainer_consumer(js: JetStreamContext, names: RunNames, *, ack_wait_s: float = TRAINER_ACK_WAIT_S,
-                                  max_ack_pending: int = TRAINER_MAX_ACK_PENDING) -> None:
+async def ensure_trainer_consumer(
+    js: JetStreamContext,
+    names: RunNames,
+    *,
+    ack_wait_s: float = TRAINER_ACK_WAIT_S,
+    max_ack_pending: int = TRAINER_MAX_ACK_PENDING,
+) -> None:
     """Create the durable consumer once (rank 0 or the launcher); ranks then `TrajectoryConsumer.bind`."""
-    config = ConsumerConfig(durable_name=names.trainer_consumer, ack_policy=AckPolicy.EXPLICIT,
-                            deliver_policy=DeliverPolicy.ALL, ack_wait=ack_wait_s, max_ack_pending=max_ack_pending,
-                            filter_subject=names.trajectory_subject)
+    config = ConsumerConfig(
+        durable_name=names.trainer_consumer,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_ack_pending=max_ack_pending,
+        filter_subject=names.trajectory_subject,
+    )
     await js.add_consumer(names.trajectory_stream, config)
 
 
@@ -224,8 +265,12 @@ _RETRYABLE = (
 )
 
 
-_TRANSIENT = (nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError,
-              nats.errors.NoRespondersError, nats.errors.OutboundBufferLimitError)
+_TRANSIENT = (
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoRespondersError,
+    nats.errors.OutboundBufferLimitError,
+)
 
 
 def group_headers(group: TrajectoryGroup) -> dict[str, str]:
@@ -243,8 +288,9 @@ def group_headers(group: TrajectoryGroup) -> dict[str, str]:
 class TrajectoryPublisher:
     """Publishes groups with dedupe ids, bounded ack waits, retries with backoff, and the claim check."""
 
-    def __init__(self, js: JetStreamContext, names: RunNames, stream: StreamSettings,
-                 store: ClaimStore | None = None) -> None:
+    def __init__(
+        self, js: JetStreamContext, names: RunNames, stream: StreamSettings, store: ClaimStore | None = None
+    ) -> None:
         self._js = js
         self._names = names
         self._stream = stream
@@ -257,18 +303,22 @@ class TrajectoryPublisher:
         key = None
         if len(data) > self._stream.max_inline_bytes:
             if self._store is None:
-                raise PublishError(f"group {group.group_id!r} is {len(data)} bytes > max_inline_bytes "
-                                   f"{self._stream.max_inline_bytes} and no object store is configured")
+                raise PublishError(
+                    f"group {group.group_id!r} is {len(data)} bytes > max_inline_bytes "
+                    f"{self._stream.max_inline_bytes} and no object store is configured"
+                )
             key = self._names.trajectory_key(group.group_id)
             await asyncio.to_thread(self._store.put, key, data)
             headers[H_CLAIM_CHECK] = key
             data = orjson.dumps({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-        ack, attempts = await self.publish_raw(self._names.trajectory_subject, data, headers,
-                                               stream_name=self._names.trajectory_stream)
+        ack, attempts = await self.publish_raw(
+            self._names.trajectory_subject, data, headers, stream_name=self._names.trajectory_stream
+        )
         return PublishResult(group.group_id, ack.seq, bool(ack.duplicate), len(data), key, attempts)
 
-    async def publish_many(self, groups: Iterable[TrajectoryGroup], *, window: int = PUBLISH_WINDOW
-                           ) -> list[PublishResult]:
+    async def publish_many(
+        self, groups: Iterable[TrajectoryGroup], *, window: int = PUBLISH_WINDOW
+    ) -> list[PublishResult]:
         """Publish with up to `window` acks outstanding; all are attempted, the first failure is raised."""
         gate = asyncio.Semaphore(window)
 
@@ -282,8 +332,9 @@ class TrajectoryPublisher:
                 raise r
         return results  # type: ignore[return-value]
 
-    async def publish_raw(self, subject: str, data: bytes, headers: Mapping[str, str], *,
-                          stream_name: str | None = None) -> tuple[Any, int]:
+    async def publish_raw(
+        self, subject: str, data: bytes, headers: Mapping[str, str], *, stream_name: str | None = None
+    ) -> tuple[Any, int]:
         """Publish until acked: each ack wait bounded by `publish_ack_timeout_s`, re-sent with the same id.
 
         `stream_name` (if given) must be the stream that stores `subject`, else the server refuses.
@@ -291,19 +342,25 @@ class TrajectoryPublisher:
         retries = self._stream.publish_retries
         for attempt in range(retries + 1):
             try:
-                ack = await self._js.publish(subject, data, timeout=self._stream.publish_ack_timeout_s,
-                                             stream=stream_name, headers=dict(headers))
+                ack = await self._js.publish(
+                    subject, data, timeout=self._stream.publish_ack_timeout_s, stream=stream_name, headers=dict(headers)
+                )
                 return ack, attempt + 1
             except _RETRYABLE as exc:
                 if attempt == retries:
-                    raise PublishError(f"{headers.get(H_MSG_ID)!r} not acked after {retries + 1} attempts: "
-                                       f"{type(exc).__name__}: {exc}") from exc
+                    raise PublishError(
+                        f"{headers.get(H_MSG_ID)!r} not acked after {retries + 1} attempts: {type(exc).__name__}: {exc}"
+                    ) from exc
                 delay = min(PUBLISH_BACKOFF_INITIAL_S * 2**attempt, PUBLISH_BACKOFF_MAX_S)
-                log.debug("publish %s attempt %d failed (%s); retrying in %.2fs", headers.get(H_MSG_ID),
-                          attempt + 1, type(exc).__name__, delay)
+                log.debug(
+                    "publish %s attempt %d failed (%s); retrying in %.2fs",
+                    headers.get(H_MSG_ID),
+                    attempt + 1,
+                    type(exc).__name__,
+                    delay,
+                )
                 await asyncio.sleep(delay)
-            except (nats.js.errors.APIError, nats.errors.MaxPayloadError,
-                    nats.errors.ConnectionClosedError) as exc:
+            except (nats.js.errors.APIError, nats.errors.MaxPayloadError, nats.errors.ConnectionClosedError) as exc:
                 raise PublishError(f"{headers.get(H_MSG_ID)!r} refused: {type(exc).__name__}: {exc}") from exc
         raise AssertionError("unreachable")
 
@@ -315,8 +372,9 @@ def _int_header(headers: Mapping[str, str], name: str) -> int:
     try:
         return int(headers[name])
     except (KeyError, ValueError, TypeError) as exc:
-        raise DeadLetterError("bad_headers", f"header {name!r} missing or not an integer: "
-                                             f"{headers.get(name)!r}") from exc
+        raise DeadLetterError(
+            "bad_headers", f"header {name!r} missing or not an integer: {headers.get(name)!r}"
+        ) from exc
 
 
 def parse_claim_check(headers: Mapping[str, str], data: bytes) -> tuple[str, int, str] | None:
@@ -342,8 +400,9 @@ def fetch_claim(store: ClaimStore | None, key: str, size: int, sha256: str) -> b
     except KeyError as exc:  # storage.objectstore.ObjectNotFound is a KeyError
         raise DeadLetterError("claim_check_missing", f"object {key!r} not found") from exc
     if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
-        raise DeadLetterError("claim_check_invalid", f"object {key!r} is {len(data)} bytes / other digest "
-                                                     f"than the pointer's {size} bytes")
+        raise DeadLetterError(
+            "claim_check_invalid", f"object {key!r} is {len(data)} bytes / other digest than the pointer's {size} bytes"
+        )
     return data
 
 
@@ -364,8 +423,12 @@ def decode_payload(headers: Mapping[str, str] | None, data: bytes) -> Trajectory
         raise DeadLetterError(exc.reason, str(exc)) from exc
     except TrajectoryValidationError as exc:
         raise DeadLetterError("validation_error", str(exc)) from exc
-    checks = ((H_MSG_ID, headers.get(H_MSG_ID), group.group_id), (H_MIN_VERSION, min_v, group.group_min_version),
-              (H_MAX_VERSION, max_v, group.group_max_version), (H_NUM_SAMPLES, num_samples, group.num_samples))
+    checks = (
+        (H_MSG_ID, headers.get(H_MSG_ID), group.group_id),
+        (H_MIN_VERSION, min_v, group.group_min_version),
+        (H_MAX_VERSION, max_v, group.group_max_version),
+        (H_NUM_SAMPLES, num_samples, group.num_samples),
+    )
     for name, said, actual in checks:
         if said != actual:
             raise DeadLetterError("header_mismatch", f"header {name}={said!r} but the group has {actual!r}")
@@ -397,11 +460,16 @@ class DeadLetters:
         """Publish the copy; True once stored (then the caller may `term()` the original)."""
         meta = msg.metadata
         headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
-        headers.update({
-            H_DLQ_REASON: reason, H_DLQ_DETAIL: _header_safe(detail), H_DLQ_STREAM: meta.stream,
-            H_DLQ_SEQ: str(meta.sequence.stream), H_DLQ_SUBJECT: msg.subject,
-            H_MSG_ID: f"{meta.stream}:{meta.sequence.stream}",  # re-dead-lettering after a crash dedupes
-        })
+        headers.update(
+            {
+                H_DLQ_REASON: reason,
+                H_DLQ_DETAIL: _header_safe(detail),
+                H_DLQ_STREAM: meta.stream,
+                H_DLQ_SEQ: str(meta.sequence.stream),
+                H_DLQ_SUBJECT: msg.subject,
+                H_MSG_ID: f"{meta.stream}:{meta.sequence.stream}",  # re-dead-lettering after a crash dedupes
+            }
+        )
         if msg.headers and H_MSG_ID in msg.headers:
             headers[H_DLQ_MSG_ID] = _header_safe(msg.headers[H_MSG_ID])
         body = msg.data
@@ -412,14 +480,20 @@ class DeadLetters:
                 headers[H_DLQ_BODY_OMITTED] = str(len(body))
                 await self._js.publish(self._subject, b"", timeout=self._timeout_s, headers=headers)
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("dead letter for %s seq %d (%s) not stored: %s", meta.stream, meta.sequence.stream,
-                        reason, exc)
+            log.warning("dead letter for %s seq %d (%s) not stored: %s", meta.stream, meta.sequence.stream, reason, exc)
             return False
         self.counts[reason] += 1
         level = logging.DEBUG if reason in self._logged else logging.WARNING
         self._logged.add(reason)
-        log.log(level, "dead-lettered %s seq %d: %s: %s (further %r failures logged at DEBUG)", meta.stream,
-                meta.sequence.stream, reason, _header_safe(detail), reason)
+        log.log(
+            level,
+            "dead-lettered %s seq %d: %s: %s (further %r failures logged at DEBUG)",
+            meta.stream,
+            meta.sequence.stream,
+            reason,
+            _header_safe(detail),
+            reason,
+        )
         return True
 
     async def dispose(self, msg: Msg, reason: str, detail: str) -> None:
@@ -457,8 +531,14 @@ class TrajectoryConsumer:
     so the trainer dedupes by group id. Bad messages are dead-lettered and never returned.
     """
 
-    def __init__(self, js: JetStreamContext, sub: JetStreamContext.PullSubscription, names: RunNames,
-                 stream: StreamSettings, store: ClaimStore | None) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        sub: JetStreamContext.PullSubscription,
+        names: RunNames,
+        stream: StreamSettings,
+        store: ClaimStore | None,
+    ) -> None:
         self._js = js
         self._sub = sub
         self._stream = stream
@@ -467,8 +547,9 @@ class TrajectoryConsumer:
         self.dead_letters = DeadLetters(js, names.trajectory_dead_letter_subject)
 
     @classmethod
-    async def bind(cls, js: JetStreamContext, names: RunNames, stream: StreamSettings,
-                   store: ClaimStore | None = None) -> TrajectoryConsumer:
+    async def bind(
+        cls, js: JetStreamContext, names: RunNames, stream: StreamSettings, store: ClaimStore | None = None
+    ) -> TrajectoryConsumer:
         """Bind to the durable consumer made by `ensure_trainer_consumer` (any number of ranks may)."""
         sub = await js.pull_subscribe_bind(names.trainer_consumer, stream=names.trajectory_stream)
         return cls(js, sub, names, stream, store)
@@ -516,8 +597,7 @@ class TrajectoryConsumer:
         An ack that fails is logged; the group will come back (at-least-once) and be deduped by id.
         """
         msgs = [(s, self._held.pop(s)) for s in seqs if s in self._held]
-        results = await asyncio.gather(*(m.ack_sync(timeout=ACK_TIMEOUT_S) for _, m in msgs),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(m.ack_sync(timeout=ACK_TIMEOUT_S) for _, m in msgs), return_exceptions=True)
         failed = [s for (s, _), r in zip(msgs, results, strict=True) if isinstance(r, BaseException)]
         if failed:
             log.warning("acks of %d groups not confirmed (they will be redelivered): seqs %s", len(failed), failed[:8])
@@ -586,8 +666,14 @@ class ReplayReader:
     right after the last message seen, so the output is exactly the selection, in order.
     """
 
-    def __init__(self, js: JetStreamContext, names: RunNames, stream: StreamSettings, store: ClaimStore | None,
-                 selection: ReplaySelection) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: RunNames,
+        stream: StreamSettings,
+        store: ClaimStore | None,
+        selection: ReplaySelection,
+    ) -> None:
         self._js = js
         self._names = names
         self._stream = stream
@@ -603,8 +689,14 @@ class ReplayReader:
         self._logged: set[str] = set()
 
     @classmethod
-    async def open(cls, js: JetStreamContext, names: RunNames, stream: StreamSettings, store: ClaimStore | None,
-                   selection: ReplaySelection) -> ReplayReader:
+    async def open(
+        cls,
+        js: JetStreamContext,
+        names: RunNames,
+        stream: StreamSettings,
+        store: ClaimStore | None,
+        selection: ReplaySelection,
+    ) -> ReplayReader:
         reader = cls(js, names, stream, store, selection)
         info = await js.stream_info(names.trajectory_stream)
         last = info.state.last_seq
@@ -617,8 +709,12 @@ class ReplayReader:
 
     async def _start(self, *, from_seq: int | None, since: dt.datetime | None) -> None:
         await self._delete_consumer()
-        config = ConsumerConfig(ack_policy=AckPolicy.NONE, filter_subject=self._names.trajectory_subject,
-                                inactive_threshold=REPLAY_INACTIVE_THRESHOLD_S, mem_storage=True)
+        config = ConsumerConfig(
+            ack_policy=AckPolicy.NONE,
+            filter_subject=self._names.trajectory_subject,
+            inactive_threshold=REPLAY_INACTIVE_THRESHOLD_S,
+            mem_storage=True,
+        )
         if from_seq is not None:
             config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, from_seq
         elif since is not None:
@@ -657,8 +753,12 @@ class ReplayReader:
         for msg in msgs:
             meta = msg.metadata
             if meta.sequence.consumer != self._last_consumer_seq + 1:
-                log.warning("replay: consumer sequence gap (%d -> %d); restarting after stream seq %d",
-                            self._last_consumer_seq, meta.sequence.consumer, self._last_seq)
+                log.warning(
+                    "replay: consumer sequence gap (%d -> %d); restarting after stream seq %d",
+                    self._last_consumer_seq,
+                    meta.sequence.consumer,
+                    self._last_seq,
+                )
                 await self._start(from_seq=self._last_seq + 1, since=None)
                 return out
             self._last_consumer_seq = meta.sequence.consumer

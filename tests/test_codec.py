@@ -25,11 +25,19 @@ from pipeline.trajectory import SampleArrays, TrajectoryGroup, TrajectoryValidat
 def _sample(rng: np.random.Generator, n: int = 64, prompt: int = 8, reward: float | None = 1.0) -> SampleArrays:
     mask = np.r_[np.zeros(prompt, np.uint8), np.ones(n - prompt, np.uint8)]
     versions = np.where(mask == 1, 3, -1).astype(np.int32)
-    versions[prompt + (n - prompt) // 2:] = 4
-    return SampleArrays(tokens=rng.integers(0, 151_936, n).astype(np.int32), loss_mask=mask,
-                        logprobs=np.where(mask == 1, -rng.exponential(0.3, n), 0).astype(np.float32),
-                        versions=versions, reward=reward, reward_source="verifier" if reward is not None else "none",
-                        tags=("math", "easy"), finish_reason="stop", gen_start_s=1.0, gen_end_s=2.0)
+    versions[prompt + (n - prompt) // 2 :] = 4
+    return SampleArrays(
+        tokens=rng.integers(0, 151_936, n).astype(np.int32),
+        loss_mask=mask,
+        logprobs=np.where(mask == 1, -rng.exponential(0.3, n), 0).astype(np.float32),
+        versions=versions,
+        reward=reward,
+        reward_source="verifier" if reward is not None else "none",
+        tags=("math", "easy"),
+        finish_reason="stop",
+        gen_start_s=1.0,
+        gen_end_s=2.0,
+    )
 
 
 def _group(group_id: str = "g-1", num_samples: int = 4, seed: int = 0) -> TrajectoryGroup:
@@ -46,11 +54,29 @@ def _ipc(batch: pa.RecordBatch, compression: str | None = "zstd") -> bytes:
 
 
 def _assert_same(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
-    for name in ("group_id", "prompt_id", "generator_id", "trajectory_ids", "reward_source", "status",
-                 "finish_reason", "tags"):
+    for name in (
+        "group_id",
+        "prompt_id",
+        "generator_id",
+        "trajectory_ids",
+        "reward_source",
+        "status",
+        "finish_reason",
+        "tags",
+    ):
         assert getattr(a, name) == getattr(b, name), name
-    for name in ("offsets", "tokens", "loss_mask", "logprobs", "versions", "min_version", "max_version",
-                 "created_at_s", "gen_start_s", "gen_end_s"):
+    for name in (
+        "offsets",
+        "tokens",
+        "loss_mask",
+        "logprobs",
+        "versions",
+        "min_version",
+        "max_version",
+        "created_at_s",
+        "gen_start_s",
+        "gen_end_s",
+    ):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     np.testing.assert_array_equal(np.isnan(a.reward), np.isnan(b.reward))
 
@@ -66,8 +92,9 @@ def test_round_trip_is_lossless_and_hands_out_read_only_numpy():
 
 def test_encoded_size_is_compressed():
     rng = np.random.default_rng(1)
-    g = TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x",
-                                     samples=[_sample(rng, n=4096, prompt=512) for _ in range(8)])
+    g = TrajectoryGroup.from_samples(
+        group_id="g", prompt_id="p", generator_id="x", samples=[_sample(rng, n=4096, prompt=512) for _ in range(8)]
+    )
     assert len(encode_group(g)) / g.num_tokens < 7.0
 
 
@@ -85,8 +112,11 @@ def test_disagreeing_list_lengths_name_sample_and_column():
     batch = group_to_record_batch(_group())
     logprobs = batch.column("logprobs").to_pylist()
     logprobs[2] = logprobs[2][:-3]
-    bad = batch.set_column(batch.schema.get_field_index("logprobs"), TRAJECTORY_SCHEMA.field("logprobs"),
-                           pa.array(logprobs, pa.list_(pa.float32())))
+    bad = batch.set_column(
+        batch.schema.get_field_index("logprobs"),
+        TRAJECTORY_SCHEMA.field("logprobs"),
+        pa.array(logprobs, pa.list_(pa.float32())),
+    )
     with pytest.raises(TrajectoryValidationError) as info:
         decode_group(_ipc(bad))
     assert info.value.sample == 2 and info.value.column == "logprobs"
@@ -97,10 +127,10 @@ def test_huge_declared_lengths_and_offsets_are_refused_before_numpy_sees_them():
     g = _group(num_samples=1)
     data = _ipc(group_to_record_batch(g), compression=None)
     pattern = struct.pack("<ii", 0, g.num_tokens)
-    hits = [i for i in range(len(data) - 7) if data[i:i + 8] == pattern]
+    hits = [i for i in range(len(data) - 7) if data[i : i + 8] == pattern]
     refused = 0
     for at in hits:
-        bad = data[:at] + struct.pack("<ii", 0, 2**31 - 1) + data[at + 8:]
+        bad = data[:at] + struct.pack("<ii", 0, 2**31 - 1) + data[at + 8 :]
         try:
             _assert_same(g, decode_group(bad))  # a pair that was not a length: harmless
         except CodecError as exc:
@@ -115,7 +145,7 @@ def test_huge_declared_decompressed_length_is_a_decode_error():
     declared = struct.pack("<q", g.num_tokens * 4)  # the zstd tokens buffer's uncompressed-length prefix
     at = data.find(declared)
     assert at > 0
-    data[at:at + 8] = struct.pack("<q", 2**40)
+    data[at : at + 8] = struct.pack("<q", 2**40)
     with pytest.raises(CodecError):
         decode_group(bytes(data))
 

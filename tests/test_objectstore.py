@@ -155,8 +155,13 @@ def test_racing_create_only_writes_have_exactly_one_winner(store: ObjectStore) -
         losers: list[int] = []
         barrier = threading.Barrier(RACERS)
 
-        def racer(i: int, key: str = key, winners: list[int] = winners, losers: list[int] = losers,
-                  barrier: threading.Barrier = barrier) -> None:
+        def racer(
+            i: int,
+            key: str = key,
+            winners: list[int] = winners,
+            losers: list[int] = losers,
+            barrier: threading.Barrier = barrier,
+        ) -> None:
             barrier.wait()
             try:
                 store.put_if_absent(key, f"writer-{i}".encode())
@@ -219,8 +224,13 @@ def test_open_store_picks_the_implementation_by_url(tmp_path: Path, stack: Stack
     assert isinstance(open_store(tmp_path.as_uri()), FileStore)
     assert isinstance(open_store(str(tmp_path / "plain")), FileStore)
     creds = load_credentials(stack.dir)
-    s3 = open_store(f"s3://{stack.bucket}/p/q", endpoint=stack.s3_endpoint, region=stack.region,
-                    access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key)
+    s3 = open_store(
+        f"s3://{stack.bucket}/p/q",
+        endpoint=stack.s3_endpoint,
+        region=stack.region,
+        access_key_id=creds.access_key_id,
+        secret_access_key=creds.secret_access_key,
+    )
     assert isinstance(s3, S3Store) and s3.prefix == "p/q"
     assert creds.secret_access_key not in repr(s3.options)
     s3.put("k", b"v")

@@ -28,8 +28,14 @@ async def _queue(url: str, names: RunNames, stream: StreamConfig, name: str):
 def test_prompt_json_round_trip_and_validation():
     p = Prompt("p-1", text="2+2?", token_ids=(1, 2, 3), metadata={"answer": "4"})
     assert Prompt.from_json(p.to_json()) == p
-    for bad in (b"nope", b"[]", b'{"prompt_id": "p"}', b'{"prompt_id": "a/b", "text": "x"}',
-                b'{"prompt_id": "p", "token_ids": [-1]}', b'{"prompt_id": "p", "text": "x", "extra": 1}'):
+    for bad in (
+        b"nope",
+        b"[]",
+        b'{"prompt_id": "p"}',
+        b'{"prompt_id": "a/b", "text": "x"}',
+        b'{"prompt_id": "p", "token_ids": [-1]}',
+        b'{"prompt_id": "p", "text": "x", "extra": 1}',
+    ):
         with pytest.raises(PromptError):
             Prompt.from_json(bad)
 

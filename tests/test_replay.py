@@ -30,9 +30,12 @@ NUM_GROUPS = 10
 
 def _group(i: int) -> TrajectoryGroup:
     mask = np.r_[np.zeros(4, np.uint8), np.ones(12, np.uint8)]
-    sample = SampleArrays(tokens=np.arange(16, dtype=np.int32) + i, loss_mask=mask,
-                          logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32),
-                          versions=np.where(mask == 1, i, -1).astype(np.int32))
+    sample = SampleArrays(
+        tokens=np.arange(16, dtype=np.int32) + i,
+        loss_mask=mask,
+        logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32),
+        versions=np.where(mask == 1, i, -1).astype(np.int32),
+    )
     return TrajectoryGroup.from_samples(group_id=f"g{i}", prompt_id=f"p{i}", generator_id="gen", samples=[sample])
 
 
@@ -89,14 +92,19 @@ def test_replay_returns_exactly_the_selection_in_order_after_the_trainer_acked(s
 
 def test_replay_command_exports_parquet(stack, tmp_path):
     names = RunNames.for_run(f"r-{uuid.uuid4().hex[:8]}")
-    cfg = LeewayConfig(run={"name": names.run}, nats={"url": stack.nats_url},
-                       store={"url": f"file://{tmp_path / 'store'}"}, stream={"max_bytes": 64 * 2**20})
+    cfg = LeewayConfig(
+        run={"name": names.run},
+        nats={"url": stack.nats_url},
+        store={"url": f"file://{tmp_path / 'store'}"},
+        stream={"max_bytes": 64 * 2**20},
+    )
     asyncio.run(_recorded_run(stack.nats_url, names, cfg.stream))
     parser = argparse.ArgumentParser()
     replay_cmd.add_arguments(parser)
     out = tmp_path / "export"
-    args = parser.parse_args(["--from-seq", "2", "--until-seq", "4", "--to-parquet", str(out),
-                              "--groups-per-file", "2"])
+    args = parser.parse_args(
+        ["--from-seq", "2", "--until-seq", "4", "--to-parquet", str(out), "--groups-per-file", "2"]
+    )
     summary = asyncio.run(replay_cmd.replay(cfg, args))
     assert summary["groups"] == 3 and summary["first_seq"] == 2 and summary["last_seq"] == 4
     groups = [g for f in sorted(summary["files"]) for g in read_parquet(f)]

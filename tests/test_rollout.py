@@ -26,8 +26,9 @@ def _ids(text: str) -> list[int]:
 
 def _result(text: str, finish: str = "stop", version: int = 3) -> GenerateResult:
     ids = _ids(text) + ([EOS_ID] if finish == "stop" else [])
-    return GenerateResult(np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32),
-                          np.full(len(ids), version, np.int32), finish)  # type: ignore[arg-type]
+    return GenerateResult(
+        np.asarray(ids, np.int32), np.full(len(ids), -0.5, np.float32), np.full(len(ids), version, np.int32), finish
+    )  # type: ignore[arg-type]
 
 
 class _ScriptedEngine(Engine):
@@ -79,8 +80,13 @@ class _Env:
         return step
 
 
-def _run(engine: Engine, env: Callable[[Prompt], _Env] | None = None, group_size: int = 1, task: Task | None = None,
-         **kwargs: object) -> list[RolloutSample]:
+def _run(
+    engine: Engine,
+    env: Callable[[Prompt], _Env] | None = None,
+    group_size: int = 1,
+    task: Task | None = None,
+    **kwargs: object,
+) -> list[RolloutSample]:
     task = task or (ReverseDigitsTask(num_digits=2) if env is None else _TranscriptTask())
     return asyncio.run(run_group(engine, task, PROMPT, group_size, SAMPLING, env, tokenizer=TOK, **kwargs))
 

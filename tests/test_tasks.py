@@ -38,8 +38,9 @@ def test_char_tokenizer_round_trips_and_loads_in_transformers() -> None:
     assert encoded[0] == BOS_ID and len(encoded) == 10
     assert tok.decode(encoded) == "31415926>"
     assert tok.decode([*tok.encode("12", add_special_tokens=False).ids, EOS_ID], skip_special_tokens=False) == "12<eos>"
-    fast = PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER_PATH), pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_file=str(TOKENIZER_PATH), pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
     assert fast.encode("31415926>") == encoded and fast.pad_token_id == PAD_ID
     assert fast.decode(encoded, skip_special_tokens=True) == "31415926>"
 
@@ -58,8 +59,9 @@ def test_digits_tokenizer_has_only_specials_digits_and_the_separator() -> None:
     assert tok.decode([*tok.encode("12", add_special_tokens=False).ids, EOS_ID], skip_special_tokens=False) == "12<eos>"
     with pytest.raises(Exception, match="UNK"):  # no <unk>: a character outside the vocabulary cannot be encoded
         tok.encode("1+1")
-    fast = PreTrainedTokenizerFast(tokenizer_file=str(DIGITS_TOKENIZER_PATH), pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_file=str(DIGITS_TOKENIZER_PATH), pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
     assert fast.encode("31415926>") == encoded
 
 
@@ -144,8 +146,10 @@ def test_verifier_exceptions_and_timeouts_become_infra_errors_without_reward() -
 def test_prompt_files_load_from_jsonl_and_parquet(tmp_path) -> None:
     rows = [{"prompt": "2+2=", "answer": "4", "tags": ["math"]}, {"prompt": "1+1=", "answer": 2, "level": 1}]
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"], "answer": str(r["answer"])} for r in rows]),
-                   tmp_path / "p.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": r["prompt"], "answer": str(r["answer"])} for r in rows]),
+        tmp_path / "p.parquet",
+    )
     from_jsonl, from_parquet = load_prompts(tmp_path / "p.jsonl"), load_prompts(tmp_path / "p.parquet")
     assert [p.text for p in from_jsonl] == [p.text for p in from_parquet] == ["2+2=", "1+1="]
     assert from_jsonl[1].answer == "2" and from_jsonl[1].metadata == {"level": 1} and from_jsonl[0].tags == ("math",)

@@ -30,8 +30,10 @@ def _reference(model: torch.nn.Module, prompt: list[int], tokens: np.ndarray, pa
     """Behaviour log-probs recomputed by one un-batched, cache-free forward over prompt + tokens."""
     ids = torch.tensor([prompt + tokens.tolist()])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
-    return sampling_logprobs(logits, params).gather(-1, torch.as_tensor(tokens, dtype=torch.long)[:, None])[:, 0].numpy()
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    return (
+        sampling_logprobs(logits, params).gather(-1, torch.as_tensor(tokens, dtype=torch.long)[:, None])[:, 0].numpy()
+    )
 
 
 def test_logprob_is_that_of_the_filtered_distribution_the_token_was_drawn_from() -> None:
@@ -42,7 +44,9 @@ def test_logprob_is_that_of_the_filtered_distribution_the_token_was_drawn_from()
     for prompt, result in zip(PROMPTS, results, strict=True):
         assert result.finish_reason == "length" and len(result.token_ids) == 12
         assert result.logprobs.dtype == np.float32 and result.versions.dtype == np.int32
-        np.testing.assert_allclose(result.logprobs, _reference(model, list(prompt), result.token_ids, params), atol=1e-4)
+        np.testing.assert_allclose(
+            result.logprobs, _reference(model, list(prompt), result.token_ids, params), atol=1e-4
+        )
         assert (result.versions == 0).all()
 
 
@@ -76,11 +80,12 @@ def test_tokens_outside_the_top_k_are_never_sampled() -> None:
     model = _model()
     engine = TorchEngine(model, pad_token_id=PAD, seed=5)
     params = SamplingParams(max_new_tokens=10, top_k=2)
-    for prompt, result in zip(PROMPTS * 2, engine.generate([GenerateRequest(p) for p in PROMPTS * 2], params),
-                              strict=True):
+    for prompt, result in zip(
+        PROMPTS * 2, engine.generate([GenerateRequest(p) for p in PROMPTS * 2], params), strict=True
+    ):
         ids = torch.tensor([list(prompt) + result.token_ids.tolist()])
         with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
         ranks = (logits > logits.gather(-1, torch.as_tensor(result.token_ids, dtype=torch.long)[:, None])).sum(-1)
         assert (ranks < 2).all()
         full = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(result.token_ids, dtype=torch.long)[:, None])
@@ -90,8 +95,9 @@ def test_tokens_outside_the_top_k_are_never_sampled() -> None:
 def test_stop_token_ends_its_row_and_is_returned_last() -> None:
     engine = TorchEngine(_model(), pad_token_id=PAD, seed=7)
     stop = tuple(range(4, 14))  # the digits: most rows stop within a few tokens
-    results = engine.generate([GenerateRequest(p) for p in PROMPTS * 4], SamplingParams(max_new_tokens=6,
-                                                                                        stop_token_ids=stop))
+    results = engine.generate(
+        [GenerateRequest(p) for p in PROMPTS * 4], SamplingParams(max_new_tokens=6, stop_token_ids=stop)
+    )
     reasons = {r.finish_reason for r in results}
     assert reasons == {"stop", "length"}
     for result in results:
@@ -138,9 +144,11 @@ def test_in_flight_swap_tags_tokens_from_the_swap_step_and_keeps_the_kv_cache() 
 
         kwarg = _cache_kwarg(old)
         with torch.no_grad():
-            prefix = old(input_ids=torch.tensor([prompt + tokens[:k - 1].tolist()]), use_cache=True)
+            prefix = old(input_ids=torch.tensor([prompt + tokens[: k - 1].tolist()]), use_cache=True)
             cache = getattr(prefix, kwarg)
-            logits = new(input_ids=torch.tensor([tokens[k - 1:-1].tolist()]), use_cache=True, **{kwarg: cache}).logits[0]
+            logits = new(
+                input_ids=torch.tensor([tokens[k - 1 : -1].tolist()]), use_cache=True, **{kwarg: cache}
+            ).logits[0]
         mixed = sampling_logprobs(logits, params).gather(-1, torch.as_tensor(tokens[k:], dtype=torch.long)[:, None])
         np.testing.assert_allclose(result.logprobs[k:], mixed[:, 0].numpy(), atol=1e-4)
         assert abs(result.logprobs[k] - _reference(new, prompt, tokens, params)[k]) > 1e-3
@@ -210,15 +218,18 @@ def test_gpt2_preset_decodes_with_the_kv_cache_and_absolute_positions_under_left
     model = build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=0)
     assert type(model).__name__ == "GPT2LMHeadModel" and not model.config.tie_word_embeddings
     assert model.config.n_positions == 128 and model.config.resid_pdrop == model.config.attn_pdrop == 0.0
-    assert all(torch.equal(t, build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=0).state_dict()[n])
-               for n, t in model.state_dict().items())
+    assert all(
+        torch.equal(t, build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=0).state_dict()[n])
+        for n, t in model.state_dict().items()
+    )
     engine = TorchEngine(model, pad_token_id=PAD)
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
     requests = [GenerateRequest(p, seed=100 + i) for i, p in enumerate(PROMPTS)]
     batched = engine.generate(requests, params)
     for request, together in zip(requests, batched, strict=True):
-        np.testing.assert_allclose(together.logprobs, _reference(model, list(request.input_ids), together.token_ids,
-                                                                 params), atol=1e-4)
+        np.testing.assert_allclose(
+            together.logprobs, _reference(model, list(request.input_ids), together.token_ids, params), atol=1e-4
+        )
         (alone,) = engine.generate([request], params)
         np.testing.assert_array_equal(alone.token_ids, together.token_ids)
     other = build_model("tiny-gpt2-2x64", vocab_size=VOCAB, seed=1).state_dict()

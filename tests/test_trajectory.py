@@ -21,10 +21,15 @@ def _sample(prompt_len: int = 3, gen_len: int = 4, versions: tuple[int, ...] = (
     n = prompt_len + gen_len
     mask = np.r_[np.zeros(prompt_len, np.uint8), np.ones(gen_len, np.uint8)]
     fields = dict(
-        tokens=np.arange(100, 100 + n, dtype=np.int32), loss_mask=mask,
+        tokens=np.arange(100, 100 + n, dtype=np.int32),
+        loss_mask=mask,
         logprobs=np.r_[np.zeros(prompt_len), -np.linspace(0.01, 2.3, gen_len)].astype(np.float32),
         versions=np.r_[np.full(prompt_len, -1), np.array(versions[:gen_len])].astype(np.int32),
-        reward=1.0, reward_source=RewardSource.VERIFIER, status=Status.OK, finish_reason="stop", tags=("math",),
+        reward=1.0,
+        reward_source=RewardSource.VERIFIER,
+        status=Status.OK,
+        finish_reason="stop",
+        tags=("math",),
     )
     fields.update(kw)
     return SampleArrays(**fields)

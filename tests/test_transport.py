@@ -41,10 +41,16 @@ def _group(group_id: str, version: int = 3, num_samples: int = 2, num_tokens: in
     samples = []
     for _ in range(num_samples):
         mask = np.r_[np.zeros(8, np.uint8), np.ones(num_tokens - 8, np.uint8)]
-        samples.append(SampleArrays(
-            tokens=rng.integers(0, 151_936, num_tokens).astype(np.int32), loss_mask=mask,
-            logprobs=np.where(mask == 1, -rng.exponential(0.3, num_tokens), 0).astype(np.float32),
-            versions=np.where(mask == 1, version, -1).astype(np.int32), reward=1.0, reward_source="verifier"))
+        samples.append(
+            SampleArrays(
+                tokens=rng.integers(0, 151_936, num_tokens).astype(np.int32),
+                loss_mask=mask,
+                logprobs=np.where(mask == 1, -rng.exponential(0.3, num_tokens), 0).astype(np.float32),
+                versions=np.where(mask == 1, version, -1).astype(np.int32),
+                reward=1.0,
+                reward_source="verifier",
+            )
+        )
     return TrajectoryGroup.from_samples(group_id=group_id, prompt_id="p", generator_id="gen-0", samples=samples)
 
 
@@ -270,7 +276,7 @@ def _bad_message(kind: str, data: st.DataObject, group_id: str) -> tuple[dict[st
         return headers, data.draw(st.binary(max_size=2048)), {"decode_error"}
     if kind == "truncated":
         body = encode_group(good)
-        return headers, body[:data.draw(st.integers(0, len(body) - 1))], {"decode_error"}
+        return headers, body[: data.draw(st.integers(0, len(body) - 1))], {"decode_error"}
     if kind == "wrong_schema":
         cols = data.draw(st.lists(st.sampled_from(["tokens", "reward", "x"]), min_size=1, max_size=3, unique=True))
         batch = pa.record_batch([pa.array(np.arange(3, dtype=np.int64)) for _ in cols], names=cols)
@@ -279,23 +285,34 @@ def _bad_message(kind: str, data: st.DataObject, group_id: str) -> tuple[dict[st
         batch = group_to_record_batch(good)
         column = data.draw(st.sampled_from(["loss_mask", "logprobs", "versions"]))
         values = batch.column(column).to_pylist()
-        values[1] = values[1][:-data.draw(st.integers(1, 5))]
-        fixed = batch.set_column(batch.schema.get_field_index(column), TRAJECTORY_SCHEMA.field(column),
-                                 pa.array(values, TRAJECTORY_SCHEMA.field(column).type))
+        values[1] = values[1][: -data.draw(st.integers(1, 5))]
+        fixed = batch.set_column(
+            batch.schema.get_field_index(column),
+            TRAJECTORY_SCHEMA.field(column),
+            pa.array(values, TRAJECTORY_SCHEMA.field(column).type),
+        )
         return headers, _ipc(fixed), {"validation_error"}
     if kind == "huge_length":
         raw = bytearray(encode_group(good))
         pattern = struct.pack("<q", good.num_tokens * 4)  # a zstd buffer's declared uncompressed length
         at = raw.find(pattern)
-        raw[at:at + 8] = struct.pack("<q", data.draw(st.sampled_from([2**31, 2**40, 2**62])))
+        raw[at : at + 8] = struct.pack("<q", data.draw(st.sampled_from([2**31, 2**40, 2**62])))
         return headers, bytes(raw), {"decode_error"}
     if kind == "missing_claim":
         key = f"nowhere/trajectories/{group_id}.arrow"
-        return ({**headers, H_CLAIM_CHECK: key}, b'{"key": "%s", "bytes": 10, "sha256": "00"}' % key.encode(),
-                {"claim_check_missing"})
+        return (
+            {**headers, H_CLAIM_CHECK: key},
+            b'{"key": "%s", "bytes": 10, "sha256": "00"}' % key.encode(),
+            {"claim_check_missing"},
+        )
     assert kind == "random_headers"
-    junk = data.draw(st.dictionaries(st.sampled_from(["Leeway-Schema-Version", "Leeway-Min-Version", "X"]),
-                                     st.text("0123456789abc-", max_size=4), max_size=3))
+    junk = data.draw(
+        st.dictionaries(
+            st.sampled_from(["Leeway-Schema-Version", "Leeway-Min-Version", "X"]),
+            st.text("0123456789abc-", max_size=4),
+            max_size=3,
+        )
+    )
     return junk, encode_group(good), {"schema_mismatch", "bad_headers", "header_mismatch"}
 
 
@@ -312,12 +329,20 @@ def fuzz_env(stack, tmp_path_factory):
     loop.close()
 
 
-KINDS = ["random_bytes", "truncated", "wrong_schema", "lengths_disagree", "huge_length", "missing_claim",
-         "random_headers"]
+KINDS = [
+    "random_bytes",
+    "truncated",
+    "wrong_schema",
+    "lengths_disagree",
+    "huge_length",
+    "missing_claim",
+    "random_headers",
+]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(kind=st.sampled_from(KINDS), data=st.data())
 def test_bad_messages_end_in_dead_letters_and_the_consumer_keeps_going(fuzz_env, kind, data):
     loop, js, names, consumer = fuzz_env

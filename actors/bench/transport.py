@@ -60,18 +60,31 @@ def _sample(rng: np.random.Generator, num_tokens: int, base_version: int) -> Sam
     versions = np.r_[np.full(prompt, -1), np.full(gen, base_version)].astype(np.int32)
     for cut in sorted(rng.integers(prompt, num_tokens, int(rng.integers(1, 3)))):
         versions[cut:] += 1
-    return SampleArrays(tokens=rng.integers(0, VOCAB_SIZE, num_tokens).astype(np.int32), loss_mask=mask,
-                        logprobs=logprobs, versions=versions, reward=float(rng.random() < 0.5),
-                        reward_source="verifier", status="ok", finish_reason="stop", tags=("bench",),
-                        gen_start_s=time.time() - 10, gen_end_s=time.time())
+    return SampleArrays(
+        tokens=rng.integers(0, VOCAB_SIZE, num_tokens).astype(np.int32),
+        loss_mask=mask,
+        logprobs=logprobs,
+        versions=versions,
+        reward=float(rng.random() < 0.5),
+        reward_source="verifier",
+        status="ok",
+        finish_reason="stop",
+        tags=("bench",),
+        gen_start_s=time.time() - 10,
+        gen_end_s=time.time(),
+    )
 
 
 def make_groups(num_groups: int, group_size: int, num_tokens: int, seed: int = 0) -> list[TrajectoryGroup]:
     """The bench workload (see the module docstring); deterministic for a seed."""
     rng = np.random.default_rng(seed)
     return [
-        TrajectoryGroup.from_samples(group_id=f"bench-{seed}-{i}", prompt_id=f"p-{i}", generator_id="bench",
-                                     samples=[_sample(rng, num_tokens, 10 + i // 4) for _ in range(group_size)])
+        TrajectoryGroup.from_samples(
+            group_id=f"bench-{seed}-{i}",
+            prompt_id=f"p-{i}",
+            generator_id="bench",
+            samples=[_sample(rng, num_tokens, 10 + i // 4) for _ in range(group_size)],
+        )
         for i in range(num_groups)
     ]
 
@@ -81,16 +94,30 @@ def as_json_lists(group: TrajectoryGroup) -> dict:
     samples = []
     for i in range(group.num_samples):
         s = group.sample(i)
-        samples.append({
-            "trajectory_id": s.trajectory_id, "tokens": s.tokens.tolist(), "loss_mask": s.loss_mask.tolist(),
-            "logprobs": s.logprobs.tolist(), "versions": s.versions.tolist(),
-            "min_version": int(group.min_version[i]), "max_version": int(group.max_version[i]),
-            "reward": s.reward, "reward_source": s.reward_source, "status": s.status,
-            "finish_reason": s.finish_reason, "tags": list(s.tags), "gen_start_s": s.gen_start_s,
-            "gen_end_s": s.gen_end_s,
-        })
-    return {"group_id": group.group_id, "prompt_id": group.prompt_id, "generator_id": group.generator_id,
-            "samples": samples}
+        samples.append(
+            {
+                "trajectory_id": s.trajectory_id,
+                "tokens": s.tokens.tolist(),
+                "loss_mask": s.loss_mask.tolist(),
+                "logprobs": s.logprobs.tolist(),
+                "versions": s.versions.tolist(),
+                "min_version": int(group.min_version[i]),
+                "max_version": int(group.max_version[i]),
+                "reward": s.reward,
+                "reward_source": s.reward_source,
+                "status": s.status,
+                "finish_reason": s.finish_reason,
+                "tags": list(s.tags),
+                "gen_start_s": s.gen_start_s,
+                "gen_end_s": s.gen_end_s,
+            }
+        )
+    return {
+        "group_id": group.group_id,
+        "prompt_id": group.prompt_id,
+        "generator_id": group.generator_id,
+        "samples": samples,
+    }
 
 
 def _median_seconds(fn, items: list, repeats: int) -> float:
@@ -161,8 +188,12 @@ class LocalNats:
         self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "nats.conf"
         conf.write_text(nats_server.render_config(port=self.port, store_dir=self.root / "store", sync_interval="2m"))
-        self.proc, self.info = process.spawn("nats", nats_server.argv(nats_server.binary_path(), conf),
-                                             self.root / "nats.log", ports={"client": self.port})
+        self.proc, self.info = process.spawn(
+            "nats",
+            nats_server.argv(nats_server.binary_path(), conf),
+            self.root / "nats.log",
+            ports={"client": self.port},
+        )
         deadline = time.monotonic() + NATS_START_TIMEOUT_S
         while (reason := nats_server.probe(self.url)) is not None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -214,10 +245,14 @@ async def jetstream_stats(url: str, groups: list[TrajectoryGroup], num_groups: i
         await ensure_trainer_consumer(js_pub, names)
         consumer = await TrajectoryConsumer.bind(js_sub, names, stream)
         publisher = TrajectoryPublisher(js_pub, names, stream)
-        to_send = [dataclasses.replace(groups[i % len(groups)], group_id=f"{names.run}-{i}",
-                                       trajectory_ids=tuple(f"{names.run}-{i}:{j}"
-                                                            for j in range(groups[i % len(groups)].num_samples)))
-                   for i in range(num_groups)]
+        to_send = [
+            dataclasses.replace(
+                groups[i % len(groups)],
+                group_id=f"{names.run}-{i}",
+                trajectory_ids=tuple(f"{names.run}-{i}:{j}" for j in range(groups[i % len(groups)].num_samples)),
+            )
+            for i in range(num_groups)
+        ]
         tokens = sum(g.num_tokens for g in to_send)
         received = 0
         wire = 0
@@ -240,10 +275,12 @@ async def jetstream_stats(url: str, groups: list[TrajectoryGroup], num_groups: i
     finally:
         await pub_nc.close()
         await sub_nc.close()
-    return {"jetstream_groups_per_s": num_groups / elapsed,
-            "jetstream_mbps": tokens * RAW_BYTES_PER_TOKEN / 1e6 / elapsed,
-            "jetstream_wire_mbps": wire / 1e6 / elapsed,
-            "jetstream_groups": num_groups}
+    return {
+        "jetstream_groups_per_s": num_groups / elapsed,
+        "jetstream_mbps": tokens * RAW_BYTES_PER_TOKEN / 1e6 / elapsed,
+        "jetstream_wire_mbps": wire / 1e6 / elapsed,
+        "jetstream_groups": num_groups,
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -255,7 +292,9 @@ def run(args: argparse.Namespace) -> dict:
     else:
         with local_nats() as server:
             result.update(asyncio.run(jetstream_stats(server.url, groups, args.jetstream_groups)))
-    result["targets"] = {"decode_speedup_vs_orjson>=20": result["decode_speedup_vs_orjson"] >= 20,
-                         "arrow_bytes_per_token<=7": result["arrow_bytes_per_token"] <= 7,
-                         "jetstream_mbps>=200": result["jetstream_mbps"] >= 200}
+    result["targets"] = {
+        "decode_speedup_vs_orjson>=20": result["decode_speedup_vs_orjson"] >= 20,
+        "arrow_bytes_per_token<=7": result["arrow_bytes_per_token"] <= 7,
+        "jetstream_mbps>=200": result["jetstream_mbps"] >= 200,
+    }
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}

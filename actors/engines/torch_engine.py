@@ -75,8 +75,15 @@ class TorchEngine(Engine):
     to swap weights at an exact step. Torch thread counts are left as the caller configured them.
     """
 
-    def __init__(self, model: PreTrainedModel, *, pad_token_id: int, seed: int = 0, version: int = 0,
-                 on_decode_step: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        pad_token_id: int,
+        seed: int = 0,
+        version: int = 0,
+        on_decode_step: Callable[[int], None] | None = None,
+    ) -> None:
         self._model = model.eval()
         self._device = next(model.parameters()).device
         self._tensors = dict(model.state_dict(keep_vars=True))
@@ -140,8 +147,10 @@ class TorchEngine(Engine):
             if target is None:
                 raise ValueError(f"weights of version {version}: unknown tensor {name!r}")
             if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"weights of version {version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(target.shape)}")
+                raise ValueError(
+                    f"weights of version {version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
 
     def _apply_pending_locked(self) -> None:
         """Copy pending tensors into the model; caller holds the model lock, so no forward is running."""
@@ -171,8 +180,9 @@ class TorchEngine(Engine):
         finally:
             self._abort_events.discard(aborted)
 
-    def _generate(self, requests: list[GenerateRequest], params: SamplingParams,
-                  aborted: threading.Event) -> list[GenerateResult]:
+    def _generate(
+        self, requests: list[GenerateRequest], params: SamplingParams, aborted: threading.Event
+    ) -> list[GenerateResult]:
         start = time.perf_counter()
         prompts = [self._prompt_tensor(r) for r in requests]
         budgets = [self._budget(r, len(p), params) for r, p in zip(requests, prompts, strict=True)]
@@ -213,8 +223,9 @@ class TorchEngine(Engine):
     def _prompt_tensor(self, request: GenerateRequest) -> torch.Tensor:
         ids = torch.as_tensor(np.asarray(request.input_ids, dtype=np.int64), device=self._device)
         if ids.ndim != 1 or int(ids.min()) < 0 or int(ids.max()) >= self._vocab_size:
-            raise ValueError(f"request {request.request_id!r}: input_ids must be a flat list of ids in "
-                             f"[0, {self._vocab_size})")
+            raise ValueError(
+                f"request {request.request_id!r}: input_ids must be a flat list of ids in [0, {self._vocab_size})"
+            )
         return ids
 
     def _budget(self, request: GenerateRequest, prompt_len: int, params: SamplingParams) -> int:
@@ -237,13 +248,14 @@ class TorchEngine(Engine):
         input_ids = torch.full((len(prompts), width), self._pad_token_id, dtype=torch.long, device=self._device)
         mask = torch.zeros((len(prompts), width), dtype=torch.long, device=self._device)
         for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = prompt
-            mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = prompt
+            mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         return input_ids, mask, positions
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 cache: DynamicCache) -> tuple[torch.Tensor, int]:
+    def _forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> tuple[torch.Tensor, int]:
         """Logits of the last position, and the version of the weights that computed them."""
         kwargs: dict[str, object] = {self._cache_kwarg: cache}
         if self._logits_kwarg is not None:
@@ -252,8 +264,9 @@ class TorchEngine(Engine):
             self._apply_pending_locked()
             version = self._version
             with torch.inference_mode():
-                out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                  use_cache=True, **kwargs)
+                out = self._model(
+                    input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+                )
         return out.logits[:, -1, :].float(), version
 
 

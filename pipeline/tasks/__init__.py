@@ -98,8 +98,9 @@ def get_task(name: str, **kwargs: Any) -> Task:
     return task
 
 
-async def run_verifier(task: Task, prompt: Prompt, completion_text: str, completion_ids: Sequence[int], *,
-                       timeout_s: float) -> VerifierResult:
+async def run_verifier(
+    task: Task, prompt: Prompt, completion_text: str, completion_ids: Sequence[int], *, timeout_s: float
+) -> VerifierResult:
     """``task.verify`` with a timeout; an exception or a timeout becomes ``infra_error`` with reward None.
 
     A plain ``verify`` runs in a worker thread, which cannot be killed: after a timeout it may keep running
@@ -112,8 +113,9 @@ async def run_verifier(task: Task, prompt: Prompt, completion_text: str, complet
             coro = asyncio.to_thread(task.verify, prompt, completion_text, completion_ids)
         result = await asyncio.wait_for(coro, timeout=timeout_s)
     except asyncio.TimeoutError:
-        logger.warning("verifier of task %s timed out after %.1f s on prompt %s", task.name, timeout_s,
-                       prompt.prompt_id)
+        logger.warning(
+            "verifier of task %s timed out after %.1f s on prompt %s", task.name, timeout_s, prompt.prompt_id
+        )
         return VerifierResult(None, "infra_error", {"error": f"verifier timed out after {timeout_s} s"})
     except Exception as exc:  # a boundary we own: any verifier failure is an infrastructure failure
         logger.exception("verifier of task %s raised on prompt %s", task.name, prompt.prompt_id)
@@ -154,9 +156,13 @@ def _prompt_from_row(row: Any, path: Path, index: int, prefix: str) -> Prompt:
         raise ValueError(f"{path}: row {index} has no string 'prompt' field")
     answer = row.get("answer")
     metadata = {k: v for k, v in row.items() if k not in ("prompt", "answer", "tags", "id")}
-    return Prompt(prompt_id=str(row.get("id", f"{prefix}-{index}")), text=row["prompt"],
-                  answer=None if answer is None else str(answer), metadata=metadata,
-                  tags=tuple(row.get("tags") or ()))
+    return Prompt(
+        prompt_id=str(row.get("id", f"{prefix}-{index}")),
+        text=row["prompt"],
+        answer=None if answer is None else str(answer),
+        metadata=metadata,
+        tags=tuple(row.get("tags") or ()),
+    )
 
 
 class ExactMatchTask(Task):

@@ -62,8 +62,12 @@ class ReverseDigitsTask(Task):
         rng = random.Random(f"reverse_digits-{self.seed}")
         for index in count():
             digits = "".join(rng.choice(DIGITS) for _ in range(self.num_digits))
-            yield Prompt(prompt_id=f"reverse_digits-s{self.seed}-{index}", text=digits + SEPARATOR,
-                         answer=digits[::-1], tags=("reverse_digits",))
+            yield Prompt(
+                prompt_id=f"reverse_digits-s{self.seed}-{index}",
+                text=digits + SEPARATOR,
+                answer=digits[::-1],
+                tags=("reverse_digits",),
+            )
 
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
         if prompt.answer is None:
