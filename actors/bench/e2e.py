@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TARGET = 0.8
+DEFAULT_MAX_STEPS = 250
+"""Enough to pass the target (~200 steps) and see the final reward; past it most groups agree and are filtered."""
 SMOOTH_STEPS = 5
 """Reward is a noisy 16-group mean; time to target uses a moving average over this many steps."""
 FINAL_STEPS = 10
@@ -27,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="reward to reach (smoothed)")
     parser.add_argument("--async-staleness", type=int, default=2, help="max_staleness of the async run")
     parser.add_argument("--generators", type=int, default=1, help="generator processes per run")
+    parser.add_argument(
+        "--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="optimizer steps of each run (the sample budget)"
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -61,11 +66,9 @@ def steps_to_target(records: list[dict[str, Any]], target: float) -> int | None:
 def summarize_run(records: list[dict[str, Any]], target: float) -> dict[str, Any]:
     rewards = [float(r["reward/unfiltered_mean"]) for r in records if r.get("reward/unfiltered_mean") is not None]
     tail = rewards[-FINAL_STEPS:]
-    wait = sum(float(r.get("time/wait_s") or 0) for r in records)
-    total = sum(float(r.get("time/step_s") or 0) for r in records)
     staleness = [float(r["staleness/mean"]) for r in records if r.get("staleness/mean") is not None]
-    last_reports = records[-1].get("generators", {}) if records else {}
-    idle = [float(g["idle_fraction"]) for g in last_reports.values() if g.get("idle_fraction") is not None]
+    to_target = steps_to_target(records, target)
+    at_target = next((r for r in records if r["step"] == to_target), None) if to_target else None
     return {
         "steps": int(records[-1]["step"]) if records else 0,
         "seconds": float(records[-1]["time_s"]) if records else None,
@@ -73,11 +76,26 @@ def summarize_run(records: list[dict[str, Any]], target: float) -> dict[str, Any
         "steps_to_target": steps_to_target(records, target),
         "first_reward": rewards[0] if rewards else None,
         "final_reward": sum(tail) / len(tail) if tail else None,
-        "trainer_wait_fraction": wait / total if total else None,
-        "generator_idle_fraction": sum(idle) / len(idle) if idle else None,
+        "trainer_wait_fraction": _wait_fraction(records),
+        "trainer_wait_fraction_to_target": _wait_fraction([r for r in records if to_target and r["step"] <= to_target]),
+        "generator_idle_fraction": _idle_fraction(records[-1] if records else None),
+        "generator_idle_fraction_to_target": _idle_fraction(at_target),
         "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
         "dropped_by_cap": int(records[-1].get("samples/dropped_by_cap_total", 0)) if records else 0,
     }
+
+
+def _wait_fraction(records: list[dict[str, Any]]) -> float | None:
+    wait = sum(float(r.get("time/wait_s") or 0) for r in records)
+    total = sum(float(r.get("time/step_s") or 0) for r in records)
+    return wait / total if total else None
+
+
+def _idle_fraction(record: dict[str, Any] | None) -> float | None:
+    """Mean over generators of the idle fraction since each started (`idle_fraction_total` of their reports)."""
+    reports = (record or {}).get("generators", {}) or {}
+    idle = [float(g["idle_fraction_total"]) for g in reports.values() if g.get("idle_fraction_total") is not None]
+    return sum(idle) / len(idle) if idle else None
 
 
 def _run_once(args: argparse.Namespace, root: Path, label: str, staleness: int) -> dict[str, Any]:
@@ -87,6 +105,7 @@ def _run_once(args: argparse.Namespace, root: Path, label: str, staleness: int) 
     overrides = [
         *args.overrides,
         f"staleness.max_staleness={staleness}",
+        f"trainer.max_steps={args.max_steps}",
         f"run.name=bench-{label}",
         f"run.dir={root / label}",
         f"nats.stack_dir={root / label / 'no-shared-stack'}",
