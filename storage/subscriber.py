@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-import safetensors.torch
 import torch
+from safetensors.torch import load as load_safetensors_bytes
 
 from storage.delta_codec import apply_delta, tensor_bits
 from storage.manifest import Manifest, ManifestError, PartSpec, manifest_key, validate_run
@@ -272,7 +272,7 @@ class WeightSubscriber:
         def load(part: PartSpec) -> dict[str, torch.Tensor]:
             data = self._fetch_part(m, part)
             try:
-                loaded = safetensors.torch.load(data)
+                loaded = load_safetensors_bytes(data)  # safetensors format: no pickle
             except Exception as exc:  # safetensors raises its own error type for any malformed shard
                 raise _StepFailure(
                     m.version, part.key, part.tensors[0], f"bad safetensors: {exc}", retry=False

@@ -28,17 +28,26 @@ CHARACTERS = "0123456789>= +-|,"
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 
 
-def build_char_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """Build the tokenizer (and write it to ``path`` when given)."""
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+def build_charset_tokenizer(
+    special_tokens: tuple[str, ...], characters: str, *, unk: str | None = None, path: str | Path | None = None
+) -> Tokenizer:
+    """One token per character: `special_tokens` first (the second is the `<bos>` prepended on encode),
+    then `characters`, in id order; written to ``path`` when given. Shared by the task tokenizers."""
+    vocab = {token: i for i, token in enumerate((*special_tokens, *characters))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk) if unk else models.WordLevel(vocab=vocab))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
+    tokenizer.add_special_tokens(list(special_tokens))
+    bos = special_tokens[1]
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
     if path is not None:
         tokenizer.save(str(path), pretty=True)
     return tokenizer
+
+
+def build_char_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Build the tokenizer (and write it to ``path`` when given)."""
+    return build_charset_tokenizer(SPECIAL_TOKENS, CHARACTERS, unk=UNK, path=path)
 
 
 def load_char_tokenizer() -> Tokenizer:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
+
+from pipeline.tasks.char_tokenizer import build_charset_tokenizer
 
 TOKENIZER_PATH = Path(__file__).with_name("digits_tokenizer.json")
 
@@ -32,15 +34,7 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 def build_digits_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """Build the tokenizer (and write it to ``path`` when given)."""
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
-    if path is not None:
-        tokenizer.save(str(path), pretty=True)
-    return tokenizer
+    return build_charset_tokenizer(SPECIAL_TOKENS, CHARACTERS, path=path)
 
 
 def load_digits_tokenizer() -> Tokenizer:
