@@ -75,6 +75,8 @@ TAKE_RETRY_S = 1.0
 SHUTDOWN_GRACE_S = 5.0
 """On SIGINT/SIGTERM the running batch may finish within this long; then it is aborted and nak'ed."""
 ABORT_CHECK_S = 0.05
+MAX_BATCHES_PUBLISHING = 2
+"""Batches whose groups are still being published while the engine already generates the next one."""
 """How often a running batch checks the staleness cap (abort_in_flight) and shutdown."""
 LOG_EVERY_REPORTS = 10
 """Log a metrics line every this many reports (20 s at the 2 s report interval)."""
@@ -315,6 +317,7 @@ class Generator:
         self.sampling = sampling_params(cfg, tokenizer)
         self.environment = task_environment(task)
         self._stop = asyncio.Event()
+        self._publishing: set[asyncio.Task[None]] = set()
 
     def request_stop(self) -> None:
         """Stop taking prompts; the running batch finishes within `SHUTDOWN_GRACE_S` or is aborted."""
@@ -344,7 +347,14 @@ class Generator:
             if self.stopping:
                 await _release(leases)
                 break
-            await self.run_batch(leases)
+            await self._wait_for_publishing(MAX_BATCHES_PUBLISHING - 1)
+            await self.run_batch(leases, background_finish=True)
+        await self._wait_for_publishing(0)
+
+    async def _wait_for_publishing(self, at_most: int) -> None:
+        """Let earlier batches' publishing overlap the next generation, but never more than `at_most` of them."""
+        while len(self._publishing) > at_most:
+            await asyncio.wait(self._publishing, return_when=asyncio.FIRST_COMPLETED)
 
     def _log_waiting(self, waited_s: float) -> None:
         log.info(
@@ -368,18 +378,43 @@ class Generator:
         task.result()
         return True
 
-    async def run_batch(self, leases: list[PromptLease]) -> None:
-        """One batch: sync weights to the staleness floor, roll out, then publish+ack or nak each prompt."""
+    async def run_batch(self, leases: list[PromptLease], *, background_finish: bool = False) -> None:
+        """One batch: sync weights to the staleness floor, roll out, then publish+ack or nak each prompt.
+
+        With `background_finish` the publish+ack phase runs as a task (tracked in `_publishing`) so the
+        engine starts the next batch meanwhile; prompts stay heartbeated until their group is acked.
+        """
         held = [_Held(lease, task_prompt(lease.prompt)) for lease in leases]
         heartbeat = asyncio.create_task(self._heartbeat(leases))
-        self.metrics.rollouts_in_flight = len(held)
+        self.metrics.rollouts_in_flight += len(held)
         try:
             if not await self._sync_for(leases):
                 await _release(leases)
+                self._batch_done(heartbeat, len(held))
                 return
             start_s = time.time()
             groups = await self._rollouts(held)
             end_s = time.time()
+        except Exception:  # the batch boundary: nothing was acked, so every prompt goes back
+            log.exception("batch of %d prompts failed; returning them to the queue", len(leases))
+            await _release(leases)
+            self._batch_done(heartbeat, len(held))
+            return
+        except BaseException:
+            self._batch_done(heartbeat, len(held))
+            raise
+        finish = self._finish_batch(held, groups, start_s, end_s, heartbeat)
+        if background_finish:
+            task = asyncio.create_task(finish)
+            self._publishing.add(task)
+            task.add_done_callback(self._publishing.discard)
+        else:
+            await finish
+
+    async def _finish_batch(
+        self, held: list[_Held], groups: list[list[RolloutSample]], start_s: float, end_s: float, heartbeat: Any
+    ) -> None:
+        try:
             outcomes = await asyncio.gather(
                 *(self._finish(h, samples, start_s, end_s) for h, samples in zip(held, groups, strict=True)),
                 return_exceptions=True,
@@ -391,12 +426,12 @@ class Generator:
                         "group %s not published; its prompt goes back to the queue", h.prompt.prompt_id, exc_info=r
                     )
             await _release(failed)
-        except Exception:  # the batch boundary: nothing was acked, so every prompt goes back
-            log.exception("batch of %d prompts failed; returning them to the queue", len(leases))
-            await _release(leases)
         finally:
-            heartbeat.cancel()
-            self.metrics.rollouts_in_flight = 0
+            self._batch_done(heartbeat, len(held))
+
+    def _batch_done(self, heartbeat: Any, num_prompts: int) -> None:
+        heartbeat.cancel()
+        self.metrics.rollouts_in_flight = max(0, self.metrics.rollouts_in_flight - num_prompts)
 
     async def _sync_for(self, leases: list[PromptLease]) -> bool:
         """Bring the engine to the staleness floor of the batch; False if shutdown came first."""
