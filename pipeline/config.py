@@ -220,7 +220,7 @@ class WeightsConfig(Section):
     full_every: int = Field(50, ge=1)
     """A full snapshot every this many versions (version 0 is always full); deltas in between."""
     keep_versions: int = Field(10, ge=1)
-    """Versions kept in the store (plus the full snapshots they need)."""
+    """Versions kept in the store (plus the chains they need); retention runs every keep_versions/2 publishes."""
     grace_s: float = Field(120.0, ge=0)
     """Never delete a version a reader may still be pulling: younger than LATEST by less than this."""
     part_bytes: int = Field(16 * MiB, ge=1024)
