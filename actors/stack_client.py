@@ -132,16 +132,3 @@ def stack_bucket(cfg: LeewayConfig) -> str:
     if cfg.store.url.startswith("s3://"):
         return cfg.store.url[len("s3://") :].split("/", 1)[0] or "leeway"
     return "leeway"
-
-
-def ensure_stack(cfg: LeewayConfig, run_dir: Path) -> Path | None:
-    """Use a running stack at nats.stack_dir, else start a private one in `<run_dir>/stack`.
-
-    Returns the directory of a stack this call started (the caller stops it), or None.
-    """
-    from infra.stack import start_stack
-
-    private = private_stack_dir(cfg, run_dir)
-    if private is not None:
-        start_stack(private, bucket=stack_bucket(cfg))
-    return private

@@ -192,28 +192,10 @@ def replay_metrics_path(cfg: LeewayConfig) -> Path:
 # ---- replay flags --------------------------------------------------------------------------------------
 
 
-def _parse_time(text: str, flag: str) -> dt.datetime:
-    try:
-        value = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError as exc:
-        raise ValueError(f"{flag} {text!r}: not an ISO-8601 time (e.g. 2026-11-29T10:00:00Z)") from exc
-    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
-
-
 def replay_selection(args: argparse.Namespace) -> Any:
-    """`--from-seq N | --since TIME | --min-version V` and `--until SEQ_OR_TIME` as a `ReplaySelection`."""
-    from pipeline.transport import ReplaySelection
+    """The `leeway trainer --replay` selection flags (shared with `leeway replay`) as a `ReplaySelection`."""
+    from actors.replay import selection_from_args
 
-    from_seq, since, min_version = (getattr(args, k, None) for k in ("from_seq", "since", "min_version"))
-    if from_seq is None and since is None and min_version is None:
+    if args.from_seq is None and args.since is None and args.min_version is None:
         raise ValueError("leeway trainer --replay needs --from-seq N, --since TIME or --min-version V")
-    until = getattr(args, "until", None)
-    until_seq = int(until) if until and until.isdigit() else None
-    until_time = _parse_time(until, "--until") if until and not until.isdigit() else None
-    return ReplaySelection(
-        from_seq=from_seq,
-        since=_parse_time(since, "--since") if since else None,
-        min_version=min_version,
-        until_seq=until_seq,
-        until=until_time,
-    )
+    return selection_from_args(args)
