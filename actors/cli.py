@@ -85,25 +85,33 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from actors.run import main as run_main
+    from actors.launcher.run import main as run_main
 
     return run_main(load_cli_config(args), args)
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
-    from actors.trainer import main as trainer_main
+    from actors.tools.replay import selection_from_args
+    from actors.trainer.loop import main as trainer_main
 
-    return trainer_main(load_cli_config(args), args)
+    if args.replay and args.resume:
+        raise SystemExit("leeway trainer: --resume and --replay exclude each other")
+    replay = None
+    if args.replay:
+        if args.from_seq is None and args.since is None and args.min_version is None:
+            raise SystemExit("leeway trainer: --replay needs --from-seq N, --since TIME or --min-version V")
+        replay = selection_from_args(args)
+    return trainer_main(load_cli_config(args), resume=args.resume, replay=replay)
 
 
 def cmd_generator(args: argparse.Namespace) -> int:
-    from actors.generator import main as generator_main
+    from actors.generator.loop import main as generator_main
 
     return generator_main(load_cli_config(args), args)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from actors.replay import main as replay_main
+    from actors.tools.replay import main as replay_main
 
     return replay_main(load_cli_config(args), args)
 
@@ -112,7 +120,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
     import json
 
-    module = importlib.import_module(f"actors.bench.{args.bench}")
+    module = importlib.import_module(f"actors.tools.bench.{args.bench}")
     result = module.run(args)
     print(json.dumps(result, indent=None if args.json else 2, default=float))
     return 0
@@ -120,8 +128,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     """`bench_name`: the benchmark being run, whose module is imported to add its own flags."""
-    from actors.replay import add_arguments as add_replay_arguments
-    from actors.replay import add_selection_arguments
+    from actors.tools.replay import add_arguments as add_replay_arguments
+    from actors.tools.replay import add_selection_arguments
 
     parser = argparse.ArgumentParser(
         prog="leeway",
@@ -222,7 +230,7 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         if name == bench_name:
             import importlib
 
-            importlib.import_module(f"actors.bench.{name}").add_arguments(bench_parser)
+            importlib.import_module(f"actors.tools.bench.{name}").add_arguments(bench_parser)
     return parser
 
 

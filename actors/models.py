@@ -1,7 +1,8 @@
-"""Tiny model presets and model loading, shared by the inference engines and the trainer backend.
+"""The model and tokenizer of a run, built the same way by both roles (generator engine, trainer backend).
 
-Both sides build the model through `build_model`, so a generator and a trainer started from the same
-spec and seed hold bit-identical version-0 weights without shipping a snapshot between them.
+Both sides build through `build_policy_model` (one tokenizer lookup, one list of special-token names),
+so a generator and a trainer started from the same spec and seed hold bit-identical version-0 weights
+and agree on the stop token without shipping a snapshot between them.
 
 A spec is either
 - a local Hugging Face checkpoint directory (loaded with ``local_files_only=True``; nothing is ever
@@ -21,9 +22,11 @@ The presets are sized for the CPU demo, which trains on 2 cores.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -34,11 +37,20 @@ from transformers import (
     PreTrainedModel,
 )
 
+from pipeline.config import LeewayConfig
+from pipeline.tasks import Task
+from pipeline.tasks.char_tokenizer import load_char_tokenizer
+
 MAX_POSITION_EMBEDDINGS = 128
 """Context length of the tiny presets: prompts and completions of the built-in tasks are far shorter."""
 
 HEAD_DIM = 16
 """Head size of the tiny presets; the number of heads is ``hidden // HEAD_DIM``."""
+
+EOS_TOKENS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>")
+"""Names tried, in order, for the end-of-sequence token: the engine's stop token and the model config's EOS."""
+BOS_TOKENS = ("<bos>", "<s>")
+PAD_TOKENS = ("<pad>", "<|pad|>")
 
 _PRESET_RE = re.compile(r"^tiny-(?P<family>llama|gpt2)-(?P<layers>\d+)x(?P<hidden>\d+)$")
 PRESET_FORMS = "'tiny-llama-<layers>x<hidden>' or 'tiny-gpt2-<layers>x<hidden>'"
@@ -135,3 +147,51 @@ def build_model(
             f"model spec {spec!r} is neither a tiny preset ({PRESET_FORMS}) nor an existing local checkpoint directory"
         )
     return model.eval()
+
+
+def load_tokenizer(cfg: LeewayConfig, task: Task | None = None) -> Tokenizer:
+    """`model.tokenizer` (a tokenizer.json or a directory holding one), else the task's ``tokenizer``
+    attribute, else the built-in char tokenizer."""
+    if cfg.model.tokenizer is None:
+        return getattr(task, "tokenizer", None) or load_char_tokenizer()
+    path = Path(cfg.model.tokenizer)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"model.tokenizer = {cfg.model.tokenizer!r}: no tokenizer.json there")
+    return Tokenizer.from_file(str(path))
+
+
+def special_token_id(tokenizer: Tokenizer, candidates: Sequence[str]) -> int | None:
+    """The id of the first of `candidates` the tokenizer knows, or None."""
+    for token in candidates:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return int(token_id)
+    return None
+
+
+def eos_token_id(tokenizer: Tokenizer) -> int | None:
+    return special_token_id(tokenizer, EOS_TOKENS)
+
+
+def pad_token_id(tokenizer: Tokenizer) -> int:
+    return special_token_id(tokenizer, PAD_TOKENS) or 0
+
+
+def build_policy_model(
+    cfg: LeewayConfig, tokenizer: Tokenizer, *, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """The run's model (``model.name_or_path``, seeded by ``run.seed``) sized to the tokenizer, on the CPU.
+
+    The trainer builds it in fp32 (master weights), the engine in ``model.dtype``; the weights agree
+    because both come from the same seeded fp32 initialisation.
+    """
+    return build_model(
+        cfg.model.name_or_path,
+        vocab_size=tokenizer.get_vocab_size(),
+        seed=cfg.run.seed,
+        dtype=dtype,
+        pad_token_id=pad_token_id(tokenizer),
+        bos_token_id=special_token_id(tokenizer, BOS_TOKENS),
+        eos_token_id=eos_token_id(tokenizer),
+    )

@@ -14,7 +14,8 @@ Methods (``correction.method``), as per-token *losses* (to minimise; ``A`` = adv
     decoupled_ppo  loss = -min(pi_prox/mu, C) * min(r A, clip(r, 1-eps_low, 1+eps_high) A),
                    r = pi / pi_prox, pi_prox = the trainer's weights at the start of the step
 
-With ``staleness_decay = gamma`` every weight is further multiplied by ``gamma ** staleness``.
+With ``staleness_decay = gamma`` every weight is further multiplied by ``gamma ** staleness``
+(`pipeline.staleness.decay_weight`).
 
 ``level="sequence"`` replaces each token's ``log rho`` by the mean of ``log rho`` over its sample's
 loss tokens (the geometric-mean ratio), so a whole sample is truncated or masked together. For
@@ -39,6 +40,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from pipeline.staleness import decay_weight
 
 Method = Literal["tis", "mis", "decoupled_ppo", "none"]
 Level = Literal["token", "sequence"]
@@ -159,8 +162,7 @@ def _decay(staleness: Tensor, mask: Tensor, gamma: float | None, dtype: torch.dt
     """``gamma ** staleness`` on loss tokens, 1 elsewhere (or everywhere when decay is off)."""
     if gamma is None:
         return torch.ones(mask.shape, dtype=dtype, device=mask.device)
-    steps = torch.where(mask, staleness, 0).to(dtype)
-    return torch.pow(torch.tensor(gamma, dtype=dtype, device=mask.device), steps)
+    return decay_weight(torch.where(mask, staleness, 0).to(dtype), gamma)
 
 
 @torch.no_grad()

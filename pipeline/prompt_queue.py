@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from pipeline.names import RunNames
+from pipeline.tasks import Prompt as TaskPrompt
 from pipeline.trajectory import ID_RE
 from pipeline.transport import (
     DUPLICATE_WINDOW_S,
@@ -48,6 +49,10 @@ class PromptSettings(Protocol):
     publish_ack_timeout_s: float
     publish_retries: int
     replicas: int
+
+
+POLICY_VERSION_KEY = "policy_version"
+"""Prompt metadata key: the trainer's version when it admitted the prompt."""
 
 
 class PromptError(ValueError):
@@ -102,6 +107,30 @@ class Prompt:
             token_ids=obj.get("token_ids"),
             metadata=obj.get("metadata") or {},
         )
+
+
+def queue_prompt(prompt: TaskPrompt, policy_version: int) -> Prompt:
+    """A task prompt as admitted by the trainer: answer, tags and the admission version travel in metadata."""
+    metadata = dict(prompt.metadata, answer=prompt.answer, tags=list(prompt.tags))
+    metadata[POLICY_VERSION_KEY] = int(policy_version)
+    return Prompt(prompt_id=prompt.prompt_id, text=prompt.text, token_ids=prompt.token_ids, metadata=metadata)
+
+
+def task_prompt(prompt: Prompt) -> TaskPrompt:
+    """The inverse of `queue_prompt` (the verifier sees the original answer, tags and metadata)."""
+    metadata = dict(prompt.metadata)
+    answer = metadata.pop("answer", None)
+    tags = tuple(str(t) for t in metadata.pop("tags", None) or ())
+    token_ids = prompt.token_ids if prompt.text is None else None
+    return TaskPrompt(
+        prompt_id=prompt.prompt_id, text=prompt.text, token_ids=token_ids, answer=answer, metadata=metadata, tags=tags
+    )
+
+
+def policy_version(prompt: Prompt) -> int:
+    """The admission version of a prompt; -1 when the admitter did not say (no floor from it)."""
+    value = prompt.metadata.get(POLICY_VERSION_KEY)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 @dataclass(eq=False)

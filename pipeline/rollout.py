@@ -23,7 +23,7 @@ Status of a sample:
 - ``aborted``: the engine aborted the generation: reward None, never scored.
 
 The engine records (`SamplingParams`, `GenerateRequest`, `GenerateResult`) are defined here, at the
-rollout's edge, so that ``pipeline/`` needs no import from ``actors/``; `actors.engines.base` re-exports them.
+rollout's edge, so that ``pipeline/`` needs no import from ``actors/``; `actors.generator.engines.base` re-exports them.
 
 Single-turn groups run as one batched `Engine.generate` call (in a worker thread: generation is
 synchronous torch); multi-turn samples run concurrently, one generate call per turn.
@@ -119,7 +119,7 @@ class GenerateResult:
 
 
 class Engine(Protocol):
-    """The part of `actors.engines.base.Engine` a rollout uses (``pipeline/`` does not import ``actors/``)."""
+    """The part of `actors.generator.engines.base.Engine` a rollout uses (``pipeline/`` does not import ``actors/``)."""
 
     def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]: ...
 

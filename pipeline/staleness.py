@@ -1,15 +1,37 @@
-"""The staleness cap on trained tokens, and the staleness numbers logged every step.
+"""The staleness rule, written once: every role calls these pure functions and restates nothing.
 
-When the trainer holds version ``V``, a token sampled at version ``v`` has staleness ``V - v``.
-Tokens with staleness above ``K = staleness.max_staleness`` never reach the loss. Two policies:
+A policy version is an integer (0 = the initial weights; each published optimizer step adds 1). When
+the trainer holds version ``V``, a token sampled with the weights of version ``v`` has staleness
+``V - v``. ``K = staleness.max_staleness`` bounds it, enforced at four places, upstream first so that
+little work is wasted (pacing is preferred to dropping: dropping starves slow, hard prompts):
+
+1. **Admission** (trainer, `admissible_prompts`): prompts enter the prompt queue only while
+   ``outstanding + trained <= (V + K + 1) * batch_groups`` (AReaL-style; counts in groups, one
+   prompt = one group; ``outstanding`` = admitted and not yet consumed, ``trained`` = groups that
+   entered an optimizer step). When each step trains ``batch_groups`` groups, at most ``K + 1``
+   steps' worth of groups are outstanding, so a prompt admitted at ``V`` is consumed by a step
+   starting at ``V + K`` at the latest. A group consumed without training (filtered, capped away,
+   invalid) leaves ``outstanding`` without entering ``trained``: its slot returns.
+2. **Sync floor** (generator, `sync_floor`): before a rollout starts, the engine must hold a
+   version ``>= max(newest known, every prompt's admission version) - K``. With ``K = 0`` every
+   rollout uses the version the trainer held when it admitted the prompt: synchronous RL, exactly.
+3. **Abort rule** (generator, `crosses_cap`, when ``staleness.abort_in_flight``): a running batch
+   whose starting weights fall more than ``K`` behind the newest known version is aborted and its
+   prompts handed back, since its tokens could no longer be trained.
+4. **Cap at the loss** (trainer, `apply_staleness_cap`): tokens staler than ``K`` never reach the
+   loss, under one of two policies (below). This is the counted last resort.
+
+And one soft term: with ``correction.staleness_decay = gamma`` each token's importance weight is
+multiplied by ``gamma ** staleness`` (`decay_weight`), so staler tokens count less.
+
+Cap policies:
 
 - ``drop_trajectory``: a sample with any loss token staler than ``K`` is dropped whole;
 - ``mask_tokens``: only the stale tokens leave the loss mask; a sample left with no loss tokens
   counts as dropped.
 
-Admission control (``pipeline.admission``) keeps most data inside the cap; this is the counted
-last resort. A dropped sample should also be treated as invalid for its group's baseline
-(AND ``keep`` into the validity mask before ``pipeline.advantages.compute_advantages``).
+A dropped sample is also invalid for its group's baseline (``pipeline.batching`` ANDs ``keep`` into
+the validity mask before ``pipeline.advantages.compute_advantages``).
 
 Worked example, ``V = 5``, ``K = 2``::
 
@@ -24,12 +46,73 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
 CapPolicy = Literal["drop_trajectory", "mask_tokens"]
 CAP_POLICIES: tuple[str, ...] = ("drop_trajectory", "mask_tokens")
+
+Weights = TypeVar("Weights")
+"""A numpy array or a torch tensor (`decay_weight` works on either)."""
+
+
+# ---- 1. admission (trainer) --------------------------------------------------------------------------
+
+
+def admission_capacity(*, version: int, max_staleness: int, batch_groups: int) -> int:
+    """Groups the rule allows in total at trainer version `version`: ``(V + K + 1) * batch_groups``."""
+    return (version + max_staleness + 1) * batch_groups
+
+
+def admissible_prompts(*, version: int, max_staleness: int, batch_groups: int, outstanding: int, trained: int) -> int:
+    """How many new prompts may enter the prompt queue now (never negative).
+
+    `version` counts the optimizer steps taken (published or, in replay, not); `outstanding` the
+    admitted groups not yet consumed; `trained` the groups that entered an optimizer step.
+    """
+    for name, value in (
+        ("version", version),
+        ("outstanding", outstanding),
+        ("trained", trained),
+        ("staleness.max_staleness", max_staleness),
+    ):
+        if value < 0:
+            raise ValueError(f"{name}={value!r} must be >= 0")
+    if batch_groups < 1:
+        raise ValueError(f"trainer.batch_groups={batch_groups!r} must be >= 1")
+    capacity = admission_capacity(version=version, max_staleness=max_staleness, batch_groups=batch_groups)
+    return max(0, capacity - outstanding - trained)
+
+
+# ---- 2. and 3. sync floor and abort rule (generator) ------------------------------------------------
+
+
+def sync_floor(newest_known: int, max_staleness: int, policy_versions: Sequence[int]) -> int:
+    """Oldest engine version a new rollout may start with.
+
+    Admission versions of -1 (an admitter that did not say) add no floor.
+
+    >>> sync_floor(newest_known=7, max_staleness=2, policy_versions=[3, 8])
+    6
+    """
+    return max(max([newest_known, *policy_versions]) - max_staleness, 0)
+
+
+def crosses_cap(start_version: int, newest_known: int, max_staleness: int) -> bool:
+    """True when tokens sampled at `start_version` are already staler than the cap."""
+    return newest_known - start_version > max_staleness
+
+
+# ---- 5. the decay term (trainer's correction) --------------------------------------------------------
+
+
+def decay_weight(staleness: Weights, gamma: float) -> Weights:
+    """``gamma ** staleness``, elementwise (numpy or torch); callers zero the staleness of non-loss tokens."""
+    return gamma**staleness  # type: ignore[operator,return-value]
+
+
+# ---- 4. the cap at the loss (trainer) ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.bench.e2e import SMOOTH_STEPS, seconds_to_target, steps_to_target, summarize_run
+from actors.tools.bench.e2e import SMOOTH_STEPS, seconds_to_target, steps_to_target, summarize_run
 
 
 def _records(rewards: list[float], *, idle: float = 0.2, wait_s: float = 0.1) -> list[dict]:

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load as st_load
 from torch import Tensor
 
-from actors.backends import (
+from actors.models import build_model
+from actors.trainer.backends import (
     CheckpointError,
     LossExtras,
     MicroBatch,
@@ -23,8 +24,7 @@ from actors.backends import (
     decode_checkpoint,
     encode_checkpoint,
 )
-from actors.backends.torch_backend import TorchBackend
-from actors.models import build_model
+from actors.trainer.backends.torch_backend import TorchBackend
 
 VOCAB = 32
 

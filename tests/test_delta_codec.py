@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.bench.weights_workload import codec_stats, synthetic_versions, transformer_shapes
+from actors.tools.bench.weights_workload import codec_stats, synthetic_versions, transformer_shapes
 from storage.delta_codec import (
     CHUNK_ELEMS,
     apply_delta,

@@ -24,16 +24,16 @@ import orjson
 import pytest
 import torch
 
-from actors.engines.torch_engine import TorchEngine, sampling_logprobs
-from actors.gen_metrics import GeneratorMetrics
-from actors.generator import GeneratorRuntime, policy_version, queue_prompt, sampling_params, task_prompt
+from actors.endpoints import connect_nats, open_run_store
+from actors.generator.engines.torch_engine import TorchEngine, sampling_logprobs
+from actors.generator.loop import GeneratorRuntime, sampling_params
+from actors.generator.metrics import GeneratorMetrics
 from actors.models import build_model
-from actors.stack_client import connect_nats, open_run_store
-from actors.weight_sync import crosses_cap, staleness_floor
 from pipeline.announce import announce_version, generator_metrics_subject, version_kv
 from pipeline.config import LeewayConfig, load_config
 from pipeline.names import RunNames
-from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue
+from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue, policy_version, queue_prompt, task_prompt
+from pipeline.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Prompt, Task
 from pipeline.tasks.char_tokenizer import PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask
@@ -51,9 +51,9 @@ WAIT_S = 30.0
 
 
 def test_staleness_floor_follows_the_newest_known_and_the_admission_version() -> None:
-    assert staleness_floor(newest_known=7, max_staleness=2, policy_versions=[3, 8]) == 6
-    assert staleness_floor(newest_known=5, max_staleness=0, policy_versions=[5]) == 5
-    assert staleness_floor(newest_known=-1, max_staleness=2, policy_versions=[-1]) == 0
+    assert sync_floor(newest_known=7, max_staleness=2, policy_versions=[3, 8]) == 6
+    assert sync_floor(newest_known=5, max_staleness=0, policy_versions=[5]) == 5
+    assert sync_floor(newest_known=-1, max_staleness=2, policy_versions=[-1]) == 0
     assert crosses_cap(start_version=3, newest_known=6, max_staleness=2)
     assert not crosses_cap(start_version=4, newest_known=6, max_staleness=2)
 
@@ -119,7 +119,7 @@ class FakeTrainer:
         self.prompts = ReverseDigitsTask(num_digits=4, seed=int(uuid.uuid4().int % 10_000)).prompts()
 
     async def __aenter__(self) -> FakeTrainer:
-        self.nc = await connect_nats(self.cfg)
+        self.nc = await connect_nats(self.cfg, name="test-fake-trainer")
         js = self.nc.jetstream()
         await ensure_trajectory_streams(js, self.names, self.cfg.stream)
         await ensure_trainer_consumer(js, self.names)
@@ -437,9 +437,9 @@ def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_part
 def test_shutdown_aborts_a_batch_that_outlives_the_grace_and_hands_its_prompts_to_another_generator(
     stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import actors.generator
+    import actors.generator.loop
 
-    monkeypatch.setattr(actors.generator, "SHUTDOWN_GRACE_S", 0.3)
+    monkeypatch.setattr(actors.generator.loop, "SHUTDOWN_GRACE_S", 0.3)
     cfg = _cfg(stack, _unique_run(), "engine.sampling.max_new_tokens=40")
     hook = _HoldAtStep()
 

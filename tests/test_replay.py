@@ -10,7 +10,7 @@ import uuid
 
 import numpy as np
 
-from actors import replay as replay_cmd
+from actors.tools import replay as replay_cmd
 from pipeline.codec import read_parquet
 from pipeline.config import LeewayConfig, StreamConfig
 from pipeline.names import RunNames

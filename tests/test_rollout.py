@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from actors.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
-from actors.engines.torch_engine import TorchEngine
+from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
+from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import build_model
 from pipeline.rollout import EnvStep, RolloutSample, run_group
 from pipeline.tasks import Prompt, Task, VerifierResult

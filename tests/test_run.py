@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from actors.live import LiveView, sparkline
-from actors.report import summarize, write_report
-from actors.run import (
+from actors.launcher.live_view import LiveView, sparkline
+from actors.launcher.report import summarize, write_report
+from actors.launcher.run import (
     GeneratorProcessStatus,
     RoleProcess,
     RunDirInUse,
@@ -316,7 +316,7 @@ def _log_tails(run_dir: Path) -> str:
 
 async def _recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> list[Any]:
     """Every group in the run's trajectory stream (from `from_seq`), read back through a replay."""
-    from actors.stack_client import open_run_store, resolve_endpoints
+    from actors.endpoints import open_run_store, resolve_endpoints
     from pipeline import transport
     from pipeline.names import RunNames
 
@@ -342,7 +342,7 @@ async def _recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> li
 
 async def _queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
     """(prompts ever admitted, ids still in the prompt work queue) of the run."""
-    from actors.stack_client import resolve_endpoints
+    from actors.endpoints import resolve_endpoints
     from pipeline import transport
     from pipeline.names import RunNames
     from pipeline.prompt_queue import Prompt
@@ -366,7 +366,7 @@ async def _queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
 
 async def _unconsumed_from(cfg: LeewayConfig) -> int:
     """First trajectory-stream sequence the trainer has not acked."""
-    from actors.stack_client import resolve_endpoints
+    from actors.endpoints import resolve_endpoints
     from pipeline import transport
     from pipeline.names import RunNames
 
@@ -516,7 +516,7 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
     assert not set(trained) & set(dropped)
     admitted_count, queued = asyncio.run(_queued_prompt_ids(cfg))
     unconsumed = {g.group_id for g in asyncio.run(_recorded_groups(cfg, asyncio.run(_unconsumed_from(cfg))))}
-    from actors.trainer_parts import PromptFeed
+    from actors.trainer.prompt_feed import PromptFeed
     from pipeline.tasks import get_task
 
     admitted = {p.prompt_id for p in PromptFeed(cfg, get_task(cfg.task.name, **cfg.task.args), 0).take(admitted_count)}

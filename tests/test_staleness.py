@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.staleness import apply_staleness_cap, staleness_stats
+from pipeline.staleness import (
+    admissible_prompts,
+    apply_staleness_cap,
+    crosses_cap,
+    decay_weight,
+    staleness_stats,
+    sync_floor,
+)
 
 
 def _sample(versions: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -88,3 +95,53 @@ def test_staleness_stats_cover_loss_tokens_only() -> None:
 def test_staleness_stats_of_an_empty_batch_are_none() -> None:
     s = staleness_stats([], [], current_version=0)
     assert (s.min, s.mean, s.max, s.histogram, s.num_tokens) == (None, None, None, {}, 0)
+
+
+# ---- admission, the path the trainer takes (`admissible_prompts` from its counters) -------------------
+
+
+def test_admission_allows_k_plus_one_steps_of_groups_at_the_start() -> None:
+    assert admissible_prompts(version=0, max_staleness=2, batch_groups=4, outstanding=0, trained=0) == 12
+    assert admissible_prompts(version=0, max_staleness=0, batch_groups=4, outstanding=4, trained=0) == 0
+
+
+def test_a_discarded_group_returns_its_admission_slot() -> None:
+    # 12 admitted, 4 consumed in a step: 3 trained, 1 filtered. The filtered one is neither outstanding
+    # nor trained, so one more prompt may enter besides the step's batch_groups.
+    after_step = admissible_prompts(version=1, max_staleness=2, batch_groups=4, outstanding=8, trained=3)
+    assert after_step == 16 - 8 - 3 == 5
+
+
+def test_admission_never_goes_negative_and_names_bad_counts() -> None:
+    assert admissible_prompts(version=0, max_staleness=0, batch_groups=1, outstanding=5, trained=0) == 0
+    with pytest.raises(ValueError, match="outstanding"):
+        admissible_prompts(version=0, max_staleness=0, batch_groups=1, outstanding=-1, trained=0)
+    with pytest.raises(ValueError, match="trainer.batch_groups"):
+        admissible_prompts(version=0, max_staleness=0, batch_groups=0, outstanding=0, trained=0)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_admission_keeps_in_order_consumption_inside_the_cap(max_staleness: int) -> None:
+    """Simulate the loop: admit at V with the trainer's counters, consume FIFO, one version per step."""
+    batch, queue, trained, version = 4, [], 0, 0
+    for _ in range(30):
+        count = admissible_prompts(
+            version=version, max_staleness=max_staleness, batch_groups=batch, outstanding=len(queue), trained=trained
+        )
+        queue.extend([version] * count)
+        step, queue = queue[:batch], queue[batch:]
+        assert max(version - admitted_at for admitted_at in step) <= max_staleness
+        trained += len(step)
+        version += 1
+
+
+def test_sync_floor_and_abort_rule() -> None:
+    assert sync_floor(newest_known=7, max_staleness=2, policy_versions=[3, 8]) == 6
+    assert sync_floor(newest_known=-1, max_staleness=0, policy_versions=[-1]) == 0
+    assert sync_floor(newest_known=4, max_staleness=0, policy_versions=[]) == 4
+    assert not crosses_cap(start_version=3, newest_known=5, max_staleness=2)
+    assert crosses_cap(start_version=3, newest_known=6, max_staleness=2)
+
+
+def test_decay_weight_is_gamma_to_the_staleness() -> None:
+    np.testing.assert_allclose(decay_weight(np.array([0.0, 1.0, 3.0]), 0.5), [1.0, 0.5, 0.125])

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from actors.backends import LossExtras, MicroBatch, TrainBatch, TrainSequence, build_backend
-from actors.backends.base import pack_by_token_budget
-from actors.backends.torch_backend import TorchBackend
 from actors.models import build_model
+from actors.trainer.backends import LossExtras, MicroBatch, TrainBatch, TrainSequence, build_backend
+from actors.trainer.backends.base import pack_by_token_budget
+from actors.trainer.backends.torch_backend import TorchBackend
 from pipeline.config import LeewayConfig
 
 VOCAB = 32

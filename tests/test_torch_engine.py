@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engines.base import GenerateRequest, SamplingParams
-from actors.engines.torch_engine import TorchEngine, sampling_logprobs
+from actors.generator.engines.base import GenerateRequest, SamplingParams
+from actors.generator.engines.torch_engine import TorchEngine, sampling_logprobs
 from actors.models import build_model
 
 VOCAB = 21

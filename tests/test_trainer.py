@@ -18,8 +18,8 @@ import orjson
 import pytest
 import torch
 
-from actors.stack_client import open_run_store, resolve_endpoints
-from actors.trainer import Trainer
+from actors.endpoints import open_run_store, resolve_endpoints
+from actors.trainer.loop import Trainer
 from infra.stack import StackState
 from pipeline.announce import version_kv, watch_announcements
 from pipeline.config import LeewayConfig, load_config
@@ -193,7 +193,7 @@ def test_masked_tokens_policy_keeps_the_fresh_samples(stack: StackState, tmp_pat
 
 
 def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: StackState, tmp_path: Path) -> None:
-    from actors.checkpointing import complete_checkpoints
+    from actors.trainer.checkpoints import complete_checkpoints
     from pipeline.prompt_queue import PromptQueue
 
     cfg = _cfg(stack, tmp_path, "trainer.max_steps=10", "trainer.checkpoint_every=50", "staleness.max_staleness=1")
@@ -330,9 +330,9 @@ GOLDEN_LOSSES = (0.2328278124332428, 0.4551418721675873)
 
 
 def test_golden_loss_of_a_fixed_tiny_batch() -> None:
-    from actors.backends import TrainBatch, TrainSequence, build_backend
     from actors.models import build_model
-    from actors.objective import CorrectedObjective
+    from actors.trainer.backends import TrainBatch, TrainSequence, build_backend
+    from actors.trainer.objective import CorrectedObjective
     from pipeline.batching import GroupPolicy, prepare_group
 
     torch.set_num_threads(1)

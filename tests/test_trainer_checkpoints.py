@@ -8,7 +8,7 @@ import orjson
 import pytest
 import torch
 
-from actors.checkpointing import (
+from actors.trainer.checkpoints import (
     KEEP_CHECKPOINTS,
     MANIFEST_FILE,
     RecentIds,
@@ -18,7 +18,8 @@ from actors.checkpointing import (
     load_latest_checkpoint,
     write_checkpoint,
 )
-from actors.trainer_parts import PromptFeed, roll_back_metrics
+from actors.trainer.metrics_log import roll_back_metrics
+from actors.trainer.prompt_feed import PromptFeed
 from pipeline.config import LeewayConfig
 from pipeline.tasks import get_task
 from storage.objectstore import FileStore

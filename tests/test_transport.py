@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.bench.transport import LocalNats, free_port, local_nats
+from actors.tools.bench.transport import LocalNats, free_port, local_nats
 from pipeline.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch
 from pipeline.config import StreamConfig
 from pipeline.names import RunNames

@@ -99,7 +99,7 @@ def _idle_fraction(record: dict[str, Any] | None) -> float | None:
 
 
 def _run_once(args: argparse.Namespace, root: Path, label: str, staleness: int) -> dict[str, Any]:
-    from actors.run import run_pipeline
+    from actors.launcher.run import run_pipeline
     from pipeline.config import load_config
 
     overrides = [

@@ -4,6 +4,13 @@ Only the interface is imported here; an engine module is imported by whoever cho
 optional dependencies stay out of processes that do not use them.
 """
 
-from actors.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
+from actors.generator.engines.base import (
+    Engine,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    NamedTensors,
+    SamplingParams,
+)
 
 __all__ = ["Engine", "FinishReason", "GenerateRequest", "GenerateResult", "NamedTensors", "SamplingParams"]

@@ -76,10 +76,10 @@ def main(cfg: Any, args: argparse.Namespace) -> int:
 
 
 async def replay(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from actors.stack_client import open_run_store, resolve_endpoints
+    from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
     from pipeline.codec import write_parquet
     from pipeline.names import RunNames
-    from pipeline.transport import ReplayReader, connect
+    from pipeline.transport import ReplayReader
 
     selection = selection_from_args(args)
     names = RunNames.for_run(cfg.run.name)
@@ -88,12 +88,7 @@ async def replay(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     out_dir = Path(args.to_parquet) if args.to_parquet else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    nc = await connect(
-        endpoints.nats_url,
-        creds_file=cfg.nats.creds_file,
-        connect_timeout_s=cfg.nats.connect_timeout_s,
-        name="leeway-replay",
-    )
+    nc = await connect_nats(cfg, endpoints, name="leeway-replay")
     files: list[str] = []
     seqs: list[int] = []
     try:

@@ -212,7 +212,7 @@ class TrainingBackend(ABC):
     Checkpoint contract: ``load_state(state_tensors(), state_meta())`` on a backend built from the
     same config restores weights, optimizer and RNG so that the next steps are bit-identical (on
     the same device and library versions). Tensor keys are ``<group>/<name>`` with groups
-    ``model``, ``optimizer`` and ``rng``; `actors.backends.checkpoint` writes one safetensors file
+    ``model``, ``optimizer`` and ``rng``; `actors.trainer.backends.checkpoint` writes one safetensors file
     per group.
     """
 

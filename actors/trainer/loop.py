@@ -1,7 +1,7 @@
 """The trainer: consumes trajectory groups, bounds staleness, corrects, steps, publishes version V+1.
 
 ```
-   prompts (work queue) ◄── admit_prompts ── PromptAdmission: queued + in_flight + trained <= (S+K+1)·B
+   prompts (work queue) ◄── admit_prompts ── pipeline.staleness.admissible_prompts: (S+K+1)·B in all
                               (id "<task id>.<i>", metadata policy_version = V)    ▲ S = steps taken
    trajectories ──► collect_batch ── dedupe by group id ── cap at V (drop | mask) ── validity ── GRPO/RLOO
    (durable consumer;   │                                  └─ untrainable: dropped with a reason, counted
@@ -41,7 +41,6 @@ Invariants and failure behaviour:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -52,21 +51,17 @@ from typing import Any
 import nats.errors
 import orjson
 
-from actors.checkpointing import RecentIds, TrainerState, load_latest_checkpoint, write_checkpoint
-from actors.trainer_parts import (
-    MetricsLog,
-    PromptFeed,
-    build_policy_model,
-    build_weight_publisher,
-    replay_metrics_path,
-    replay_selection,
-    roll_back_metrics,
-)
-from pipeline.admission import PromptAdmission
+from actors.models import build_policy_model, load_tokenizer
+from actors.trainer.checkpoints import RecentIds, TrainerState, load_latest_checkpoint, write_checkpoint
+from actors.trainer.metrics_log import MetricsLog, replay_metrics_path, roll_back_metrics
+from actors.trainer.prompt_feed import PromptFeed
 from pipeline.batching import GroupPolicy, PreparedGroup, prepare_group
 from pipeline.config import LeewayConfig
 from pipeline.names import RunNames
+from pipeline.prompt_queue import queue_prompt
+from pipeline.staleness import admissible_prompts
 from pipeline.step_metrics import merge_loss_stats, reward_metrics, sample_counts, staleness_metrics, timing_split
+from pipeline.transport import ReplaySelection
 
 log = logging.getLogger("leeway.trainer")
 
@@ -116,9 +111,6 @@ class Trainer:
         """A `transport.ReplaySelection` in replay mode, else None."""
         self.state = TrainerState()
         self.handled = RecentIds()
-        self.admission = PromptAdmission(
-            batch_groups=cfg.trainer.batch_groups, max_staleness=cfg.staleness.max_staleness
-        )
         self.stop = asyncio.Event()
         self.generator_reports: dict[str, dict[str, Any]] = {}
         self.replay_version = 0
@@ -139,23 +131,18 @@ class Trainer:
 
     async def setup(self) -> None:
         """Connect, build model/backend/publisher, then start fresh, resume, or open the replay range."""
-        from actors.backends import build_backend
-        from actors.stack_client import open_run_store, resolve_endpoints
+        from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
+        from actors.trainer.backends import build_backend
         from pipeline import transport
         from pipeline.tasks import get_task
 
         cfg = self.cfg
         endpoints = resolve_endpoints(cfg)
         self.store = open_run_store(cfg, endpoints)
-        self.nc = await transport.connect(
-            endpoints.nats_url,
-            creds_file=cfg.nats.creds_file,
-            connect_timeout_s=cfg.nats.connect_timeout_s,
-            name="leeway-trainer",
-        )
+        self.nc = await connect_nats(cfg, endpoints, name="leeway-trainer")
         self.js = self.nc.jetstream()
         self.task = get_task(cfg.task.name, **cfg.task.args)
-        model = build_policy_model(cfg, self.task)
+        model = build_policy_model(cfg, load_tokenizer(cfg, self.task))
         self.backend = build_backend(cfg, model)
         if self.replay is not None:
             self.source = await transport.ReplayReader.open(self.js, self.names, cfg.stream, self.store, self.replay)
@@ -273,17 +260,15 @@ class Trainer:
         """Publish as many prompts as the staleness-aware limit allows, tagged with the current version."""
         if self.replay is not None:
             return
-        from actors.generator import queue_prompt
-
         s = self.state
         dropped = s.discarded_groups + (pending.num_dropped if pending else 0)
-        self.admission.observe(
+        count = admissible_prompts(
             version=s.step,
-            queued=0,
+            max_staleness=self.cfg.staleness.max_staleness,
+            batch_groups=self.cfg.trainer.batch_groups,
+            outstanding=max(0, s.admitted - s.trained_groups - dropped),
             trained=s.trained_groups,
-            in_flight=max(0, s.admitted - s.trained_groups - dropped),
         )
-        count = self.admission.admit()
         if count <= 0:
             return
         prompts = self.prompt_feed.take(count)
@@ -385,8 +370,8 @@ class Trainer:
 
     async def train_on_batch(self, batch: Batch) -> tuple[Any, float]:
         """Recompute log-probs and take one optimizer step (several minibatches under decoupled_ppo)."""
-        from actors.backends import TrainBatch, TrainSequence
-        from actors.objective import CorrectedObjective
+        from actors.trainer.backends import TrainBatch, TrainSequence
+        from actors.trainer.objective import CorrectedObjective
 
         cfg = self.cfg
         sequences = [
@@ -543,6 +528,25 @@ class Trainer:
             await asyncio.to_thread(self.publisher.close)
 
 
+def build_weight_publisher(cfg: LeewayConfig, store: Any, model: Any) -> Any:
+    """A `storage.weights.WeightPublisher` for the run, from ``weights.*`` and ``model.dtype``."""
+    from storage.manifest import config_hash
+    from storage.weights import TORCH_DTYPES, WeightPublisher
+
+    w = cfg.weights
+    return WeightPublisher(
+        store,
+        cfg.run.name,
+        model_config_hash=config_hash(model.config.to_dict()),
+        dtype=TORCH_DTYPES[cfg.model.dtype],
+        full_every=w.full_every,
+        keep_versions=w.keep_versions,
+        grace_s=w.grace_s,
+        part_bytes=w.part_bytes,
+        parallelism=w.parallelism,
+    )
+
+
 def _with_proximal(seq: Any, proximal: Any) -> Any:
     from dataclasses import replace
 
@@ -553,20 +557,14 @@ def _num(value: float | None) -> float:
     return float("nan") if value is None else float(value)
 
 
-def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
-    """`leeway trainer CONFIG [--resume] [--replay SELECTION]`."""
+def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | None = None) -> int:
+    """`leeway trainer CONFIG [--resume] [--replay SELECTION]` (the CLI parses the flags)."""
     import torch
 
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(cfg.trainer.torch_threads)
     torch.manual_seed(cfg.run.seed)
-    try:
-        replay = replay_selection(args) if getattr(args, "replay", False) else None
-    except ValueError as exc:
-        raise SystemExit(f"leeway trainer: {exc}") from None
-    if replay is not None and getattr(args, "resume", False):
-        raise SystemExit("leeway trainer: --resume and --replay exclude each other")
-    trainer = Trainer(cfg, resume=getattr(args, "resume", False), replay=replay)
+    trainer = Trainer(cfg, resume=resume, replay=replay)
 
     async def _run() -> int:
         loop = asyncio.get_running_loop()

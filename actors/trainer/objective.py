@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from actors.backends.base import LossExtras, MicroBatch
+from actors.trainer.backends.base import LossExtras, MicroBatch
 from pipeline.config import AdvantagesConfig, CorrectionConfig
 from pipeline.correction import corrected_token_loss
 from pipeline.loss import aggregate_loss

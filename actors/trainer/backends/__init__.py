@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from actors.backends.base import (
+from actors.trainer.backends.base import (
     LossExtras,
     LossFn,
     MicroBatch,
@@ -18,7 +18,7 @@ from actors.backends.base import (
     TrainingBackend,
     TrainSequence,
 )
-from actors.backends.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from actors.trainer.backends.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 def build_backend(config: LeewayConfig, model: PreTrainedModel) -> TrainingBackend:
     """The backend named by ``config.trainer.backend``, wrapping ``model`` (built with `actors.models.build_model`)."""
     if config.trainer.backend == "torch":
-        from actors.backends.torch_backend import TorchBackend
+        from actors.trainer.backends.torch_backend import TorchBackend
 
         return TorchBackend.from_config(config, model)
     raise ValueError(f"trainer.backend={config.trainer.backend!r} is not implemented yet (available: 'torch')")

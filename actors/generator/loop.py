@@ -10,9 +10,9 @@
       │                              │ in_progress() every heartbeat_s            │     lease.done()  (ack)
       │                              └──────── aborted (cap crossed / shutdown) ──┴──► lease.release() (nak)
       ▼
-  WeightSync (actors/weight_sync.py): KV doorbell + LATEST poll -> WeightSubscriber.pull -> engine.update_weights
+  WeightSync (actors/generator/weight_sync.py): KV doorbell + LATEST poll -> WeightSubscriber.pull -> engine.update_weights
       in_flight: applied between two decode steps of the running batch; between_rollouts: before the next batch
-  metrics loop: every 2 s a JSON report on leeway.<run>.metrics.generator (actors/gen_metrics.py)
+  metrics loop: every 2 s a JSON report on leeway.<run>.metrics.generator (actors/generator/metrics.py)
 ```
 
 The loops and who unblocks them:
@@ -50,19 +50,22 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
+import torch
+from tokenizers import Tokenizer
 
-from actors.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
-from actors.gen_metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report
-from actors.weight_sync import Pulled, WeightSync, crosses_cap, staleness_floor
+from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
+from actors.generator.engines.torch_engine import TorchEngine
+from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report
+from actors.generator.weight_sync import Pulled, WeightSync
+from actors.models import build_policy_model, eos_token_id, load_tokenizer, pad_token_id
 from pipeline.config import LeewayConfig
 from pipeline.names import RunNames
-from pipeline.prompt_queue import Prompt as QueuePrompt
-from pipeline.prompt_queue import PromptLease
-from pipeline.rollout import EnvironmentFactory, RolloutSample, Tokenizer, run_group
+from pipeline.prompt_queue import PromptLease, policy_version, task_prompt
+from pipeline.rollout import EnvironmentFactory, RolloutSample, run_group
+from pipeline.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Prompt, Task
 from pipeline.trajectory import SampleArrays, TrajectoryGroup
 
@@ -75,71 +78,18 @@ TAKE_RETRY_S = 1.0
 SHUTDOWN_GRACE_S = 5.0
 """On SIGINT/SIGTERM the running batch may finish within this long; then it is aborted and nak'ed."""
 ABORT_CHECK_S = 0.05
+"""How often a running batch checks the staleness cap (abort_in_flight) and shutdown."""
 MAX_BATCHES_PUBLISHING = 2
 """Batches whose groups are still being published while the engine already generates the next one."""
-"""How often a running batch checks the staleness cap (abort_in_flight) and shutdown."""
 LOG_EVERY_REPORTS = 10
 """Log a metrics line every this many reports (20 s at the 2 s report interval)."""
-POLICY_VERSION_KEY = "policy_version"
-"""Prompt metadata key: the trainer's version when it admitted the prompt."""
-
-
-# ---- prompts on the wire ----------------------------------------------------------------------------
-
-
-def queue_prompt(prompt: Prompt, policy_version: int) -> QueuePrompt:
-    """A task prompt as admitted by the trainer: answer, tags and the admission version travel in metadata."""
-    metadata = dict(prompt.metadata, answer=prompt.answer, tags=list(prompt.tags))
-    metadata[POLICY_VERSION_KEY] = int(policy_version)
-    return QueuePrompt(prompt_id=prompt.prompt_id, text=prompt.text, token_ids=prompt.token_ids, metadata=metadata)
-
-
-def task_prompt(prompt: QueuePrompt) -> Prompt:
-    """The inverse of `queue_prompt` (the verifier sees the original answer, tags and metadata)."""
-    metadata = dict(prompt.metadata)
-    answer = metadata.pop("answer", None)
-    tags = tuple(str(t) for t in metadata.pop("tags", None) or ())
-    token_ids = prompt.token_ids if prompt.text is None else None
-    return Prompt(
-        prompt_id=prompt.prompt_id, text=prompt.text, token_ids=token_ids, answer=answer, metadata=metadata, tags=tags
-    )
-
-
-def policy_version(prompt: QueuePrompt) -> int:
-    """The admission version of a prompt; -1 when the admitter did not say (no floor from it)."""
-    value = prompt.metadata.get(POLICY_VERSION_KEY)
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 # ---- building the pieces ------------------------------------------------------------------------------
 
 
-def load_tokenizer(cfg: LeewayConfig, task: Task | None = None) -> Any:
-    """`model.tokenizer` (a tokenizer.json or a directory holding one), else the task's ``tokenizer``
-    attribute, else the built-in char tokenizer."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    if cfg.model.tokenizer is None:
-        from pipeline.tasks.char_tokenizer import load_char_tokenizer
-
-        return getattr(task, "tokenizer", None) or load_char_tokenizer()
-    path = Path(cfg.model.tokenizer)
-    path = path / "tokenizer.json" if path.is_dir() else path
-    if not path.is_file():
-        raise ValueError(f"model.tokenizer = {cfg.model.tokenizer!r}: no tokenizer.json there")
-    return HFTokenizer.from_file(str(path))
-
-
-def special_token_id(tokenizer: Any, candidates: Sequence[str]) -> int | None:
-    for token in candidates:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return int(token_id)
-    return None
-
-
-def sampling_params(cfg: LeewayConfig, tokenizer: Any) -> SamplingParams:
-    eos = special_token_id(tokenizer, ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>"))
+def sampling_params(cfg: LeewayConfig, tokenizer: Tokenizer) -> SamplingParams:
+    eos = eos_token_id(tokenizer)
     s = cfg.engine.sampling
     return SamplingParams(
         max_new_tokens=s.max_new_tokens,
@@ -150,29 +100,11 @@ def sampling_params(cfg: LeewayConfig, tokenizer: Any) -> SamplingParams:
     )
 
 
-def build_engine(cfg: LeewayConfig, tokenizer: Any, generator_id: str) -> Engine:
+def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str) -> Engine:
     """The configured engine, with the model's random init in place until version 0 is pulled (version -1)."""
-    if cfg.engine.kind != "torch":
-        raise ValueError(f"engine.kind = {cfg.engine.kind!r} is not implemented yet (available: 'torch')")
-    import torch
-
-    from actors.engines.torch_engine import TorchEngine
-    from actors.models import build_model
-
-    pad = special_token_id(tokenizer, ("<pad>", "<|pad|>")) or 0
-    vocab_size = tokenizer.get_vocab_size() if hasattr(tokenizer, "get_vocab_size") else len(tokenizer)
-    model = build_model(
-        cfg.model.name_or_path,
-        vocab_size=vocab_size,
-        seed=cfg.run.seed,
-        dtype=getattr(torch, cfg.model.dtype),
-        pad_token_id=pad,
-        bos_token_id=special_token_id(tokenizer, ("<bos>", "<s>")),
-        eos_token_id=special_token_id(tokenizer, ("<eos>", "</s>")),
-    )
-    model = model.to(cfg.engine.device)
+    model = build_policy_model(cfg, tokenizer, dtype=getattr(torch, cfg.model.dtype)).to(cfg.engine.device)
     seed = (cfg.run.seed * 1_000_003 + zlib.crc32(generator_id.encode())) % 2**62
-    return TorchEngine(model, pad_token_id=pad, seed=seed, version=-1)
+    return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), seed=seed, version=-1)
 
 
 def task_environment(task: Task) -> EnvironmentFactory | None:
@@ -437,7 +369,7 @@ class Generator:
         """Bring the engine to the staleness floor of the batch; False if shutdown came first."""
         if self.cfg.generator.update_mode == "between_rollouts":
             await self.weights.catch_up()
-        floor = staleness_floor(
+        floor = sync_floor(
             self.weights.newest_known,
             self.cfg.staleness.max_staleness,
             [policy_version(lease.prompt) for lease in leases],
@@ -677,7 +609,7 @@ class GeneratorRuntime:
             await rt._close()
 
     async def _start(self, cfg: LeewayConfig, generator_id: str, engine: Engine | None) -> None:
-        from actors.stack_client import connect_nats, open_run_store, resolve_endpoints
+        from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
         from pipeline.announce import generator_metrics_subject, version_kv, watch_announcements
         from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue
         from pipeline.tasks import get_task
@@ -776,18 +708,3 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
 
     asyncio.run(run())
     return 0
-
-
-__all__ = [
-    "Generator",
-    "GeneratorRuntime",
-    "StoreWeightSource",
-    "build_engine",
-    "load_tokenizer",
-    "main",
-    "policy_version",
-    "queue_prompt",
-    "serve",
-    "task_prompt",
-    "to_trajectory_group",
-]

@@ -37,8 +37,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from actors.engines.base import Engine, NamedTensors
-from actors.gen_metrics import GeneratorMetrics
+from actors.generator.engines.base import Engine, NamedTensors
+from actors.generator.metrics import GeneratorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -225,22 +225,3 @@ class WeightSync:
                 with contextlib.suppress(Exception):  # the background poll logs failures
                     await self.poll_once()
         return self.engine_version
-
-
-def staleness_floor(newest_known: int, max_staleness: int, policy_versions: list[int]) -> int:
-    """Oldest engine version a new rollout may start with (pure; the rule of DESIGN "Versions and staleness").
-
-    The engine must be within `max_staleness` of the newest version it knows of, and of the version the
-    trainer held when it admitted each prompt (``metadata["policy_version"]``). With max_staleness 0 this
-    makes the synchronous setting exact: every rollout uses the trainer's current version.
-
-    >>> staleness_floor(newest_known=7, max_staleness=2, policy_versions=[3, 8])
-    6
-    """
-    floor = max([newest_known, *policy_versions]) - max_staleness
-    return max(floor, 0)
-
-
-def crosses_cap(start_version: int, newest_known: int, max_staleness: int) -> bool:
-    """True when tokens sampled at `start_version` are already staler than the cap (abort_in_flight)."""
-    return newest_known - start_version > max_staleness

@@ -33,7 +33,14 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from actors.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
+from actors.generator.engines.base import (
+    Engine,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    NamedTensors,
+    SamplingParams,
+)
 
 APPLY_POLL_S = 0.01
 """How long `update_weights` waits for the model lock before checking whether a running decode loop

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from torch import Tensor
 
-from actors.backends.checkpoint import decode_checkpoint, encode_checkpoint
+from actors.trainer.backends.checkpoint import decode_checkpoint, encode_checkpoint
 from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
 
 log = logging.getLogger(__name__)

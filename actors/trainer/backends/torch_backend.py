@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from actors.backends.base import (
+from actors.trainer.backends.base import (
     LossExtras,
     LossFn,
     MicroBatch,

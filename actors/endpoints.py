@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nats.aio.client import Client as NatsClient
+
 from pipeline.config import LeewayConfig
+from pipeline.transport import connect
 
 
 class EndpointError(RuntimeError):
@@ -85,21 +88,13 @@ def open_run_store(cfg: LeewayConfig, endpoints: Endpoints | None = None) -> Any
     return open_store(endpoints.store_url, **endpoints.store_options)
 
 
-async def connect_nats(cfg: LeewayConfig, endpoints: Endpoints | None = None, **kwargs: Any) -> Any:
-    """A nats-py connection that keeps reconnecting while the server is away (roles must survive restarts)."""
-    import nats
-
+async def connect_nats(cfg: LeewayConfig, endpoints: Endpoints | None = None, *, name: str) -> NatsClient:
+    """`pipeline.transport.connect` (the one connect: reconnect forever, 64 MiB buffer, logged state) to
+    this config's server, with its credentials file and connect timeout."""
     endpoints = endpoints or resolve_endpoints(cfg)
-    options: dict[str, Any] = {
-        "connect_timeout": cfg.nats.connect_timeout_s,
-        "max_reconnect_attempts": -1,
-        "reconnect_time_wait": 0.5,
-        "allow_reconnect": True,
-    }
-    if cfg.nats.creds_file:
-        options["user_credentials"] = cfg.nats.creds_file
-    options.update(kwargs)
-    return await nats.connect(endpoints.nats_url, **options)
+    return await connect(
+        endpoints.nats_url, creds_file=cfg.nats.creds_file, connect_timeout_s=cfg.nats.connect_timeout_s, name=name
+    )
 
 
 def running_stack_healthy(stack_dir: str | Path) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from actors.bench.weights_workload import codec_stats, synthetic_versions
+from actors.tools.bench.weights_workload import codec_stats, synthetic_versions
 from storage.objectstore import ObjectStore, open_store
 from storage.weights import WeightPublisher, WeightSubscriber
 

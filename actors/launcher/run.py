@@ -287,13 +287,9 @@ class QueueProbe:
             asyncio.run(self._loop())
 
     async def _loop(self) -> None:
-        from actors.stack_client import resolve_endpoints
-        from pipeline import transport
+        from actors.endpoints import connect_nats
 
-        endpoints = resolve_endpoints(self.cfg)
-        nc = await transport.connect(
-            endpoints.nats_url, creds_file=self.cfg.nats.creds_file, connect_timeout_s=5.0, name="leeway-run-probe"
-        )
+        nc = await connect_nats(self.cfg, name="leeway-run-probe")
         try:
             js = nc.jetstream()
             while not self._stop.is_set():
@@ -395,7 +391,7 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
     also on Ctrl-C or SIGTERM (which set `interrupted`). `records` holds every metrics record written.
     Raises `RunDirInUse` when run.dir holds an earlier run and `fresh` is false.
     """
-    from actors.stack_client import private_stack_dir, stack_bucket
+    from actors.endpoints import private_stack_dir, stack_bucket
 
     run_dir = prepare_run_dir(cfg, fresh)
     fleet = Fleet()
@@ -472,8 +468,8 @@ def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
-    from actors.live import LiveView
-    from actors.report import write_report
+    from actors.launcher.live_view import LiveView
+    from actors.launcher.report import write_report
     from infra.process import StackError
 
     num_generators = args.generators or 1
