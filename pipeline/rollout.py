@@ -1,4 +1,4 @@
-"""Rollouts: prompts and engine results in, one `RolloutSample` per trajectory out. Tokens in, tokens out.
+"""Rollouts: prompts and engine results in, one `Sample` per trajectory out. Tokens in, tokens out.
 
 A trajectory is the token ids the sampler saw and produced, in order, as turns::
 
@@ -42,12 +42,9 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from pipeline.tasks import Prompt, Task, VerifierResult, run_verifier
+from pipeline.trajectory import FinishReason, Sample, Status
 
 logger = logging.getLogger(__name__)
-
-FinishReason = Literal["stop", "length", "abort"]
-"""``stop``: a stop token was sampled (and is the last returned token); ``length``: the new-token
-budget or the model's context ran out; ``abort``: `Engine.abort` cut the request."""
 
 
 @dataclass(frozen=True)
@@ -124,9 +121,6 @@ class Engine(Protocol):
     def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]: ...
 
 
-Status = Literal["ok", "truncated", "format_error", "infra_error", "aborted"]
-RewardSource = Literal["verifier", "none"]
-
 VERIFIER_TIMEOUT_S = 30.0
 """Default limit on one `Task.verify` call; past it the sample is an ``infra_error``."""
 ENV_TIMEOUT_S = 60.0
@@ -196,33 +190,6 @@ class Turn:
         )
 
 
-@dataclass
-class RolloutSample:
-    """One trajectory, mapping 1:1 onto a row of the trajectory record (`pipeline.trajectory`).
-
-    ``tokens``/``loss_mask``/``logprobs``/``versions`` align index by index (see the module docstring).
-    ``reward`` is None exactly when ``reward_source == "none"`` (``infra_error``, ``aborted``).
-    ``finish_reason`` is that of the last policy reply.
-    """
-
-    trajectory_id: str
-    group_id: str
-    prompt_id: str
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    reward: float | None
-    reward_source: RewardSource
-    status: Status
-    finish_reason: FinishReason
-    num_turns: int
-    tags: tuple[str, ...] = ()
-    gen_s: float = 0.0
-    verify_s: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
-
-
 def assemble(turns: Sequence[Turn]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(tokens int32, loss_mask uint8, logprobs float32, versions int32) of the turns, concatenated."""
     tokens = np.concatenate([t.token_ids for t in turns]).astype(np.int32)
@@ -255,7 +222,7 @@ async def run_group(
     max_turns: int = MAX_TURNS,
     max_total_tokens: int | None = None,
     group_id: str | None = None,
-) -> list[RolloutSample]:
+) -> list[Sample]:
     """Roll out ``group_size`` samples of one prompt; every sample comes back, whatever its status.
 
     Without ``env``: one batched generate call and one verifier call per sample. With ``env``: each sample
@@ -317,13 +284,11 @@ class _Context:
         gen_s: float,
         verify_s: float = 0.0,
         info: dict[str, Any] | None = None,
-    ) -> RolloutSample:
+    ) -> Sample:
         tokens, loss_mask, logprobs, versions = assemble(turns)
         policy_turns = [t for t in turns if t.kind == "policy"]
-        return RolloutSample(
+        return Sample(
             trajectory_id=f"{self.group_id}-{index}",
-            group_id=self.group_id,
-            prompt_id=self.prompt.prompt_id,
             tokens=tokens,
             loss_mask=loss_mask,
             logprobs=logprobs,
@@ -339,7 +304,7 @@ class _Context:
             info=info or {},
         )
 
-    async def finish(self, index: int, turns: list[Turn], gen_s: float, truncated: bool) -> RolloutSample:
+    async def finish(self, index: int, turns: list[Turn], gen_s: float, truncated: bool) -> Sample:
         """Score the completion (everything after the prompt) with the task's verifier and build the sample."""
         finish_reason = turns[-1].finish_reason or "abort"
         if finish_reason == "abort":
@@ -368,7 +333,7 @@ async def _run_episode(
     env_timeout_s: float,
     max_turns: int,
     max_total_tokens: int | None,
-) -> RolloutSample:
+) -> Sample:
     """One multi-turn sample. An environment message is appended only when a policy reply follows it."""
     turns = [Turn.context("prompt", prompt_ids)]
     pending: list[int] = []

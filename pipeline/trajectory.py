@@ -27,8 +27,8 @@ import math
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -45,21 +45,17 @@ TOKEN_COLUMNS = ("tokens", "loss_mask", "logprobs", "versions")
 """The per-token list columns; all of one sample have the same length."""
 
 
-class Status(str, Enum):
-    """How a rollout ended. Only `ok` and `truncated` samples can carry a trainable reward."""
+Status = Literal["ok", "truncated", "format_error", "infra_error", "aborted"]
+"""How a rollout ended (meanings in `pipeline.rollout`). ``infra_error`` and ``aborted`` carry no reward."""
+STATUSES: tuple[str, ...] = get_args(Status)
 
-    OK = "ok"
-    TRUNCATED = "truncated"
-    FORMAT_ERROR = "format_error"
-    INFRA_ERROR = "infra_error"
-    ABORTED = "aborted"
+RewardSource = Literal["verifier", "none"]
+"""Who wrote the reward. Anything but a verifier's reward is masked out of loss and baseline."""
+REWARD_SOURCES: tuple[str, ...] = get_args(RewardSource)
 
-
-class RewardSource(str, Enum):
-    """Who wrote the reward. Anything but a verifier's reward is masked out of loss and baseline."""
-
-    VERIFIER = "verifier"
-    NONE = "none"
+FinishReason = Literal["stop", "length", "abort"]
+"""``stop``: a stop token was sampled (and is the last returned token); ``length``: the new-token
+budget or the model's context ran out; ``abort``: the engine's abort cut the request."""
 
 
 class TrajectoryValidationError(ValueError):
@@ -78,10 +74,13 @@ class TrajectoryValidationError(ValueError):
 
 
 @dataclass(frozen=True)
-class SampleArrays:
-    """One sample as the generator builds it: per-token numpy arrays plus per-sample fields.
+class Sample:
+    """One trajectory as a rollout builds it (`pipeline.rollout`): a row of the group record.
 
-    `trajectory_id` None means `<group_id>:<index>`. Timing fields are Unix seconds (NaN if unknown).
+    ``tokens``/``loss_mask``/``logprobs``/``versions`` align index by index (module docstring).
+    ``reward`` is None exactly when ``reward_source == "none"``. `trajectory_id` None means
+    ``<group_id>:<index>``. ``gen_start_s``/``gen_end_s`` are Unix seconds (NaN if unknown) and travel
+    on the wire; ``num_turns``, ``gen_s``, ``verify_s`` and ``info`` stay in the generator (metrics, logs).
     """
 
     tokens: np.ndarray
@@ -89,13 +88,17 @@ class SampleArrays:
     logprobs: np.ndarray
     versions: np.ndarray
     reward: float | None = None
-    reward_source: RewardSource | str = RewardSource.NONE
-    status: Status | str = Status.OK
-    finish_reason: str = ""
+    reward_source: RewardSource = "none"
+    status: Status = "ok"
+    finish_reason: FinishReason | Literal[""] = ""
     tags: Sequence[str] = ()
     trajectory_id: str | None = None
     gen_start_s: float = math.nan
     gen_end_s: float = math.nan
+    num_turns: int = 1
+    gen_s: float = 0.0
+    verify_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,11 +154,11 @@ class TrajectoryGroup:
     def token_slice(self, sample: int) -> slice:
         return slice(int(self.offsets[sample]), int(self.offsets[sample + 1]))
 
-    def sample(self, index: int) -> SampleArrays:
+    def sample(self, index: int) -> Sample:
         """Sample `index` as views into the flat columns (no copy)."""
         s = self.token_slice(index)
         reward = float(self.reward[index])
-        return SampleArrays(
+        return Sample(
             tokens=self.tokens[s],
             loss_mask=self.loss_mask[s],
             logprobs=self.logprobs[s],
@@ -177,7 +180,7 @@ class TrajectoryGroup:
         group_id: str,
         prompt_id: str,
         generator_id: str,
-        samples: Sequence[SampleArrays],
+        samples: Sequence[Sample],
         created_at_s: float | None = None,
     ) -> TrajectoryGroup:
         """Concatenate per-sample arrays into one validated group (raises `TrajectoryValidationError`).
@@ -219,8 +222,8 @@ class TrajectoryGroup:
             min_version=min_v,
             max_version=max_v,
             reward=np.array([math.nan if s.reward is None else s.reward for s in samples], dtype=np.float32),
-            reward_source=tuple(_enum_value(s.reward_source) for s in samples),
-            status=tuple(_enum_value(s.status) for s in samples),
+            reward_source=tuple(str(s.reward_source) for s in samples),
+            status=tuple(str(s.status) for s in samples),
             finish_reason=tuple(s.finish_reason for s in samples),
             tags=tuple(tuple(s.tags) for s in samples),
             created_at_s=np.full(len(samples), now, dtype=np.float64),
@@ -231,11 +234,7 @@ class TrajectoryGroup:
         return group
 
 
-def _enum_value(value: Enum | str) -> str:
-    return value.value if isinstance(value, Enum) else str(value)
-
-
-def _concat(samples: Sequence[SampleArrays], name: str, dtype: type, group_id: str) -> np.ndarray:
+def _concat(samples: Sequence[Sample], name: str, dtype: type, group_id: str) -> np.ndarray:
     """Concatenate one token column, refusing lossy casts (e.g. float token ids, out-of-range ints)."""
     parts = []
     for i, s in enumerate(samples):
@@ -387,8 +386,7 @@ def _check_tokens(group: TrajectoryGroup, fail) -> None:
 
 def _check_per_sample(group: TrajectoryGroup, fail) -> None:
     lo, hi = loss_version_range(group.versions, group.loss_mask, group.offsets)
-    statuses = {s.value for s in Status}
-    sources = {s.value for s in RewardSource}
+    statuses, sources = set(STATUSES), set(REWARD_SOURCES)
     for i in range(group.num_samples):
         if group.min_version[i] != lo[i]:
             fail(
@@ -407,15 +405,13 @@ def _check_per_sample(group: TrajectoryGroup, fail) -> None:
         if group.reward_source[i] not in sources:
             fail(f"{group.reward_source[i]!r} is not one of {sorted(sources)}", sample=i, column="reward_source")
         has_reward = not math.isnan(float(group.reward[i]))
-        if has_reward and group.reward_source[i] != RewardSource.VERIFIER.value:
+        if has_reward and group.reward_source[i] != "verifier":
             fail(
                 f"reward {group.reward[i]} present but reward_source is {group.reward_source[i]!r}",
                 sample=i,
                 column="reward",
             )
-        if group.reward_source[i] == RewardSource.VERIFIER.value and not (
-            has_reward and math.isfinite(float(group.reward[i]))
-        ):
+        if group.reward_source[i] == "verifier" and not (has_reward and math.isfinite(float(group.reward[i]))):
             fail("reward_source is 'verifier' but the reward is missing or not finite", sample=i, column="reward")
         if not isinstance(group.finish_reason[i], str):
             fail(f"expected a string, got {type(group.finish_reason[i]).__name__}", sample=i, column="finish_reason")

@@ -6,14 +6,14 @@ import numpy as np
 
 from pipeline.batching import DROP_CAP, DROP_FILTER, GroupPolicy, prepare_group
 from pipeline.step_metrics import reward_metrics, sample_counts, staleness_metrics
-from pipeline.trajectory import SampleArrays, TrajectoryGroup
+from pipeline.trajectory import Sample, TrajectoryGroup
 
 POLICY = GroupPolicy(max_staleness=2)
 
 
-def _sample(reward: float | None, *, version: int = 5, status: str = "ok", tags: tuple[str, ...] = ()) -> SampleArrays:
+def _sample(reward: float | None, *, version: int = 5, status: str = "ok", tags: tuple[str, ...] = ()) -> Sample:
     # prompt of 2 tokens (mask 0, version -1) then 3 generated tokens at `version`
-    return SampleArrays(
+    return Sample(
         tokens=np.array([1, 2, 3, 4, 5], dtype=np.int32),
         loss_mask=np.array([0, 0, 1, 1, 1], dtype=np.uint8),
         logprobs=np.array([0, 0, -0.5, -0.5, -0.5], dtype=np.float32),
@@ -25,7 +25,7 @@ def _sample(reward: float | None, *, version: int = 5, status: str = "ok", tags:
     )
 
 
-def _group(*samples: SampleArrays, group_id: str = "g1") -> TrajectoryGroup:
+def _group(*samples: Sample, group_id: str = "g1") -> TrajectoryGroup:
     return TrajectoryGroup.from_samples(group_id=group_id, prompt_id=group_id, generator_id="gen", samples=samples)
 
 

@@ -19,14 +19,14 @@ from pipeline.codec import (
     read_parquet,
     write_parquet,
 )
-from pipeline.trajectory import SampleArrays, TrajectoryGroup, TrajectoryValidationError
+from pipeline.trajectory import Sample, TrajectoryGroup, TrajectoryValidationError
 
 
-def _sample(rng: np.random.Generator, n: int = 64, prompt: int = 8, reward: float | None = 1.0) -> SampleArrays:
+def _sample(rng: np.random.Generator, n: int = 64, prompt: int = 8, reward: float | None = 1.0) -> Sample:
     mask = np.r_[np.zeros(prompt, np.uint8), np.ones(n - prompt, np.uint8)]
     versions = np.where(mask == 1, 3, -1).astype(np.int32)
     versions[prompt + (n - prompt) // 2 :] = 4
-    return SampleArrays(
+    return Sample(
         tokens=rng.integers(0, 151_936, n).astype(np.int32),
         loss_mask=mask,
         logprobs=np.where(mask == 1, -rng.exponential(0.3, n), 0).astype(np.float32),

@@ -14,7 +14,7 @@ from actors.tools import replay as replay_cmd
 from pipeline.codec import read_parquet
 from pipeline.config import LeewayConfig, StreamConfig
 from pipeline.names import RunNames
-from pipeline.trajectory import SampleArrays, TrajectoryGroup
+from pipeline.trajectory import Sample, TrajectoryGroup
 from pipeline.transport import (
     ReplayReader,
     ReplaySelection,
@@ -30,7 +30,7 @@ NUM_GROUPS = 10
 
 def _group(i: int) -> TrajectoryGroup:
     mask = np.r_[np.zeros(4, np.uint8), np.ones(12, np.uint8)]
-    sample = SampleArrays(
+    sample = Sample(
         tokens=np.arange(16, dtype=np.int32) + i,
         loss_mask=mask,
         logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32),

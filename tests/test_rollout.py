@@ -10,10 +10,11 @@ import numpy as np
 from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import build_model
-from pipeline.rollout import EnvStep, RolloutSample, run_group
+from pipeline.rollout import EnvStep, run_group
 from pipeline.tasks import Prompt, Task, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask
+from pipeline.trajectory import Sample
 
 TOK = load_char_tokenizer()
 SAMPLING = SamplingParams(max_new_tokens=6, stop_token_ids=(EOS_ID,))
@@ -86,7 +87,7 @@ def _run(
     group_size: int = 1,
     task: Task | None = None,
     **kwargs: object,
-) -> list[RolloutSample]:
+) -> list[Sample]:
     task = task or (ReverseDigitsTask(num_digits=2) if env is None else _TranscriptTask())
     return asyncio.run(run_group(engine, task, PROMPT, group_size, SAMPLING, env, tokenizer=TOK, **kwargs))
 

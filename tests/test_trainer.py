@@ -24,7 +24,7 @@ from infra.stack import StackState
 from pipeline.announce import version_kv, watch_announcements
 from pipeline.config import LeewayConfig, load_config
 from pipeline.names import RunNames
-from pipeline.trajectory import SampleArrays, TrajectoryGroup
+from pipeline.trajectory import Sample, TrajectoryGroup
 from pipeline.transport import ReplaySelection, TrajectoryPublisher, connect, ensure_trajectory_streams
 from storage.manifest import manifest_key
 from storage.objectstore import ObjectNotFound
@@ -56,12 +56,12 @@ def _cfg(stack: StackState, tmp_path: Path, *overrides: str) -> LeewayConfig:
     return load_config(None, [*base, *overrides], environ={})
 
 
-def _sample(reward: float, version: int, seed: int) -> SampleArrays:
+def _sample(reward: float, version: int, seed: int) -> Sample:
     rng = np.random.default_rng(seed)
     completion = rng.integers(4, 14, 4)
     n = len(PROMPT) + len(completion)
     mask = np.r_[np.zeros(len(PROMPT), np.uint8), np.ones(len(completion), np.uint8)]
-    return SampleArrays(
+    return Sample(
         tokens=np.r_[PROMPT, completion].astype(np.int32),
         loss_mask=mask,
         logprobs=np.where(mask == 1, -rng.uniform(2.0, 3.5, n), 0).astype(np.float32),

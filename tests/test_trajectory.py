@@ -8,16 +8,14 @@ import numpy as np
 import pytest
 
 from pipeline.trajectory import (
-    RewardSource,
-    SampleArrays,
-    Status,
+    Sample,
     TrajectoryGroup,
     TrajectoryValidationError,
     validate_group,
 )
 
 
-def _sample(prompt_len: int = 3, gen_len: int = 4, versions: tuple[int, ...] = (6, 6, 7, 7), **kw) -> SampleArrays:
+def _sample(prompt_len: int = 3, gen_len: int = 4, versions: tuple[int, ...] = (6, 6, 7, 7), **kw) -> Sample:
     n = prompt_len + gen_len
     mask = np.r_[np.zeros(prompt_len, np.uint8), np.ones(gen_len, np.uint8)]
     fields = dict(
@@ -26,16 +24,16 @@ def _sample(prompt_len: int = 3, gen_len: int = 4, versions: tuple[int, ...] = (
         logprobs=np.r_[np.zeros(prompt_len), -np.linspace(0.01, 2.3, gen_len)].astype(np.float32),
         versions=np.r_[np.full(prompt_len, -1), np.array(versions[:gen_len])].astype(np.int32),
         reward=1.0,
-        reward_source=RewardSource.VERIFIER,
-        status=Status.OK,
+        reward_source="verifier",
+        status="ok",
         finish_reason="stop",
         tags=("math",),
     )
     fields.update(kw)
-    return SampleArrays(**fields)
+    return Sample(**fields)
 
 
-def _group(samples: list[SampleArrays] | None = None, **kw) -> TrajectoryGroup:
+def _group(samples: list[Sample] | None = None, **kw) -> TrajectoryGroup:
     args = dict(group_id="g-1", prompt_id="p-1", generator_id="gen-0")
     args.update(kw)
     return TrajectoryGroup.from_samples(samples=samples if samples is not None else [_sample(), _sample()], **args)

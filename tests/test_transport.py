@@ -21,7 +21,7 @@ from actors.tools.bench.transport import LocalNats, free_port, local_nats
 from pipeline.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch
 from pipeline.config import StreamConfig
 from pipeline.names import RunNames
-from pipeline.trajectory import SampleArrays, TrajectoryGroup
+from pipeline.trajectory import Sample, TrajectoryGroup
 from pipeline.transport import (
     H_CLAIM_CHECK,
     H_DLQ_REASON,
@@ -42,7 +42,7 @@ def _group(group_id: str, version: int = 3, num_samples: int = 2, num_tokens: in
     for _ in range(num_samples):
         mask = np.r_[np.zeros(8, np.uint8), np.ones(num_tokens - 8, np.uint8)]
         samples.append(
-            SampleArrays(
+            Sample(
                 tokens=rng.integers(0, 151_936, num_tokens).astype(np.int32),
                 loss_mask=mask,
                 logprobs=np.where(mask == 1, -rng.exponential(0.3, num_tokens), 0).astype(np.float32),

@@ -49,7 +49,7 @@ import socket
 import time
 import zlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -64,10 +64,10 @@ from actors.models import build_policy_model, eos_token_id, load_tokenizer, pad_
 from pipeline.config import LeewayConfig
 from pipeline.names import RunNames
 from pipeline.prompt_queue import PromptLease, policy_version, task_prompt
-from pipeline.rollout import EnvironmentFactory, RolloutSample, run_group
+from pipeline.rollout import EnvironmentFactory, run_group
 from pipeline.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Prompt, Task
-from pipeline.trajectory import SampleArrays, TrajectoryGroup
+from pipeline.trajectory import Sample, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class StoreWeightSource:
 
 
 def to_trajectory_group(
-    samples: Sequence[RolloutSample],
+    samples: Sequence[Sample],
     *,
     group_id: str,
     prompt_id: str,
@@ -154,23 +154,7 @@ def to_trajectory_group(
         group_id=group_id,
         prompt_id=prompt_id,
         generator_id=generator_id,
-        samples=[
-            SampleArrays(
-                tokens=s.tokens,
-                loss_mask=s.loss_mask,
-                logprobs=s.logprobs,
-                versions=s.versions,
-                reward=s.reward,
-                reward_source=s.reward_source,
-                status=s.status,
-                finish_reason=s.finish_reason,
-                tags=s.tags,
-                trajectory_id=s.trajectory_id,
-                gen_start_s=gen_start_s,
-                gen_end_s=gen_end_s,
-            )
-            for s in samples
-        ],
+        samples=[replace(s, gen_start_s=gen_start_s, gen_end_s=gen_end_s) for s in samples],
     )
 
 
@@ -344,7 +328,7 @@ class Generator:
             await finish
 
     async def _finish_batch(
-        self, held: list[_Held], groups: list[list[RolloutSample]], start_s: float, end_s: float, heartbeat: Any
+        self, held: list[_Held], groups: list[list[Sample]], start_s: float, end_s: float, heartbeat: Any
     ) -> None:
         try:
             outcomes = await asyncio.gather(
@@ -376,7 +360,7 @@ class Generator:
         )
         return await self._until_stop(asyncio.create_task(self.weights.ensure(floor)))
 
-    async def _rollouts(self, held: list[_Held]) -> list[list[RolloutSample]]:
+    async def _rollouts(self, held: list[_Held]) -> list[list[Sample]]:
         """All groups of the batch, under the abort watch (staleness cap, shutdown)."""
         start_version = self.weights.engine_version
         work = asyncio.create_task(self._generate(held))
@@ -423,12 +407,12 @@ class Generator:
                 self.engine.abort()
             await asyncio.sleep(ABORT_CHECK_S)
 
-    async def _generate(self, held: list[_Held]) -> list[list[RolloutSample]]:
+    async def _generate(self, held: list[_Held]) -> list[list[Sample]]:
         if self.environment is not None:
             return list(await asyncio.gather(*(self._multi_turn(h) for h in held)))
         return await self._single_turn(held)
 
-    async def _single_turn(self, held: list[_Held]) -> list[list[RolloutSample]]:
+    async def _single_turn(self, held: list[_Held]) -> list[list[Sample]]:
         """One engine call for concurrency x group_size requests; then each group is scored by `run_group`."""
         group_size = self.cfg.advantages.group_size
         prompt_ids = [prompt_token_ids(h.prompt, self.tokenizer) for h in held]
@@ -466,7 +450,7 @@ class Generator:
         finally:
             self.metrics.generate_finished(num_tokens)
 
-    async def _multi_turn(self, h: _Held) -> list[RolloutSample]:
+    async def _multi_turn(self, h: _Held) -> list[Sample]:
         assert self.environment is not None
         return await run_group(
             _MeteredEngine(self.engine, self.metrics),
@@ -480,7 +464,7 @@ class Generator:
             group_id=h.prompt.prompt_id,
         )
 
-    async def _finish(self, h: _Held, samples: list[RolloutSample], start_s: float, end_s: float) -> None:
+    async def _finish(self, h: _Held, samples: list[Sample], start_s: float, end_s: float) -> None:
         """Publish the group, then ack its prompt; an aborted group is never published and its prompt nak'ed."""
         if any(s.status == "aborted" for s in samples):
             self.metrics.group_aborted()

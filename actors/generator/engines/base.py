@@ -31,7 +31,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from pipeline.rollout import FinishReason, GenerateRequest, GenerateResult, SamplingParams
+from pipeline.rollout import GenerateRequest, GenerateResult, SamplingParams
+from pipeline.trajectory import FinishReason
 
 __all__ = ["Engine", "FinishReason", "GenerateRequest", "GenerateResult", "NamedTensors", "SamplingParams"]
 

@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 
 from pipeline.codec import decode_group, encode_group
-from pipeline.trajectory import SampleArrays, TrajectoryGroup
+from pipeline.trajectory import Sample, TrajectoryGroup
 
 VOCAB_SIZE = 151_936
 RAW_BYTES_PER_TOKEN = 13
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --- workload ---------------------------------------------------------------------------------------------------
 
 
-def _sample(rng: np.random.Generator, num_tokens: int, base_version: int) -> SampleArrays:
+def _sample(rng: np.random.Generator, num_tokens: int, base_version: int) -> Sample:
     prompt = int(rng.integers(min(256, num_tokens // 4), max(min(1024, num_tokens // 2), 2)))
     gen = num_tokens - prompt
     mask = np.r_[np.zeros(prompt, np.uint8), np.ones(gen, np.uint8)]
@@ -60,7 +60,7 @@ def _sample(rng: np.random.Generator, num_tokens: int, base_version: int) -> Sam
     versions = np.r_[np.full(prompt, -1), np.full(gen, base_version)].astype(np.int32)
     for cut in sorted(rng.integers(prompt, num_tokens, int(rng.integers(1, 3)))):
         versions[cut:] += 1
-    return SampleArrays(
+    return Sample(
         tokens=rng.integers(0, VOCAB_SIZE, num_tokens).astype(np.int32),
         loss_mask=mask,
         logprobs=logprobs,
