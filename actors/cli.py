@@ -1,15 +1,26 @@
 """The `leeway` command: one entry point, one subcommand per role or tool.
 
 Only argparse and the standard library are imported at module level, so `leeway --help` and every
-`leeway <cmd> --help` answer at once; each handler imports what it needs after parsing.
+`leeway <cmd> --help` answer at once without torch; each handler imports its role after parsing.
+(`leeway bench <name> --help` imports that benchmark's module, which defines its own flags.)
+
+Exit codes: 2 for a config error (the message names file, key and value; no traceback), as argparse
+does for bad arguments; 130 when interrupted; otherwise what the command returns (`stack status`: 1
+when a server is unhealthy).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import sys
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.config import LeewayConfig
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -25,7 +36,7 @@ def _add_config_args(parser: argparse.ArgumentParser, *, required: bool = True) 
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
 
 
-def load_cli_config(args: argparse.Namespace) -> Any:
+def load_cli_config(args: argparse.Namespace) -> LeewayConfig:
     """Load the config named on the command line; errors are printed by `main` without a traceback."""
     from pipeline.config import load_config
 
@@ -46,9 +57,6 @@ def _stack_dir(args: argparse.Namespace) -> str:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     from infra import stack
 
     directory = Path(_stack_dir(args))
@@ -82,44 +90,45 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ roles
+# Each role handler loads the config before importing its role, so a bad config fails at once,
+# without loading torch.
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
     from actors.launcher.run import main as run_main
 
-    return run_main(load_cli_config(args), args)
+    return run_main(cfg, args)
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
+    if args.replay and args.resume:
+        raise SystemExit("leeway trainer: --resume and --replay exclude each other")
+    if args.replay and args.from_seq is None and args.since is None and args.min_version is None:
+        raise SystemExit("leeway trainer: --replay needs --from-seq N, --since TIME or --min-version V")
+    cfg = load_cli_config(args)
     from actors.tools.replay import selection_from_args
     from actors.trainer.loop import main as trainer_main
 
-    if args.replay and args.resume:
-        raise SystemExit("leeway trainer: --resume and --replay exclude each other")
-    replay = None
-    if args.replay:
-        if args.from_seq is None and args.since is None and args.min_version is None:
-            raise SystemExit("leeway trainer: --replay needs --from-seq N, --since TIME or --min-version V")
-        replay = selection_from_args(args)
-    return trainer_main(load_cli_config(args), resume=args.resume, replay=replay)
+    replay = selection_from_args(args) if args.replay else None
+    return trainer_main(cfg, resume=args.resume, replay=replay)
 
 
 def cmd_generator(args: argparse.Namespace) -> int:
-    from actors.generator.loop import main as generator_main
+    cfg = load_cli_config(args)
+    from actors.generator.runtime import main as generator_main
 
-    return generator_main(load_cli_config(args), args)
+    return generator_main(cfg, args)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
     from actors.tools.replay import main as replay_main
 
-    return replay_main(load_cli_config(args), args)
+    return replay_main(cfg, args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
-    import json
-
     module = importlib.import_module(f"actors.tools.bench.{args.bench}")
     result = module.run(args)
     print(json.dumps(result, indent=None if args.json else 2, default=float))
@@ -228,8 +237,6 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         bench_parser.add_argument("--json", action="store_true", help="one JSON line (default: indented JSON)")
         bench_parser.set_defaults(handler=cmd_bench)
         if name == bench_name:
-            import importlib
-
             importlib.import_module(f"actors.tools.bench.{name}").add_arguments(bench_parser)
     return parser
 
@@ -245,21 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"leeway: config error: {exc}", file=sys.stderr)
         return 2
-    except NotBuiltYet as exc:
-        print(f"leeway: {exc}", file=sys.stderr)
-        return 3
-    except ModuleNotFoundError as exc:
-        if not (exc.name or "").startswith("actors."):
-            raise
-        print(f"leeway: `{args.command}` is not built yet ({exc.name} has not landed)", file=sys.stderr)
-        return 3
     except KeyboardInterrupt:
         print("leeway: interrupted", file=sys.stderr)
         return 130
-
-
-class NotBuiltYet(RuntimeError):
-    """A command whose implementation has not landed yet."""
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
+from infra.stack import StackState, load_credentials, load_state, stack_status
 from pipeline.config import LeewayConfig
 from pipeline.transport import connect
+from storage.objectstore import ObjectStore, open_store
 
 
 class EndpointError(RuntimeError):
@@ -32,8 +34,7 @@ class Endpoints:
         return f"Endpoints(nats_url={self.nats_url!r}, store_url={self.store_url!r})"
 
 
-def _embedded_state(cfg: LeewayConfig) -> Any:
-    from infra.stack import load_state
+def _embedded_state(cfg: LeewayConfig) -> StackState:
 
     state = load_state(cfg.nats.stack_dir)
     if state is None or not state.processes:
@@ -62,8 +63,6 @@ def resolve_endpoints(cfg: LeewayConfig) -> Endpoints:
     nats_url = cfg.nats.url
     store_url = store.url
     if nats_url is None or (store.url.startswith("s3://") and store.endpoint is None):
-        from infra.stack import load_credentials
-
         state = _embedded_state(cfg)
         if nats_url is None:
             nats_url = state.nats_url
@@ -81,8 +80,7 @@ def resolve_endpoints(cfg: LeewayConfig) -> Endpoints:
     return Endpoints(nats_url=nats_url, store_url=store_url, store_options=options)
 
 
-def open_run_store(cfg: LeewayConfig, endpoints: Endpoints | None = None) -> Any:
-    from storage.objectstore import open_store
+def open_run_store(cfg: LeewayConfig, endpoints: Endpoints | None = None) -> ObjectStore:
 
     endpoints = endpoints or resolve_endpoints(cfg)
     return open_store(endpoints.store_url, **endpoints.store_options)
@@ -99,7 +97,6 @@ async def connect_nats(cfg: LeewayConfig, endpoints: Endpoints | None = None, *,
 
 def running_stack_healthy(stack_dir: str | Path) -> bool:
     """True when a stack recorded in `stack_dir` has both servers running and answering."""
-    from infra.stack import load_state, stack_status
 
     state = load_state(stack_dir)
     if state is None or not state.processes:

@@ -6,7 +6,8 @@ something about the policy: a verifier wrote it (``reward_source == "verifier"``
 A ``format_error`` scored 0 by the verifier is a policy failure and stays valid; so does a
 ``truncated`` sample.
 
-Invalid samples get advantage 0 and never enter the baseline (RL360, step 70: counting masked
+Invalid samples get advantage 0 and never enter the baseline (RL360, the open-source RL codebase
+behind the K2 Horizon models, see `docs/design.md`; at its step 70 counting masked
 samples at reward 0 dragged the baseline from 0.75 to 0.44 and added +0.31 to every advantage).
 A group trains only if at least two valid samples disagree; otherwise every advantage is 0.
 

@@ -1,10 +1,11 @@
 """From received trajectory groups to what a trainer step trains on: cap, validity, advantages, filter.
 
 Pure logic, no I/O: the trainer loop feeds groups in and gets back `PreparedGroup`s, each either
-trainable (with one `TrainSequence` per sample, masked samples carrying an all-zero loss mask) or
-not, with the reason. The order of decisions follows DESIGN.md and RL360's lessons:
+trainable (with one `TrainSequence` per sample, the record the training backend consumes as is;
+masked samples carry an all-zero loss mask) or not, with the reason. The order of decisions is the
+one `docs/design.md` ("Rewards, groups and failures") argues for:
 
-    group ──► staleness cap (drop_trajectory | mask_tokens) against the trainer's version V
+    group ──► staleness cap (`pipeline/staleness.py`) against the trainer's version V
           ──► validity: status ok/truncated/format_error with a verifier reward; dropped samples invalid
           ──► advantages over the valid samples only (GRPO or RLOO)
           ──► trainable only if at least two valid samples disagree, else "filtered"
@@ -40,15 +41,65 @@ class GroupPolicy:
 
 
 @dataclass(frozen=True, eq=False)
-class TrainableSample:
-    """One sample ready for the backend (field for field a `TrainSequence`); invalid ones have mask 0."""
+class TrainSequence:
+    """One sample to train on, as the training backend consumes it (`actors/trainer/backends/base.py`).
+
+    Columns line up by position (a 3-token prompt, 4 generated tokens; position 0 never has a log-prob)::
+
+        position             0     1     2     3      4      5      6
+        tokens               151   9707  25    785    3681   374    151643
+        loss_mask            0     0     0     1      1      1      1
+        behaviour_logprobs   0.0   0.0   0.0   -0.01  -2.30  -0.00  -0.12   # log mu(token_t | tokens_<t)
+        versions             -1    -1    -1    6      6      7      7
+        logprobs (backend)   0.0   lp1   lp2   lp3    lp4    lp5    lp6     # log pi(token_t | tokens_<t)
+
+    ``advantage`` is one float for the whole sample or a float32 array per token (only its values at
+    loss tokens matter). ``proximal_logprobs`` (optional) are the trainer's log-probs under the
+    weights at the step's start, for ``decoupled_ppo``; compute them with `TrainingBackend.logprobs`.
+    An invalid (masked) sample must arrive with ``loss_mask`` all zero: the backend never decides
+    what is trainable. ``loss_mask[0]`` must be 0, since the first token has no context to predict it.
+    """
 
     tokens: np.ndarray
     loss_mask: np.ndarray
     behaviour_logprobs: np.ndarray
     versions: np.ndarray
-    advantage: float
-    sample_id: str
+    advantage: float | np.ndarray = 0.0
+    proximal_logprobs: np.ndarray | None = None
+    sample_id: str = ""
+
+    def __post_init__(self) -> None:
+        where = f"TrainSequence {self.sample_id!r}"
+        tokens = np.asarray(self.tokens)
+        if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"{where}: tokens must be a non-empty 1-D integer array, got {tokens.dtype} shape {tokens.shape}"
+            )
+        columns = {
+            "loss_mask": self.loss_mask,
+            "behaviour_logprobs": self.behaviour_logprobs,
+            "versions": self.versions,
+            "proximal_logprobs": self.proximal_logprobs,
+        }
+        if not np.isscalar(self.advantage):
+            columns["advantage"] = self.advantage
+        for name, column in columns.items():
+            if column is not None and np.shape(column) != tokens.shape:
+                raise ValueError(f"{where}: {name} has shape {np.shape(column)}, tokens have {tokens.shape}")
+        if np.asarray(self.loss_mask)[0]:
+            raise ValueError(f"{where}: loss_mask[0] is 1, but position 0 has no log-prob (nothing precedes it)")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.asarray(self.tokens).shape[0])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(np.count_nonzero(self.loss_mask))
+
+    def advantages_per_token(self) -> np.ndarray:
+        """The advantage broadcast to every position, float32."""
+        return np.broadcast_to(np.asarray(self.advantage, dtype=np.float32), (self.num_tokens,))
 
 
 @dataclass
@@ -58,7 +109,7 @@ class PreparedGroup:
     group: TrajectoryGroup
     trainable: bool
     drop_reason: str | None
-    samples: list[TrainableSample] = field(default_factory=list)
+    samples: list[TrainSequence] = field(default_factory=list)
     valid: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     kept_by_cap: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     num_stale_tokens: int = 0
@@ -115,7 +166,7 @@ def prepare_group(group: TrajectoryGroup, *, version: int, policy: GroupPolicy) 
         s = group.token_slice(i)
         mask = np.asarray(cap_masks[i], dtype=np.uint8) if valid[i] else np.zeros(s.stop - s.start, dtype=np.uint8)
         prepared.samples.append(
-            TrainableSample(
+            TrainSequence(
                 tokens=group.tokens[s],
                 loss_mask=_first_token_unmasked(mask),
                 behaviour_logprobs=group.logprobs[s],

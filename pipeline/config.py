@@ -5,8 +5,11 @@ so the models here are the contract between processes launched independently. Lo
 precedence: the YAML file, then `LEEWAY_<SECTION>__<KEY>=value` environment variables, then
 `--set section.key=value` flags, each overriding the one before.
 
-This module must import without torch, ray, sglang or megatron: the CLI parses and validates a
-config before it decides which heavy pieces to load.
+Values that name parts which are planned but not built (`UNBUILT_VALUES`, `UNBUILT_KEYS`) fail at load
+time with a message that says so and names what exists instead, rather than at start-up of a role.
+
+This module must import without torch or transformers: the CLI parses and validates a config before it
+decides which heavy pieces to load.
 """
 
 from __future__ import annotations
@@ -27,6 +30,18 @@ MiB = 1024 * 1024
 
 class ConfigError(ValueError):
     """A config file, override or value that cannot be used; the message names file, key and value."""
+
+
+UNBUILT_VALUES: dict[tuple[str, Any], str] = {
+    ("engine.kind", "sglang"): "the engine that exists is 'torch' (set engine.device: cuda for a GPU)",
+    ("trainer.backend", "megatron"): "the backend that exists is 'torch' (set trainer.device: cuda for a GPU)",
+}
+"""(dotted key, value) that selects a planned part that has not landed -> what exists instead."""
+
+UNBUILT_KEYS: dict[str, str] = {
+    "engine.sglang_url": "there is no SGLang engine to point at; remove the key (the torch engine runs in-process)",
+}
+"""Dotted keys of planned parts that have not landed -> what to do instead; any value is rejected."""
 
 
 class Section(BaseModel):
@@ -108,14 +123,12 @@ class SamplingConfig(Section):
 
 
 class EngineConfig(Section):
-    kind: Literal["torch", "sglang"] = "torch"
-    """Inference engine: `torch` (CPU or GPU, HF transformers) or `sglang` (GPU, server API)."""
+    kind: Literal["torch"] = "torch"
+    """Inference engine: `torch` (in-process HF transformers on `engine.device`), the only one built so far."""
     device: str = "cpu"
-    """Torch device for the torch engine."""
+    """Torch device for the torch engine (`cpu`, `cuda`, `cuda:1`)."""
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for a generator process."""
-    sglang_url: str | None = None
-    """Base URL of a running SGLang server (engine.kind = sglang)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters for every rollout."""
 
@@ -161,9 +174,9 @@ class TrainerConfig(Section):
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for the trainer process."""
     device: str = "cpu"
-    """Torch device of the torch backend."""
-    backend: Literal["torch", "megatron"] = "torch"
-    """Training backend."""
+    """Torch device of the torch backend (`cpu`, `cuda`, `cuda:1`)."""
+    backend: Literal["torch"] = "torch"
+    """Training backend: `torch` (fp32 master weights, AdamW, CPU or one GPU), the only one built so far."""
     queue_wait_timeout_s: float = Field(600.0, gt=0)
     """Give up (and say why) when no trainable group arrives for this long."""
 
@@ -351,18 +364,54 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+def _source(key: str, sources: Mapping[str, str]) -> str:
+    """` (from --set trainer.lr)` when an override set `key` (or a section above it), else `` (the file)."""
+    return next((f" (from {src})" for dotted, src in sources.items() if f"{key}.".startswith(f"{dotted}.")), "")
+
+
 def _describe(error: Mapping[str, Any], sources: Mapping[str, str]) -> str:
     key = ".".join(str(p) for p in error["loc"])
-    source = next((f" (from {src})" for dotted, src in sources.items() if key.startswith(dotted)), "")
+    source = _source(key, sources)
     if error["type"] == "extra_forbidden":
         return f"{key}: unknown key{source}"
-    return f"{key} = {error.get('input')!r}: {error['msg']}{source}"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{key} = {error.get('input')!r}: {message}{source}"
+
+
+def _lookup(tree: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    """(True, value) when the tree holds `dotted`, else (False, None)."""
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _unbuilt_errors(tree: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
+    """One line per key of `tree` that selects a part which is not built yet (see `UNBUILT_VALUES`)."""
+    lines = []
+    for (dotted, value), instead in UNBUILT_VALUES.items():
+        present, found = _lookup(tree, dotted)
+        if present and found == value:
+            lines.append(f"{dotted} = {value!r}: not built yet; {instead}{_source(dotted, sources)}")
+    for dotted, instead in UNBUILT_KEYS.items():
+        present, found = _lookup(tree, dotted)
+        if present:
+            lines.append(f"{dotted} = {found!r}: not built yet; {instead}{_source(dotted, sources)}")
+    return lines
 
 
 def build_config(
     tree: dict[str, Any], origin: str = "<config>", sources: Mapping[str, str] | None = None
 ) -> LeewayConfig:
-    """Validate a config tree; `sources` maps overridden dotted keys to where they came from, for errors."""
+    """Validate a config tree; `sources` maps overridden dotted keys to where they came from, for errors.
+
+    Unbuilt parts are reported before anything else: their keys would otherwise read as typos.
+    """
+    unbuilt = _unbuilt_errors(tree, sources or {})
+    if unbuilt:
+        raise ConfigError(f"{origin}: invalid config:\n  " + "\n  ".join(unbuilt))
     try:
         return LeewayConfig.model_validate(tree)
     except ValidationError as exc:

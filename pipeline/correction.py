@@ -25,7 +25,8 @@ stays per token.
 Invariants:
 - ``loss_mask`` must already be 0 on prompt/tool tokens, on every token of an invalid (masked)
   sample and on tokens cut by the staleness cap. Stats are means over ``loss_mask`` tokens only,
-  so masked samples never dilute them (RL360: ``train/tis`` read ``1 - masked/kept``).
+  so masked samples never dilute them (the RL360 codebase, see ``docs/design.md``, logged
+  ``train/tis`` as ``1 - masked/kept`` because its means counted masked tokens).
 - MIS-masked tokens are *not trained*: ``trained_mask`` excludes them, their loss is 0 and the
   ``token_mean`` normaliser in ``pipeline.loss`` does not count them.
 - Values at positions outside ``loss_mask`` (NaN log-probs on prompt tokens, garbage staleness)

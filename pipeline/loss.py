@@ -8,8 +8,9 @@
 - ``token_mean``: ``sum(token_loss) / number of trained tokens``. Trained tokens are the loss
   tokens of valid samples that correction did not reject (``CorrectedLoss.trained_mask``).
 
-Invariant (RL360, step 70): masked samples (infra failures, missing rewards, dropped by the
-staleness cap) never enter a denominator. Adding them to a batch changes neither the baseline nor
+Invariant (RL360's step 70; RL360 is the open-source RL codebase behind the K2 Horizon models, see
+`docs/design.md`, "Rewards, groups and failures"): masked samples (infra failures, missing rewards,
+dropped by the staleness cap) never enter a denominator. Adding them to a batch changes neither the baseline nor
 the gradient; ``tests/test_loss.py`` checks this with autograd. RL360 divided by the sample count
 including masked samples and shrank one step's gradient by x0.59.
 

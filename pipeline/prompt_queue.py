@@ -5,6 +5,9 @@
     generator ◄── PromptQueue.take() ◄─────────────┘ PromptLease: in_progress() while rolling out,
                                                      done() only after the group is published
 
+One message per prompt: the `pipeline.prompts.Prompt` as JSON (answer, tags, metadata and the admission
+``policy_version`` included), ``Nats-Msg-Id`` = prompt id, so admitting a prompt twice stores it once.
+A message that does not decode is dead-lettered (reason `bad_prompt`), never dropped.
 A generator that dies holding a prompt stops heartbeating; after `prompt_ack_wait_s` the server
 redelivers the prompt to another generator. The consumer allows `prompt_max_deliver + 1` deliveries:
 the delivery after the last allowed one is not run but dead-lettered (reason `max_deliveries`) and
@@ -14,30 +17,29 @@ terminated, so a prompt that kills every generator ends up inspectable instead o
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import nats.errors
-import orjson
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from pipeline.names import RunNames
-from pipeline.tasks import Prompt as TaskPrompt
-from pipeline.trajectory import ID_RE
+from pipeline.prompts import Prompt, PromptError
 from pipeline.transport import (
     DUPLICATE_WINDOW_S,
     H_MSG_ID,
     DeadLetters,
-    PublishError,
     TrajectoryPublisher,
     _ensure_stream,
 )
 
 PROMPT_FETCH_TIMEOUT_S = 1.0
 """Default long-poll of one `take`; returns [] after it."""
+ACK_TIMEOUT_S = 5.0
+"""How long `PromptLease.done` waits for the server to confirm the ack."""
 
 
 class PromptSettings(Protocol):
@@ -51,86 +53,9 @@ class PromptSettings(Protocol):
     replicas: int
 
 
-POLICY_VERSION_KEY = "policy_version"
-"""Prompt metadata key: the trainer's version when it admitted the prompt."""
-
-
-class PromptError(ValueError):
-    """A prompt payload that is not valid; names the field."""
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt as JSON on the wire: an id, text or token ids (or both), free-form metadata."""
-
-    prompt_id: str
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.prompt_id, str) or not ID_RE.match(self.prompt_id):
-            raise PromptError(f"prompt_id {self.prompt_id!r} is not a valid id")
-        if self.text is None and self.token_ids is None:
-            raise PromptError(f"prompt {self.prompt_id!r}: needs text or token_ids")
-        if self.text is not None and not isinstance(self.text, str):
-            raise PromptError(f"prompt {self.prompt_id!r}: text must be a string")
-        if self.token_ids is not None:
-            ids = tuple(self.token_ids)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-                raise PromptError(f"prompt {self.prompt_id!r}: token_ids must be non-negative integers")
-            object.__setattr__(self, "token_ids", ids)
-        if not isinstance(self.metadata, Mapping):
-            raise PromptError(f"prompt {self.prompt_id!r}: metadata must be an object")
-
-    def to_json(self) -> bytes:
-        return orjson.dumps(
-            {
-                "prompt_id": self.prompt_id,
-                "text": self.text,
-                "token_ids": None if self.token_ids is None else list(self.token_ids),
-                "metadata": dict(self.metadata),
-            }
-        )
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Prompt:
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise PromptError(f"not JSON: {exc}") from exc
-        if not isinstance(obj, dict) or set(obj) - {"prompt_id", "text", "token_ids", "metadata"}:
-            raise PromptError(f"expected an object with prompt_id, text, token_ids, metadata; got {str(obj)[:80]}")
-        return cls(
-            prompt_id=obj.get("prompt_id"),
-            text=obj.get("text"),
-            token_ids=obj.get("token_ids"),
-            metadata=obj.get("metadata") or {},
-        )
-
-
-def queue_prompt(prompt: TaskPrompt, policy_version: int) -> Prompt:
-    """A task prompt as admitted by the trainer: answer, tags and the admission version travel in metadata."""
-    metadata = dict(prompt.metadata, answer=prompt.answer, tags=list(prompt.tags))
-    metadata[POLICY_VERSION_KEY] = int(policy_version)
-    return Prompt(prompt_id=prompt.prompt_id, text=prompt.text, token_ids=prompt.token_ids, metadata=metadata)
-
-
-def task_prompt(prompt: Prompt) -> TaskPrompt:
-    """The inverse of `queue_prompt` (the verifier sees the original answer, tags and metadata)."""
-    metadata = dict(prompt.metadata)
-    answer = metadata.pop("answer", None)
-    tags = tuple(str(t) for t in metadata.pop("tags", None) or ())
-    token_ids = prompt.token_ids if prompt.text is None else None
-    return TaskPrompt(
-        prompt_id=prompt.prompt_id, text=prompt.text, token_ids=token_ids, answer=answer, metadata=metadata, tags=tags
-    )
-
-
-def policy_version(prompt: Prompt) -> int:
-    """The admission version of a prompt; -1 when the admitter did not say (no floor from it)."""
-    value = prompt.metadata.get(POLICY_VERSION_KEY)
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else -1
+def queue_prompt(prompt: Prompt, policy_version: int) -> Prompt:
+    """A task's prompt as the trainer admits it: stamped with the version the trainer held at admission."""
+    return replace(prompt, policy_version=int(policy_version))
 
 
 @dataclass(eq=False)
@@ -147,7 +72,7 @@ class PromptLease:
 
     async def done(self) -> None:
         """The group is published: remove the prompt from the queue (confirmed by the server)."""
-        await self.msg.ack_sync(timeout=5.0)
+        await self.msg.ack_sync(timeout=ACK_TIMEOUT_S)
 
     async def release(self, delay_s: float | None = None) -> None:
         """Give the prompt back for another generator (e.g. on shutdown)."""
@@ -191,7 +116,9 @@ class PromptQueue:
         self.dead_letters = DeadLetters(js, names.prompt_dead_letter_subject)
 
     async def admit(self, prompt: Prompt) -> bool:
-        """Enqueue a prompt (`Nats-Msg-Id` = prompt id); False if the queue already had it (deduped)."""
+        """Enqueue a prompt (`Nats-Msg-Id` = prompt id); False if the queue already had it (deduped).
+
+        Raises `pipeline.transport.PublishError` when the server does not confirm it after the retries."""
         ack, _ = await self._publisher.publish_raw(
             self._names.prompt_subject,
             prompt.to_json(),
@@ -252,4 +179,11 @@ class PromptQueue:
             self._sub = None
 
 
-__all__: Sequence[str] = ["Prompt", "PromptError", "PromptLease", "PromptQueue", "PublishError", "ensure_prompt_queue"]
+__all__: Sequence[str] = [
+    "Prompt",
+    "PromptError",
+    "PromptLease",
+    "PromptQueue",
+    "ensure_prompt_queue",
+    "queue_prompt",
+]

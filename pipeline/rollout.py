@@ -23,10 +23,14 @@ Status of a sample:
 - ``aborted``: the engine aborted the generation: reward None, never scored.
 
 The engine records (`SamplingParams`, `GenerateRequest`, `GenerateResult`) are defined here, at the
-rollout's edge, so that ``pipeline/`` needs no import from ``actors/``; `actors.generator.engines.base` re-exports them.
+rollout's edge, so that ``pipeline/`` needs no import from ``actors/``; the engine itself
+(`actors/generator/engines/base.py`) re-exports them, and a rollout only needs its `Generate` callable.
 
-Single-turn groups run as one batched `Engine.generate` call (in a worker thread: generation is
-synchronous torch); multi-turn samples run concurrently, one generate call per turn.
+Generation and scoring are separate steps: `score_group` turns the results of one prompt's
+``group_size`` requests (`group_requests`) into scored samples, so a generator can serve many groups
+with one batched engine call and score each afterwards. `run_group` does both for one group: one
+generate call (single-turn), or, with an environment, concurrent episodes with one generate call per
+turn. Generate calls run in a worker thread (generation is synchronous torch).
 """
 
 from __future__ import annotations
@@ -115,10 +119,8 @@ class GenerateResult:
         assert len(self.logprobs) == n and len(self.versions) == n, "per-token arrays must align"
 
 
-class Engine(Protocol):
-    """The part of `actors.generator.engines.base.Engine` a rollout uses (``pipeline/`` does not import ``actors/``)."""
-
-    def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]: ...
+Generate = Callable[[Sequence[GenerateRequest], SamplingParams], list[GenerateResult]]
+"""A blocking generate call: results in request order (`Engine.generate`, or a wrapper that meters it)."""
 
 
 VERIFIER_TIMEOUT_S = 30.0
@@ -162,6 +164,12 @@ class Environment(Protocol):
 
 EnvironmentFactory = Callable[[Prompt], Environment]
 """Builds a fresh environment per sample (the samples of a group run side by side)."""
+
+
+def environment_factory(task: Task) -> EnvironmentFactory | None:
+    """A multi-turn task exposes ``environment(prompt) -> Environment``; single-turn tasks have none."""
+    factory = getattr(task, "environment", None)
+    return factory if callable(factory) else None
 
 
 @dataclass
@@ -208,8 +216,52 @@ def sample_status(finish_reason: FinishReason, truncated: bool, verdict: Verifie
     return "truncated" if truncated else "ok"
 
 
+def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer) -> list[int]:
+    """The ids a prompt is rolled out from: its text with special tokens (``<bos>``), or its given ids."""
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    assert prompt.text is not None
+    return _encode(tokenizer, prompt.text, add_special_tokens=True)
+
+
+def group_requests(prompt_ids: Sequence[int], group_size: int, group_id: str) -> list[GenerateRequest]:
+    """The ``group_size`` requests of one single-turn group; request ``i`` becomes trajectory ``<group_id>-<i>``."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    return [GenerateRequest(prompt_ids, request_id=f"{group_id}-{i}") for i in range(group_size)]
+
+
+async def score_group(
+    task: Task,
+    prompt: Prompt,
+    prompt_ids: Sequence[int],
+    results: Sequence[GenerateResult],
+    sampling: SamplingParams,
+    *,
+    tokenizer: Tokenizer,
+    group_id: str,
+    verifier_timeout_s: float = VERIFIER_TIMEOUT_S,
+) -> list[Sample]:
+    """One sample per single-turn result, in order, each scored by the task's verifier under its timeout.
+
+    ``results`` answer `group_requests` of ``prompt_ids`` (however many engine calls produced them);
+    every sample comes back, whatever its status (an aborted one unscored).
+    """
+    scorer = _Scorer(task, prompt, sampling, tokenizer, verifier_timeout_s, group_id)
+    return list(
+        await asyncio.gather(
+            *(
+                scorer.finish(
+                    i, [Turn.context("prompt", prompt_ids), Turn.policy(r)], r.gen_s, r.finish_reason == "length"
+                )
+                for i, r in enumerate(results)
+            )
+        )
+    )
+
+
 async def run_group(
-    engine: Engine,
+    generate: Generate,
     task: Task,
     prompt: Prompt,
     group_size: int,
@@ -225,37 +277,35 @@ async def run_group(
 ) -> list[Sample]:
     """Roll out ``group_size`` samples of one prompt; every sample comes back, whatever its status.
 
-    Without ``env``: one batched generate call and one verifier call per sample. With ``env``: each sample
-    alternates policy replies and environment messages for at most ``max_turns`` replies and
-    ``max_total_tokens`` tokens.
+    Without ``env``: one generate call, then `score_group`. With ``env``: each sample alternates policy
+    replies and environment messages for at most ``max_turns`` replies and ``max_total_tokens`` tokens.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     group_id = group_id or uuid.uuid4().hex
-    prompt_ids = _prompt_ids(prompt, tokenizer)
+    prompt_ids = prompt_token_ids(prompt, tokenizer)
     if max_total_tokens is not None and len(prompt_ids) >= max_total_tokens:
         raise ValueError(
             f"prompt {prompt.prompt_id!r} has {len(prompt_ids)} tokens, no room under "
             f"max_total_tokens={max_total_tokens}"
         )
-    ctx = _Context(engine, task, prompt, sampling, tokenizer, verifier_timeout_s, group_id)
     if env is None:
-        requests = [GenerateRequest(prompt_ids, request_id=f"{group_id}-{i}") for i in range(group_size)]
-        results = await asyncio.to_thread(engine.generate, requests, sampling)
-        return list(
-            await asyncio.gather(
-                *(
-                    ctx.finish(
-                        i, [Turn.context("prompt", prompt_ids), Turn.policy(r)], r.gen_s, r.finish_reason == "length"
-                    )
-                    for i, r in enumerate(results)
-                )
-            )
+        results = await asyncio.to_thread(generate, group_requests(prompt_ids, group_size, group_id), sampling)
+        return await score_group(
+            task,
+            prompt,
+            prompt_ids,
+            results,
+            sampling,
+            tokenizer=tokenizer,
+            group_id=group_id,
+            verifier_timeout_s=verifier_timeout_s,
         )
+    scorer = _Scorer(task, prompt, sampling, tokenizer, verifier_timeout_s, group_id)
     return list(
         await asyncio.gather(
             *(
-                _run_episode(ctx, i, prompt_ids, env(prompt), env_timeout_s, max_turns, max_total_tokens)
+                _run_episode(generate, scorer, i, prompt_ids, env(prompt), env_timeout_s, max_turns, max_total_tokens)
                 for i in range(group_size)
             )
         )
@@ -263,10 +313,9 @@ async def run_group(
 
 
 @dataclass
-class _Context:
-    """What every sample of a group shares."""
+class _Scorer:
+    """What every sample of a group shares: builds a sample and scores it with the task's verifier."""
 
-    engine: Engine
     task: Task
     prompt: Prompt
     sampling: SamplingParams
@@ -326,7 +375,8 @@ class _Context:
 
 
 async def _run_episode(
-    ctx: _Context,
+    generate: Generate,
+    scorer: _Scorer,
     index: int,
     prompt_ids: list[int],
     environment: Environment,
@@ -340,27 +390,27 @@ async def _run_episode(
     gen_s = 0.0
     for _ in range(max_turns):
         context_ids = np.concatenate([t.token_ids for t in turns] + [np.asarray(pending, np.int32)])
-        budget = ctx.sampling.max_new_tokens
+        budget = scorer.sampling.max_new_tokens
         if max_total_tokens is not None:
             budget = min(budget, max_total_tokens - len(context_ids))
         if budget < 1:
             break
         if pending:
             turns.append(Turn.context("env", pending))
-        request = GenerateRequest(context_ids, max_new_tokens=budget, request_id=f"{ctx.group_id}-{index}")
-        result = (await asyncio.to_thread(ctx.engine.generate, [request], ctx.sampling))[0]
+        request = GenerateRequest(context_ids, max_new_tokens=budget, request_id=f"{scorer.group_id}-{index}")
+        result = (await asyncio.to_thread(generate, [request], scorer.sampling))[0]
         turns.append(Turn.policy(result))
         gen_s += result.gen_s
         if result.finish_reason != "stop":  # "length": later turns are dropped; "abort": not scored
-            return await ctx.finish(index, turns, gen_s, truncated=True)
-        reply_ids = _strip_stop(turns[-1], ctx.sampling)
+            return await scorer.finish(index, turns, gen_s, truncated=True)
+        reply_ids = _strip_stop(turns[-1], scorer.sampling)
         try:
             step = await asyncio.wait_for(
-                environment.step(_decode(ctx.tokenizer, reply_ids), reply_ids), timeout=env_timeout_s
+                environment.step(_decode(scorer.tokenizer, reply_ids), reply_ids), timeout=env_timeout_s
             )
         except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
-            logger.exception("environment failed in trajectory %s-%d", ctx.group_id, index)
-            return ctx.sample(
+            logger.exception("environment failed in trajectory %s-%d", scorer.group_id, index)
+            return scorer.sample(
                 index,
                 turns,
                 reward=None,
@@ -370,18 +420,11 @@ async def _run_episode(
             )
         if step.done and step.reward is not None:
             reward = 0.0 if step.status == "format_error" else float(step.reward)
-            return ctx.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))
+            return scorer.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))
         if step.done:
-            return await ctx.finish(index, turns, gen_s, truncated=False)
-        pending = _message_ids(step.message, ctx.tokenizer)
-    return await ctx.finish(index, turns, gen_s, truncated=True)
-
-
-def _prompt_ids(prompt: Prompt, tokenizer: Tokenizer) -> list[int]:
-    if prompt.token_ids is not None:
-        return list(prompt.token_ids)
-    assert prompt.text is not None
-    return _encode(tokenizer, prompt.text, add_special_tokens=True)
+            return await scorer.finish(index, turns, gen_s, truncated=False)
+        pending = _message_ids(step.message, scorer.tokenizer)
+    return await scorer.finish(index, turns, gen_s, truncated=True)
 
 
 def _message_ids(message: str | Sequence[int] | None, tokenizer: Tokenizer) -> list[int]:

@@ -1,7 +1,7 @@
 """The trainer's per-step metrics record: what was received, what trained, what was dropped and why.
 
 Pure functions from the step's prepared groups and loss statistics to one JSON-safe dict, written
-as one line of `<run.dir>/metrics.jsonl`. Rewards are reported before the filter (DESIGN.md):
+as one line of `<run.dir>/metrics.jsonl`. Rewards are reported before the filter (`docs/design.md`):
 `reward/unfiltered_mean` is over every valid sample received this step, trainable or not, so the
 curve does not rise just because easy groups were filtered out.
 """

@@ -1,62 +1,142 @@
-"""The `leeway` command: help on every subcommand, clear config errors, instant --help."""
+"""The `leeway` command: help that lists every flag without importing torch, config errors, config show."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from actors.cli import build_parser, main
+from pipeline.config import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
+COMMANDS = (
+    ("stack",),
+    ("config", "show"),
+    ("config", "reference"),
+    ("run",),
+    ("trainer",),
+    ("generator",),
+    ("replay",),
+    ("bench", "weights"),
+    ("bench", "transport"),
+    ("bench", "e2e"),
+)
+"""Every leaf command of the parser (a test checks this list against `build_parser`)."""
 
-def _leeway(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+NO_TORCH_COMMANDS = tuple(c for c in COMMANDS if c[0] != "bench")
+"""`leeway bench <name> --help` imports the benchmark's module for its flags; `bench weights` needs torch."""
+
+
+def _leeway(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "actors.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "actors.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [[], ["stack"], ["config", "show"], ["run"], ["trainer"], ["generator"], ["replay"], ["bench"]],
-    ids=lambda a: " ".join(a) or "leeway",
-)
-def test_help_explains_each_command(argv: list[str]) -> None:
-    result = _leeway(*argv, "--help")
+def _subparser(command: tuple[str, ...]) -> argparse.ArgumentParser:
+    parser = build_parser(bench_name=command[1] if command[0] == "bench" else None)
+    for name in command:
+        (choices,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        parser = choices.choices[name]
+    return parser
+
+
+def _leaf_commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [prefix]
+    return [leaf for name, sub in subs[0].choices.items() for leaf in _leaf_commands(sub, (*prefix, name))]
+
+
+def test_the_command_list_covers_every_leaf_command() -> None:
+    assert sorted(_leaf_commands(build_parser())) == sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_help_mentions_every_flag_the_parser_defines(command: tuple[str, ...], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: leeway {' '.join(command)}")
+    actions = [a for a in _subparser(command)._actions if a.help != argparse.SUPPRESS]
+    assert actions
+    for action in actions:
+        choices = "{" + ",".join(action.choices) + "}" if action.choices else None
+        names = action.option_strings or [action.metavar or choices or action.dest]
+        for name in names:
+            assert name in text, f"leeway {' '.join(command)} --help does not mention {name}"
+        if action.help:
+            assert action.help.split()[0] in text
+
+
+def test_help_of_every_role_answers_without_importing_torch() -> None:
+    code = (
+        "import sys\n"
+        "from actors.cli import main\n"
+        f"for command in {NO_TORCH_COMMANDS!r}:\n"
+        "    try:\n"
+        "        main([*command, '--help'])\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code == 0, command\n"
+        "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "usage: leeway" in result.stdout
-    assert len(result.stdout.splitlines()) > 4
 
 
-def test_help_does_not_import_torch() -> None:
-    code = "import sys\nfrom actors.cli import main\ntry:\n    main(['trainer', '--help'])\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules\n"
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
-
-
-def test_config_show_prints_resolved_config() -> None:
-    result = _leeway("config", "show", "configs/demo.yaml", "--set", "trainer.lr=0.5")
+def test_config_show_prints_the_resolved_value_of_an_override() -> None:
+    result = _leeway("config", "show", "configs/demo.yaml", "--set", "trainer.lr=0.5", "--set", "engine.device=cuda")
     assert result.returncode == 0, result.stderr
-    assert "lr: 0.5" in result.stdout
+    shown = yaml.safe_load(result.stdout)
+    written = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    assert shown["trainer"]["lr"] == 0.5
+    assert shown["engine"]["device"] == "cuda"
+    assert shown["trainer"]["batch_groups"] == written["trainer"]["batch_groups"]  # the file's own value
+    assert shown["trainer"]["grad_clip"] == 1.0  # a default
 
 
-def test_config_error_is_one_clear_line_and_exit_2() -> None:
+def test_missing_config_file_is_one_line_and_exit_2() -> None:
+    result = _leeway("config", "show", "configs/nope.yaml")
+    assert result.returncode == 2
+    assert result.stderr == "leeway: config error: configs/nope.yaml: config file not found\n"
+
+
+def test_config_error_names_key_and_source_without_a_traceback() -> None:
     result = _leeway("config", "show", "configs/demo.yaml", "--set", "trainer.nope=1")
     assert result.returncode == 2
-    assert "trainer.nope: unknown key" in result.stderr
+    assert "configs/demo.yaml" in result.stderr
+    assert "trainer.nope: unknown key (from --set trainer.nope)" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_readme_config_reference_is_current() -> None:
-    from pipeline.config import config_reference
+def test_unbuilt_engine_is_a_config_error_before_any_role_starts() -> None:
+    result = _leeway("generator", "configs/demo.yaml", "--set", "engine.kind=sglang")
+    assert result.returncode == 2
+    assert "engine.kind = 'sglang': not built yet" in result.stderr
+    assert "Traceback" not in result.stderr
 
+
+def test_config_reference_prints_the_generated_reference() -> None:
+    result = _leeway("config", "reference")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == config_reference()
+
+
+def test_readme_config_reference_is_current() -> None:
     readme = (ROOT / "README.md").read_text()
     assert config_reference() in readme, "README config reference is stale: run `leeway config reference`"
 
 
 def test_stack_up_status_down_through_the_cli(tmp_path: Path) -> None:
-    import json
-
     directory = str(tmp_path / "stack")
     up = _leeway("stack", "up", "--dir", directory)
     assert up.returncode == 0, up.stderr + up.stdout

@@ -1,23 +1,20 @@
-"""Config loading: every shipped YAML loads, errors name file/key/value, override precedence."""
+"""Config loading: precedence, errors that name file, key, value and source, shipped configs as written."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from pipeline.config import ConfigError, LeewayConfig, config_reference, load_config
+from pipeline.config import ConfigError, config_reference, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_loads(path: Path) -> None:
-    cfg = load_config(path, environ={})
-    assert isinstance(cfg, LeewayConfig)
-    assert cfg.run.name
+SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -26,66 +23,62 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_unknown_key_is_named_with_file(tmp_path: Path) -> None:
-    path = _write(tmp_path, "trainer:\n  learning_rate: 0.1\n")
+def _error(path: Path | None, overrides: tuple[str, ...] = (), environ: Mapping[str, str] | None = None) -> str:
     with pytest.raises(ConfigError) as err:
-        load_config(path, environ={})
-    assert "trainer.learning_rate" in str(err.value)
-    assert "unknown key" in str(err.value)
-    assert str(path) in str(err.value)
+        load_config(path, overrides, environ={} if environ is None else environ)
+    return str(err.value)
 
 
-def test_unknown_section_is_rejected(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="optimiser: unknown key"):
-        load_config(_write(tmp_path, "optimiser:\n  lr: 1\n"), environ={})
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every non-mapping value; `task.args` is one free-form value."""
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and dotted != "task.args":
+            yield from _leaves(value, f"{dotted}.")
+        else:
+            yield dotted, value
 
 
-def test_wrong_type_names_key_and_value(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError) as err:
-        load_config(_write(tmp_path, "trainer:\n  batch_groups: many\n"), environ={})
-    assert "trainer.batch_groups" in str(err.value) and "'many'" in str(err.value)
+def _resolved(tree: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node[part]
+    return node
 
 
-def test_constraint_violation_names_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"staleness\.max_staleness = -1"):
-        load_config(_write(tmp_path, "staleness:\n  max_staleness: -1\n"), environ={})
+# ---- shipped configs ------------------------------------------------------------------------------------
 
 
-def test_bad_yaml_names_file(tmp_path: Path) -> None:
-    path = _write(tmp_path, "trainer: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML") as err:
-        load_config(path, environ={})
-    assert str(path) in str(err.value)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_resolves_to_exactly_what_the_file_says(path: Path) -> None:
+    written = yaml.safe_load(path.read_text())
+    resolved = load_config(path, environ={}).model_dump(mode="json")
+    leaves = list(_leaves(written))
+    assert len(leaves) > 10
+    for dotted, value in leaves:
+        got = _resolved(resolved, dotted)
+        assert got == (list(value) if isinstance(value, tuple) else value), f"{path.name}: {dotted}"
 
 
-def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="mapping"):
-        load_config(_write(tmp_path, "- 1\n- 2\n"), environ={})
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_selects_only_built_parts(path: Path) -> None:
+    cfg = load_config(path, environ={})
+    assert cfg.engine.kind == "torch"
+    assert cfg.trainer.backend == "torch"
 
 
-def test_missing_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not found"):
-        load_config(tmp_path / "nope.yaml", environ={})
+def test_gpu_configs_put_both_roles_on_cuda_and_multi_node_names_external_servers() -> None:
+    single = load_config(ROOT / "configs/gpu-single-node.yaml", environ={})
+    multi = load_config(ROOT / "configs/multi-node.yaml", environ={})
+    for cfg in (single, multi):
+        assert (cfg.engine.device, cfg.trainer.device) == ("cuda", "cuda")
+        assert cfg.model.tokenizer == cfg.model.name_or_path  # the checkpoint's own tokenizer
+    assert single.uses_embedded_stack
+    assert not multi.uses_embedded_stack
+    assert multi.nats.creds_file and "@" not in (multi.nats.url or "")  # credentials never in the URL
 
 
-def test_bad_set_without_equals() -> None:
-    with pytest.raises(ConfigError, match="KEY=VALUE"):
-        load_config(None, ["trainer.lr"], environ={})
-
-
-def test_bad_set_unknown_key() -> None:
-    with pytest.raises(ConfigError, match="trainer.lrr: unknown key"):
-        load_config(None, ["trainer.lrr=3"], environ={})
-
-
-def test_set_through_a_value_is_rejected(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="is a value"):
-        load_config(_write(tmp_path, "trainer:\n  lr: 0.1\n"), ["trainer.lr.x=3"], environ={})
-
-
-def test_invalid_run_name_rejected() -> None:
-    with pytest.raises(ConfigError, match="run.name"):
-        load_config(None, ["run.name=bad name!"], environ={})
+# ---- precedence: file < environment < --set ----------------------------------------------------------------
 
 
 def test_precedence_file_then_env_then_set(tmp_path: Path) -> None:
@@ -98,9 +91,29 @@ def test_precedence_file_then_env_then_set(tmp_path: Path) -> None:
     assert cfg.advantages.group_size == 8  # default
 
 
-def test_env_override_error_names_variable() -> None:
-    with pytest.raises(ConfigError, match="LEEWAY_TRAINER__LR"):
-        load_config(None, environ={"LEEWAY_TRAINER__LR": "fast"})
+def test_the_winning_source_of_a_bad_value_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, "trainer:\n  lr: -1\n")
+    from_file = _error(path)
+    assert from_file.startswith(f"{path}: ") and "trainer.lr = -1" in from_file and "(from" not in from_file
+
+    env = {"LEEWAY_TRAINER__LR": "-2"}
+    from_env = _error(path, environ=env)
+    assert "trainer.lr = -2" in from_env and "(from environment variable LEEWAY_TRAINER__LR)" in from_env
+
+    from_set = _error(path, ("trainer.lr=-3",), environ=env)
+    assert "trainer.lr = -3" in from_set and "(from --set trainer.lr)" in from_set
+    assert "LEEWAY_TRAINER__LR" not in from_set
+
+
+def test_an_override_is_not_blamed_for_a_key_that_merely_shares_its_prefix(tmp_path: Path) -> None:
+    path = _write(tmp_path, "trainer:\n  lr_warmup: 10\n")
+    message = _error(path, ("trainer.lr=0.1",))
+    assert "trainer.lr_warmup: unknown key" in message and "(from" not in message
+
+
+def test_env_variables_without_a_section_separator_are_not_config_keys() -> None:
+    cfg = load_config(None, environ={"LEEWAY_LR": "oops", "LEEWAY_TRAINER__BATCH_GROUPS": "4"})
+    assert cfg.trainer.batch_groups == 4
 
 
 def test_nested_set_override() -> None:
@@ -108,15 +121,107 @@ def test_nested_set_override() -> None:
     assert cfg.engine.sampling.top_k == 5
 
 
-def test_external_servers_skip_embedded_stack() -> None:
-    assert load_config(None, environ={}).uses_embedded_stack
-    cfg = load_config(None, ["nats.url=nats://h:4222", "store.endpoint=http://h:9000"], environ={})
-    assert not cfg.uses_embedded_stack
+# ---- rejected keys and values ------------------------------------------------------------------------------
+
+
+def test_unknown_key_is_named_with_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "trainer:\n  learning_rate: 0.1\n")
+    message = _error(path)
+    assert message.startswith(str(path))
+    assert "trainer.learning_rate: unknown key" in message
+
+
+def test_unknown_section_is_rejected(tmp_path: Path) -> None:
+    assert "optimiser: unknown key" in _error(_write(tmp_path, "optimiser:\n  lr: 1\n"))
+
+
+def test_unknown_key_from_set_names_the_flag() -> None:
+    assert "trainer.lrr: unknown key (from --set trainer.lrr)" in _error(None, ("trainer.lrr=3",))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("trainer:\n  batch_groups: many\n", "trainer.batch_groups = 'many'"),
+        ("staleness:\n  max_staleness: -1\n", "staleness.max_staleness = -1"),
+        ("staleness:\n  policy: drop_everything\n", "staleness.policy = 'drop_everything'"),
+        ("correction:\n  clip_c: 1.0\n", "correction.clip_c = 1.0"),
+        ("store:\n  part_size_bytes: 1024\n", "store.part_size_bytes = 1024"),
+    ],
+)
+def test_bad_value_names_file_key_and_value(tmp_path: Path, text: str, expected: str) -> None:
+    path = _write(tmp_path, text)
+    message = _error(path)
+    assert message.startswith(str(path)) and expected in message
+
+
+def test_invalid_run_name_says_what_is_allowed() -> None:
+    message = _error(None, ("run.name=bad name!",))
+    assert "run.name = 'bad name!': run name must be 1-64 letters" in message
+    assert "Value error" not in message
+
+
+def test_bad_yaml_names_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "trainer: [unclosed\n")
+    message = _error(path)
+    assert message.startswith(str(path)) and "not valid YAML" in message
+
+
+def test_top_level_must_be_a_mapping(tmp_path: Path) -> None:
+    assert "expected a mapping of sections" in _error(_write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    assert _error(tmp_path / "nope.yaml") == f"{tmp_path / 'nope.yaml'}: config file not found"
+
+
+def test_bad_set_without_equals() -> None:
+    assert "KEY=VALUE" in _error(None, ("trainer.lr",))
+
+
+def test_set_through_a_value_is_rejected(tmp_path: Path) -> None:
+    assert "is a value, not a section" in _error(_write(tmp_path, "trainer:\n  lr: 0.1\n"), ("trainer.lr.x=3",))
+
+
+# ---- parts that are not built yet --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key_and_value", "instead"),
+    [
+        ("engine:\n  kind: sglang\n", "engine.kind = 'sglang'", "'torch'"),
+        ("engine:\n  sglang_url: http://127.0.0.1:30000\n", "engine.sglang_url = 'http://127.0.0.1:30000'", "remove"),
+        ("trainer:\n  backend: megatron\n", "trainer.backend = 'megatron'", "'torch'"),
+    ],
+)
+def test_unbuilt_part_is_rejected_at_load_naming_file_key_and_what_exists(
+    tmp_path: Path, text: str, key_and_value: str, instead: str
+) -> None:
+    path = _write(tmp_path, text)
+    message = _error(path)
+    assert message.startswith(str(path))
+    line = next(line for line in message.splitlines() if key_and_value in line)
+    assert "not built yet" in line and instead in line
+    assert "unknown key" not in message
+
+
+def test_unbuilt_part_from_set_names_the_flag() -> None:
+    message = _error(None, ("engine.kind=sglang",))
+    assert "engine.kind = 'sglang': not built yet" in message and "(from --set engine.kind)" in message
+
+
+def test_the_built_choices_still_load() -> None:
+    cfg = load_config(None, ["engine.kind=torch", "trainer.backend=torch"], environ={})
+    assert (cfg.engine.kind, cfg.trainer.backend) == ("torch", "torch")
+
+
+# ---- reference and import weight ---------------------------------------------------------------------------
 
 
 def test_every_field_has_a_docstring() -> None:
     reference = config_reference()
     assert "| `trainer.lr` |" in reference
+    assert "sglang" not in reference.lower() and "megatron" not in reference.lower()
     for line in reference.splitlines():
         if line.startswith("| `"):
             assert not line.rstrip().endswith("|  |"), line
@@ -125,7 +230,7 @@ def test_every_field_has_a_docstring() -> None:
 def test_config_module_imports_without_heavy_dependencies() -> None:
     code = (
         "import sys, pipeline.config\n"
-        "heavy = [m for m in ('torch', 'ray', 'sglang', 'megatron') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'transformers', 'numpy', 'pyarrow') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -25,14 +25,15 @@ import pytest
 import torch
 
 from actors.endpoints import connect_nats, open_run_store
+from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine, sampling_logprobs
-from actors.generator.loop import GeneratorRuntime, sampling_params
-from actors.generator.metrics import GeneratorMetrics
+from actors.generator.metrics import GeneratorMetrics, metered
+from actors.generator.runtime import GeneratorRuntime, sampling_params
 from actors.models import build_model
 from pipeline.announce import announce_version, generator_metrics_subject, version_kv
 from pipeline.config import LeewayConfig, load_config
 from pipeline.names import RunNames
-from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue, policy_version, queue_prompt, task_prompt
+from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
 from pipeline.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Prompt, Task
 from pipeline.tasks.char_tokenizer import PAD_ID, load_char_tokenizer
@@ -60,11 +61,10 @@ def test_staleness_floor_follows_the_newest_known_and_the_admission_version() ->
 
 def test_prompts_keep_answer_tags_and_admission_version_across_the_queue() -> None:
     prompt = Prompt("reverse-1", text="123>", answer="321", tags=("reverse",), metadata={"difficulty": 2})
-    wire = queue_prompt(prompt, policy_version=7)
-    assert policy_version(wire) == 7
-    back = task_prompt(type(wire).from_json(wire.to_json()))
+    assert prompt.policy_version == -1  # a task's prompt sets no sync floor until the trainer admits it
+    back = Prompt.from_json(queue_prompt(prompt, policy_version=7).to_json())
     assert (back.prompt_id, back.text, back.answer, back.tags) == ("reverse-1", "123>", "321", ("reverse",))
-    assert back.metadata == {"difficulty": 2, "policy_version": 7}
+    assert back.metadata == {"difficulty": 2} and back.policy_version == 7
 
 
 def test_idle_fraction_counts_wall_time_without_a_running_generate() -> None:
@@ -78,6 +78,26 @@ def test_idle_fraction_counts_wall_time_without_a_running_generate() -> None:
     assert report["idle_fraction"] == pytest.approx(0.25) and report["tokens_per_s"] == pytest.approx(75.0)
     now[0] = 6.0  # a window with nothing running
     assert metrics.report(version=3, newest_known=4)["idle_fraction"] == pytest.approx(1.0)
+
+
+def test_metered_generate_counts_tokens_and_ends_busy_time_even_when_the_engine_fails() -> None:
+    now = [0.0]
+    metrics = GeneratorMetrics("g", clock=lambda: now[0])
+
+    def generate(requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
+        now[0] += 2.0
+        if not requests:
+            raise RuntimeError("engine died")
+        ids = np.arange(5, dtype=np.int32)
+        return [GenerateResult(ids, np.zeros(5, np.float32), np.zeros(5, np.int32), "stop") for _ in requests]
+
+    counted = metered(generate, metrics)
+    assert len(counted([GenerateRequest([1]), GenerateRequest([2])], SamplingParams(max_new_tokens=5))) == 2
+    with pytest.raises(RuntimeError, match="engine died"):
+        counted([], SamplingParams(max_new_tokens=5))
+    now[0] = 8.0
+    report = metrics.report(version=0, newest_known=0)
+    assert metrics.tokens_generated == 10 and report["idle_fraction"] == pytest.approx(0.5)
 
 
 # ---- the fake trainer ---------------------------------------------------------------------------------
@@ -434,12 +454,7 @@ def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_part
     asyncio.run(main())
 
 
-def test_shutdown_aborts_a_batch_that_outlives_the_grace_and_hands_its_prompts_to_another_generator(
-    stack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import actors.generator.loop
-
-    monkeypatch.setattr(actors.generator.loop, "SHUTDOWN_GRACE_S", 0.3)
+def test_shutdown_aborts_a_batch_that_outlives_the_grace_and_hands_its_prompts_to_another_generator(stack) -> None:
     cfg = _cfg(stack, _unique_run(), "engine.sampling.max_new_tokens=40")
     hook = _HoldAtStep()
 
@@ -448,6 +463,7 @@ def test_shutdown_aborts_a_batch_that_outlives_the_grace_and_hands_its_prompts_t
             prompt_ids = await trainer.admit(2, policy_version=0)
             await trainer.publish(0)
             async with GeneratorRuntime.open(cfg, generator_id="stopping", engine=_engine(hook)) as rt:
+                rt.generator.shutdown_grace_s = 0.3
                 run = asyncio.create_task(rt.generator.run())
                 assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
                 rt.generator.request_stop()

@@ -26,18 +26,32 @@ async def _queue(url: str, names: RunNames, stream: StreamConfig, name: str):
 
 
 def test_prompt_json_round_trip_and_validation():
-    p = Prompt("p-1", text="2+2?", token_ids=(1, 2, 3), metadata={"answer": "4"})
+    p = Prompt("p-1", text="2+2?", answer="4", tags=("math",), metadata={"level": 1}, policy_version=3)
     assert Prompt.from_json(p.to_json()) == p
-    for bad in (
-        b"nope",
-        b"[]",
-        b'{"prompt_id": "p"}',
-        b'{"prompt_id": "a/b", "text": "x"}',
-        b'{"prompt_id": "p", "token_ids": [-1]}',
-        b'{"prompt_id": "p", "text": "x", "extra": 1}',
+    assert Prompt.from_json(Prompt("p-2", token_ids=(1, 2, 3)).to_json()).token_ids == (1, 2, 3)
+    for bad, field in (
+        (b"nope", "not JSON"),
+        (b"[]", "JSON object"),
+        (b'{"prompt_id": "p"}', "text"),
+        (b'{"prompt_id": "a/b", "text": "x"}', "prompt_id"),
+        (b'{"prompt_id": "p", "text": "x", "token_ids": [1]}', "text"),
+        (b'{"prompt_id": "p", "token_ids": [-1]}', "token_ids"),
+        (b'{"prompt_id": "p", "text": "x", "answer": 4}', "answer"),
+        (b'{"prompt_id": "p", "text": "x", "tags": [1]}', "tags"),
+        (b'{"prompt_id": "p", "text": "x", "policy_version": "7"}', "policy_version"),
+        (b'{"prompt_id": "p", "text": "x", "extra": 1}', "extra"),
     ):
-        with pytest.raises(PromptError):
+        with pytest.raises(PromptError, match=field):
             Prompt.from_json(bad)
+
+
+def test_a_prompt_in_the_first_wire_format_still_decodes():
+    """A queue filled before the upgrade drains: answer, tags and version used to travel in metadata."""
+    legacy = b'{"prompt_id": "p-1", "text": "12>", "token_ids": null, "metadata": {"answer": "21", "tags": ["rev"], "policy_version": 4, "level": 2}}'
+    p = Prompt.from_json(legacy)
+    assert (p.answer, p.tags, p.policy_version, dict(p.metadata)) == ("21", ("rev",), 4, {"level": 2})
+    current = Prompt("p-2", text="x", metadata={"answer": "kept in metadata"}, policy_version=1)
+    assert Prompt.from_json(current.to_json()) == current
 
 
 def test_prompts_are_done_once_and_deduped(stack):

@@ -1,4 +1,5 @@
-"""Rollouts: token/mask/version alignment, multi-turn rules, truncation, and failure statuses."""
+"""Rollouts: token/mask/version alignment, scoring apart from generation, multi-turn rules, truncation, and
+failure statuses."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
+from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import build_model
-from pipeline.rollout import EnvStep, run_group
+from pipeline.rollout import EnvStep, Generate, group_requests, prompt_token_ids, run_group, score_group
 from pipeline.tasks import Prompt, Task, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask
@@ -32,24 +33,14 @@ def _result(text: str, finish: str = "stop", version: int = 3) -> GenerateResult
     )  # type: ignore[arg-type]
 
 
-class _ScriptedEngine(Engine):
-    """Replies from a script, one entry per generate call (each call gets one reply per request)."""
+class _ScriptedEngine:
+    """A `Generate` callable replying from a script, one reply per request, in order."""
 
     def __init__(self, replies: Sequence[GenerateResult]) -> None:
         self.replies = list(replies)
         self.requests: list[GenerateRequest] = []
 
-    @property
-    def version(self) -> int:
-        return 3
-
-    def load_state(self, named_tensors: NamedTensors, version: int) -> None: ...
-
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None: ...
-
-    def abort(self) -> None: ...
-
-    def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
+    def __call__(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
         self.requests.extend(requests)
         return [self.replies.pop(0) for _ in requests]
 
@@ -82,19 +73,19 @@ class _Env:
 
 
 def _run(
-    engine: Engine,
+    generate: Generate,
     env: Callable[[Prompt], _Env] | None = None,
     group_size: int = 1,
     task: Task | None = None,
     **kwargs: object,
 ) -> list[Sample]:
     task = task or (ReverseDigitsTask(num_digits=2) if env is None else _TranscriptTask())
-    return asyncio.run(run_group(engine, task, PROMPT, group_size, SAMPLING, env, tokenizer=TOK, **kwargs))
+    return asyncio.run(run_group(generate, task, PROMPT, group_size, SAMPLING, env, tokenizer=TOK, **kwargs))
 
 
 def test_single_turn_group_aligns_tokens_masks_versions_and_logprobs() -> None:
     engine = TorchEngine(build_model("tiny-llama-2x64", vocab_size=TOK.get_vocab_size(), seed=0), pad_token_id=PAD_ID)
-    samples = _run(engine, group_size=4)
+    samples = _run(engine.generate, group_size=4)
     prompt_ids = TOK.encode("21>").ids
     assert len(samples) == 4 and len({s.trajectory_id for s in samples}) == 4
     for s in samples:
@@ -118,6 +109,27 @@ def test_single_turn_statuses_follow_finish_reason_and_verifier() -> None:
     assert (bad_format.status, bad_format.reward) == ("format_error", 0.0)
     assert (cut.status, cut.finish_reason, cut.reward) == ("truncated", "length", 1 / 3)
     assert (aborted.status, aborted.reward, aborted.reward_source) == ("aborted", None, "none")
+
+
+def test_groups_sharing_one_generate_call_are_scored_apart_in_request_order() -> None:
+    other = Prompt("p1", text="43>", answer="34", tags=("hard",))
+    ids = {p.prompt_id: prompt_token_ids(p, TOK) for p in (PROMPT, other)}
+    requests = group_requests(ids["p0"], 2, "p0") + group_requests(ids["p1"], 2, "p1")
+    engine = _ScriptedEngine([_result("12"), _result("xx"), _result("34"), _result("3", "abort")])
+    results = engine(requests, SAMPLING)  # one call for both groups, as a generator batches them
+    task = ReverseDigitsTask(num_digits=2)
+
+    def score(prompt: Prompt, group: list[GenerateResult]) -> list[Sample]:
+        return asyncio.run(
+            score_group(task, prompt, ids[prompt.prompt_id], group, SAMPLING, tokenizer=TOK, group_id=prompt.prompt_id)
+        )
+
+    first, second = score(PROMPT, results[:2]), score(other, results[2:])
+    assert [r.request_id for r in requests] == ["p0-0", "p0-1", "p1-0", "p1-1"]
+    assert [s.trajectory_id for s in first + second] == ["p0-0", "p0-1", "p1-0", "p1-1"]
+    assert [(s.status, s.reward) for s in first] == [("ok", 1.0), ("format_error", 0.0)]
+    assert [(s.status, s.reward) for s in second] == [("ok", 1.0), ("aborted", None)]
+    assert second[0].tags == ("hard",) and second[0].tokens.tolist() == ids["p1"] + _ids("34") + [EOS_ID]
 
 
 def test_multi_turn_masks_env_tokens_and_keeps_policy_versions() -> None:

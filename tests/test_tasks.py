@@ -159,3 +159,6 @@ def test_prompt_files_load_from_jsonl_and_parquet(tmp_path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"answer": "1"}\n')
     with pytest.raises(ValueError, match="row 0"):
         load_prompts(tmp_path / "bad.jsonl")
+    (tmp_path / "bad_id.jsonl").write_text('{"prompt": "x"}\n{"id": "a b", "prompt": "y"}\n')
+    with pytest.raises(ValueError, match="row 1: prompt_id 'a b'"):  # an id must fit object keys and Nats-Msg-Id
+        load_prompts(tmp_path / "bad_id.jsonl")

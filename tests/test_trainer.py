@@ -1,4 +1,5 @@
-"""The trainer loop against real NATS and S3: training, the cap, versions out, acks, resume, replay, golden loss."""
+"""The trainer loop against real NATS and S3 (training, the cap, versions out, acks, resume, replay), the
+sessions' server-free parts, and the golden loss."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +19,32 @@ import numpy as np
 import orjson
 import pytest
 import torch
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from actors.endpoints import open_run_store, resolve_endpoints
-from actors.trainer.loop import Trainer
+from actors.models import build_model, build_policy_model, load_tokenizer
+from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend, build_backend
+from actors.trainer.checkpoints import RecentIds, TrainerState, complete_checkpoints
+from actors.trainer.loop import Trainer, open_trainer
+from actors.trainer.objective import CorrectedObjective
+from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, build_weight_publisher
 from infra.stack import StackState
 from pipeline.announce import version_kv, watch_announcements
+from pipeline.batching import GroupPolicy, prepare_group
 from pipeline.config import LeewayConfig, load_config
 from pipeline.names import RunNames
+from pipeline.prompt_queue import PromptLease, PromptQueue
+from pipeline.tasks import get_task
 from pipeline.trajectory import Sample, TrajectoryGroup
-from pipeline.transport import ReplaySelection, TrajectoryPublisher, connect, ensure_trajectory_streams
-from storage.manifest import manifest_key
-from storage.objectstore import ObjectNotFound
+from pipeline.transport import (
+    ReplayReader,
+    ReplaySelection,
+    TrajectoryPublisher,
+    connect,
+    ensure_trajectory_streams,
+)
+from storage.objectstore import FileStore, ObjectNotFound, ObjectStore
 from storage.weights import list_versions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,31 +115,57 @@ def _records(path: Path) -> list[dict[str, Any]]:
 # ---- integration: train, cap, versions out, acks after publish --------------------------------------------
 
 
-class _ObservedTrainer(Trainer):
-    """Records what reaches the loss and checks, at every ack, that the step's version is in the store."""
+class _RecordingBackend(TrainingBackend):
+    """The real backend, noting which samples reach the loss (a loss mask with any 1) on their way in."""
 
-    def __init__(self, cfg: LeewayConfig) -> None:
-        super().__init__(cfg)
-        self.sample_ids_trained: list[str] = []
-        self.acks_checked = 0
+    def __init__(self, inner: TrainingBackend) -> None:
+        self.inner = inner
+        self.trained_sample_ids: list[str] = []
 
-    async def setup(self) -> None:
-        await super().setup()
-        train_step, ack = self.backend.train_step, self.consumer.ack
+    def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
+        return self.inner.logprobs(batch)
 
-        def recording_train_step(batch: Any, loss_fn: Any, **kw: Any) -> Any:
-            self.sample_ids_trained += [s.sample_id for s in batch.sequences if s.loss_mask.any()]
-            return train_step(batch, loss_fn, **kw)
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
+        self.trained_sample_ids += [s.sample_id for s in batch.sequences if s.loss_mask.any()]
+        return self.inner.train_step(batch, loss_fn, num_minibatches=num_minibatches)
 
-        async def checked_ack(seqs: list[int]) -> int:
-            latest = self.publisher.latest_version()
-            assert latest == self.state.version, f"ack before version {self.state.version} was published"
-            assert self.store.exists(manifest_key(self.names.run, self.state.version))
-            self.acks_checked += 1
-            return await ack(seqs)
+    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self.inner.export_weights(dtype)
 
-        self.backend.train_step = recording_train_step
-        self.consumer.ack = checked_ack
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_tensors()
+
+    def state_meta(self) -> dict[str, Any]:
+        return self.inner.state_meta()
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        self.inner.load_state(tensors, meta)
+
+
+async def _live_trainer(cfg: LeewayConfig, wrap: Callable[[TrainingBackend], TrainingBackend]) -> Trainer:
+    """`open_trainer`'s live path, assembled from its public parts with the backend wrapped by `wrap`."""
+    task = get_task(cfg.task.name, **cfg.task.args)
+    model = build_policy_model(cfg, load_tokenizer(cfg, task))
+    backend = wrap(build_backend(cfg, model))
+    link = await RunLink.open(cfg)
+    publisher = build_weight_publisher(cfg, link.store, model)
+    session = await LiveSession.open(cfg, link, backend, publisher, task, resume=False)
+    return Trainer(cfg, backend, session)
+
+
+async def _watch_acks(nc: NatsClient, cfg: LeewayConfig, store: ObjectStore, acks: dict[int, int]) -> None:
+    """Record, for each trajectory ack the trainer sends, the store's LATEST at the moment it is seen.
+
+    Acks are plain messages on `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...`, so a second
+    subscriber sees them; the callback reads the store before the event loop runs anything else.
+    """
+    names = RunNames.for_run(cfg.run.name)
+
+    async def on_ack(msg: Msg) -> None:
+        if msg.data in (b"", b"+ACK"):  # not -NAK / +WPI
+            acks[int(msg.subject.split(".")[5])] = _latest(store, cfg.run.name)
+
+    await nc.subscribe(f"$JS.ACK.{names.trajectory_stream}.{names.trainer_consumer}.>", cb=on_ack)
 
 
 def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: StackState, tmp_path: Path) -> None:
@@ -138,41 +181,50 @@ def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: Sta
         _group("e", version=2),
         _group("f", version=1),
     ]
+    step_of_seq = {1: 1, 2: 1, 3: 2, 4: 2, 5: 3, 6: 3, 7: 3, 8: 3}  # stream seq -> the step that consumes it
+    store = open_run_store(cfg)
+    names = RunNames.for_run(cfg.run.name)
 
-    async def scenario() -> tuple[_ObservedTrainer, list[int]]:
+    async def scenario() -> tuple[list[str], list[int], dict[int, int], Any]:
         await _publish(cfg, groups)
         nc = await connect(resolve_endpoints(cfg).nats_url, name="test-watch")
-        kv = await version_kv(nc.jetstream(), RunNames.for_run(cfg.run.name))
+        kv = await version_kv(nc.jetstream(), names)
         announced: list[int] = []
+        acks: dict[int, int] = {}
 
         async def watch() -> None:
             async for version, _ in watch_announcements(kv):
                 announced.append(version)
 
         watcher = asyncio.create_task(watch())
-        await asyncio.sleep(0.2)
-        trainer = _ObservedTrainer(cfg)
+        await _watch_acks(nc, cfg, store, acks)
+        trainer = await _live_trainer(cfg, _RecordingBackend)
         await asyncio.wait_for(trainer.run(), timeout=90)
+        await nc.flush()
         deadline = time.monotonic() + 5
-        while 3 not in announced and time.monotonic() < deadline:
+        while (3 not in announced or len(acks) < len(groups)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+        info = await nc.jetstream().consumer_info(names.trajectory_stream, names.trainer_consumer)
         await nc.drain()
-        return trainer, announced
+        assert isinstance(trainer.backend, _RecordingBackend)
+        return trainer.backend.trained_sample_ids, announced, acks, info
 
-    trainer, announced = asyncio.run(scenario())
+    trained_sample_ids, announced, acks, info = asyncio.run(scenario())
     records = _records(cfg.run.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3] and [r["version"] for r in records] == [1, 2, 3]
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["c", "d"], ["e", "f"]]
     assert records[2]["dropped_group_ids"] == {"stale": "staleness_cap", "same": "no_disagreement"}
     assert records[2]["samples/dropped_by_cap"] == 2 and records[2]["samples/dropped_by_filter"] == 2
     assert records[2]["staleness/max"] == 2
-    assert not any(s.startswith(("stale:", "same:")) for s in trainer.sample_ids_trained)
-    assert len(trainer.sample_ids_trained) == 12
-    assert trainer.acks_checked == 3
+    assert not any(s.startswith(("stale:", "same:")) for s in trained_sample_ids)
+    assert len(trained_sample_ids) == 12
+    # every group acked, dropped ones included, and only once the version trained on it was in the store
+    assert set(acks) == set(step_of_seq)
+    assert all(acks[seq] >= step for seq, step in step_of_seq.items()), f"LATEST at each ack: {acks}"
+    assert info.ack_floor.stream_seq == len(groups) and info.num_ack_pending == 0 and info.num_pending == 0
     assert sorted(set(announced)) == [0, 1, 2, 3]
-    store = open_run_store(cfg)
     assert list_versions(store, cfg.run.name)[-4:] == [0, 1, 2, 3]
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
 
@@ -186,31 +238,47 @@ def test_masked_tokens_policy_keeps_the_fresh_samples(stack: StackState, tmp_pat
     future = _group("future", version=5)  # newer than any version the trainer published: refused, not fatal
     groups = [_group("a"), _group("b"), mix, future, _group("c", version=1), _group("d", version=1)]
     asyncio.run(_publish(cfg, groups))
-    asyncio.run(asyncio.wait_for(Trainer(cfg).run(), timeout=60))
+    asyncio.run(_run_trainer(cfg))
     records = _records(cfg.run.run_dir / "metrics.jsonl")
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["c", "d"]]
     assert records[1]["dropped_group_ids"] == {"mix": "staleness_cap", "future": "invalid"}
 
 
-def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: StackState, tmp_path: Path) -> None:
-    from actors.trainer.checkpoints import complete_checkpoints
-    from pipeline.prompt_queue import PromptQueue
+async def _run_trainer(cfg: LeewayConfig, replay: ReplaySelection | None = None) -> Trainer:
+    trainer = await open_trainer(cfg, replay=replay)
+    await asyncio.wait_for(trainer.run(), timeout=60)
+    return trainer
 
+
+def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: StackState, tmp_path: Path) -> None:
     cfg = _cfg(stack, tmp_path, "trainer.max_steps=10", "trainer.checkpoint_every=50", "staleness.max_staleness=1")
     asyncio.run(_publish(cfg, [_group("a"), _group("b"), _group("c")]))
+    names = RunNames.for_run(cfg.run.name)
+    metrics_path = cfg.run.run_dir / "metrics.jsonl"
 
-    async def scenario() -> list[Any]:
-        trainer = Trainer(cfg)
+    async def scenario() -> list[PromptLease]:
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-prompts")
+        js = nc.jetstream()
+        trainer = await open_trainer(cfg)
+        session = trainer.session
+        assert isinstance(session, LiveSession)
         task = asyncio.create_task(trainer.run())
-        while trainer.state.step < 1 or not trainer.consumer.held_seqs:  # step 1 done, "c" held for step 2
+        # step 1 is written and "c" is held for step 2: held by the session's consumer, not merely delivered
+        # (a message still in the client's buffer is not the trainer's yet, and no nak can reach it)
+        while not (metrics_path.exists() and _records(metrics_path) and session.consumer.held_seqs):
+            assert not task.done(), task
             await asyncio.sleep(0.02)
         trainer.stop.set()
         assert await asyncio.wait_for(task, timeout=30) == 0
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-prompts")
-        names = RunNames.for_run(cfg.run.name)
-        info = await nc.jetstream().consumer_info(names.trajectory_stream, names.trainer_consumer)
-        assert info.num_ack_pending == 0 and info.num_pending + info.num_redelivered >= 1  # "c" was given back
-        queue = PromptQueue(nc.jetstream(), names, cfg.stream)
+        # "c" was given back: the durable consumer hands it out again at once, not after its 600 s ack wait
+        sub = await js.pull_subscribe_bind(names.trainer_consumer, stream=names.trajectory_stream)
+        try:
+            again = await sub.fetch(1, timeout=5)
+        except asyncio.TimeoutError:  # nats-py's TimeoutError is one
+            again = []
+        assert [(m.metadata.sequence.stream, m.metadata.num_delivered) for m in again] == [(3, 2)]
+        await sub.unsubscribe()
+        queue = PromptQueue(js, names, cfg.stream)
         leases = await queue.take(max_prompts=100, timeout_s=1.0)
         await queue.close()
         await nc.drain()
@@ -218,11 +286,51 @@ def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: Sta
 
     leases = asyncio.run(scenario())
     assert complete_checkpoints(open_run_store(cfg), cfg.run.name) == [1]
-    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    records = _records(metrics_path)
     assert [r["trained_group_ids"] for r in records] == [["a", "b"]]
     # admission: (K + 1) * batch_groups prompts at version 0, then more once step 1 was published
-    versions = [lease.prompt.metadata["policy_version"] for lease in leases]
+    versions = [lease.prompt.policy_version for lease in leases]
     assert versions[:4] == [0, 0, 0, 0] and len({lease.prompt.prompt_id for lease in leases}) == len(leases) >= 4
+
+
+# ---- sessions: the parts that need no server ---------------------------------------------------------------
+
+
+def _replay_session(tmp_path: Path, *overrides: str) -> ReplaySession:
+    """A replay session on a never-connected client and a local store: any I/O it attempted would fail."""
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "staleness.max_staleness=2", *overrides], environ={})
+    nc = NatsClient()
+    names = RunNames.for_run(cfg.run.name)
+    link = RunLink(names, nc, nc.jetstream(), FileStore(str(tmp_path / "store")))
+    reader = ReplayReader(link.js, names, cfg.stream, link.store, ReplaySelection(from_seq=1))
+    return ReplaySession(cfg, link, reader)
+
+
+def test_replay_counts_staleness_against_the_newest_version_recorded_so_far(tmp_path: Path) -> None:
+    session = _replay_session(tmp_path)
+    assert session.current_version(trainer_version=0) == 0
+    assert session.cap_version(_group("a", version=3), trainer_version=0) == 3
+    assert session.cap_version(_group("b", version=1), trainer_version=7) == 3  # the trainer's own is ignored
+    assert session.current_version(trainer_version=7) == 3
+    assert session.staleness_cap == 2
+    assert _replay_session(tmp_path, "staleness.cap_in_replay=false").staleness_cap is None
+
+
+def test_replay_admits_publishes_acks_and_checkpoints_nothing(tmp_path: Path) -> None:
+    session = _replay_session(tmp_path)
+    state = TrainerState(step=4, version=0, admitted=3, trained_groups=2)
+    before = TrainerState(**vars(state))
+
+    async def one_step_of_session_calls() -> None:
+        await session.admit(state, pending_dropped=1)
+        await session.publish(state)
+        await session.ack([1, 2])
+        await session.checkpoint(state, RecentIds(["a"]), final=True)
+
+    asyncio.run(one_step_of_session_calls())
+    assert state == before
+    assert session.link.store.list(f"{session.link.names.run}/") == []
+    assert session.metrics_path.parent.parent == session.cfg.run.run_dir / "replays"
 
 
 # ---- resume: SIGKILL at random points, then --resume -------------------------------------------------------
@@ -309,10 +417,8 @@ def test_two_replays_of_the_same_range_give_the_same_losses(stack: StackState, t
     asyncio.run(_publish(cfg, [*groups[:9], _group("late", version=0), groups[9]]))
 
     def replay(until: int | None) -> list[dict[str, Any]]:
-        trainer = Trainer(cfg, replay=ReplaySelection(from_seq=1, until_seq=until))
-        asyncio.run(asyncio.wait_for(trainer.run(), timeout=60))
-        assert trainer.metrics is not None
-        return _records(trainer.metrics.path)
+        trainer = asyncio.run(_run_trainer(cfg, ReplaySelection(from_seq=1, until_seq=until)))
+        return _records(trainer.session.metrics_path)
 
     first, second = replay(None), replay(None)
     assert len(first) == 5
@@ -330,11 +436,6 @@ GOLDEN_LOSSES = (0.2328278124332428, 0.4551418721675873)
 
 
 def test_golden_loss_of_a_fixed_tiny_batch() -> None:
-    from actors.models import build_model
-    from actors.trainer.backends import TrainBatch, TrainSequence, build_backend
-    from actors.trainer.objective import CorrectedObjective
-    from pipeline.batching import GroupPolicy, prepare_group
-
     torch.set_num_threads(1)
     cfg = LeewayConfig.model_validate(
         {"model": {"name_or_path": "tiny-llama-1x32"}, "trainer": {"lr": 0.01}, "advantages": {"group_size": 2}}
@@ -342,20 +443,7 @@ def test_golden_loss_of_a_fixed_tiny_batch() -> None:
     backend = build_backend(cfg, build_model("tiny-llama-1x32", vocab_size=21, seed=0))
     groups = [_group("a", version=0), _group("b", version=1, rewards=(0.25, 1.0))]
     prepared = [prepare_group(g, version=1, policy=GroupPolicy(max_staleness=2)) for g in groups]
-    batch = TrainBatch(
-        tuple(
-            TrainSequence(
-                tokens=s.tokens,
-                loss_mask=s.loss_mask,
-                versions=s.versions,
-                behaviour_logprobs=s.behaviour_logprobs,
-                advantage=s.advantage,
-                sample_id=s.sample_id,
-            )
-            for p in prepared
-            for s in p.samples
-        )
-    )
+    batch = TrainBatch(tuple(s for p in prepared for s in p.samples))  # what batching yields, as the backend takes it
     objective = CorrectedObjective(cfg.correction, cfg.advantages, version=1, constant_tokens=16)
     losses = tuple(backend.train_step(batch, objective).loss for _ in range(2))
     assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-5, abs=1e-7)

@@ -1,7 +1,7 @@
 """Generator metrics: a small accumulator fed by the generator loop, reported every few seconds.
 
 Every `REPORT_INTERVAL_S` a generator publishes one JSON object (orjson) on the NATS core subject
-`metrics_subject(run)` = ``leeway.<run>.metrics.generator`` (fire-and-forget: a report nobody listens
+``leeway.<run>.metrics.generator`` (`pipeline.announce.generator_metrics_subject`; fire-and-forget: a report nobody listens
 to is simply dropped; the next one carries the cumulative numbers again). The trainer and `leeway run`
 subscribe to it to show generator health. One record (schema `METRICS_SCHEMA_VERSION`)::
 
@@ -28,25 +28,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pipeline.announce import generator_metrics_subject
-from pipeline.names import RunNames
+from pipeline.rollout import Generate, GenerateRequest, GenerateResult, SamplingParams
 
 METRICS_SCHEMA_VERSION = 1
 """Bumped when a field of the report changes meaning or disappears."""
 REPORT_INTERVAL_S = 2.0
 """How often a generator publishes a metrics report."""
-LOG_INTERVAL_S = 20.0
-"""How often a generator logs a one-line summary."""
-
-
-def metrics_subject(run: str) -> str:
-    """NATS core subject of the generators' metrics reports of run ``run`` (all generators share it)."""
-    return generator_metrics_subject(RunNames.for_run(run))
 
 
 @dataclass
@@ -80,12 +73,12 @@ class _Window:
 class GeneratorMetrics:
     """Accumulates what the generator loop observes; `report()` turns it into the published record.
 
-    Called from the generator's event loop, except `generate_started`/`generate_finished`, which a
-    multi-turn rollout calls from engine worker threads (hence the lock around the busy-time state).
+    Called from the generator's event loop, except `generate_started`/`generate_finished`, which `metered`
+    calls from engine worker threads (hence the lock around the busy-time state).
     """
 
     generator_id: str
-    clock: Any = time.monotonic
+    clock: Callable[[], float] = time.monotonic
     started_s: float = field(init=False)
     tokens_generated: int = 0
     groups_published: int = 0
@@ -195,6 +188,23 @@ class GeneratorMetrics:
         }
         self._window = _Window(now, busy, tokens)
         return record
+
+
+def metered(generate: Generate, metrics: GeneratorMetrics) -> Generate:
+    """`generate` counted in `metrics` (engine busy time and tokens, hence ``idle_fraction`` and ``tokens_per_s``);
+    safe to call from worker threads, several at once (multi-turn episodes)."""
+
+    def call(requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
+        metrics.generate_started()
+        num_tokens = 0
+        try:
+            results = generate(requests, params)
+            num_tokens = sum(len(r.token_ids) for r in results)
+            return results
+        finally:
+            metrics.generate_finished(num_tokens)
+
+    return call
 
 
 def format_report(record: dict[str, Any]) -> str:

@@ -39,6 +39,7 @@ from typing import Literal, Protocol
 
 from actors.generator.engines.base import Engine, NamedTensors
 from actors.generator.metrics import GeneratorMetrics
+from storage.weights import WeightSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,26 @@ class WeightSource(Protocol):
     def pull(self, version: int) -> Pulled:
         """Bring the local copy to `version` (deltas or a full snapshot, whichever is fewer bytes)."""
         ...
+
+
+class StoreWeightSource:
+    """`WeightSource` over the weight store's `WeightSubscriber` (which owns its own tensor copies)."""
+
+    def __init__(self, subscriber: WeightSubscriber) -> None:
+        self._subscriber = subscriber
+
+    def latest(self) -> int | None:
+        return self._subscriber.latest()
+
+    def pull(self, version: int) -> Pulled:
+        have = self._subscriber.version
+        try:
+            plan = self._subscriber.plan(have, version)
+            num_bytes, full = plan.num_bytes, plan.from_full
+        except Exception:  # the pull below raises the real error with its context
+            num_bytes, full = 0, have is None
+        self._subscriber.pull(version)
+        return Pulled(version=version, tensors=self._subscriber.tensors, num_bytes=num_bytes, full=full)
 
 
 class WeightSync:

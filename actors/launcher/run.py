@@ -40,7 +40,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from actors.endpoints import connect_nats, private_stack_dir, stack_bucket
+from actors.launcher.live_view import LiveView
+from actors.launcher.report import write_report
+from infra.process import StackError
+from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
+from pipeline.names import RunNames
 
 STOP_TIMEOUT_S = 20.0
 """How long a role gets to finish after SIGTERM before its process group is killed."""
@@ -261,7 +267,6 @@ class QueueProbe:
     """
 
     def __init__(self, cfg: LeewayConfig) -> None:
-        from pipeline.names import RunNames
 
         self.cfg = cfg
         self.names = RunNames.for_run(cfg.run.name)
@@ -287,7 +292,6 @@ class QueueProbe:
             asyncio.run(self._loop())
 
     async def _loop(self) -> None:
-        from actors.endpoints import connect_nats
 
         nc = await connect_nats(self.cfg, name="leeway-run-probe")
         try:
@@ -391,7 +395,6 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
     also on Ctrl-C or SIGTERM (which set `interrupted`). `records` holds every metrics record written.
     Raises `RunDirInUse` when run.dir holds an earlier run and `fresh` is false.
     """
-    from actors.endpoints import private_stack_dir, stack_bucket
 
     run_dir = prepare_run_dir(cfg, fresh)
     fleet = Fleet()
@@ -407,8 +410,6 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
         try:
             stack_started = private_stack_dir(cfg, run_dir)
             if stack_started is not None:  # set first: an interrupted start is stopped too
-                from infra.stack import start_stack
-
                 start_stack(stack_started, bucket=stack_bucket(cfg))
                 cfg.nats.stack_dir = str(stack_started)
             start_fleet(cfg, run_dir, num_generators, [], fleet)
@@ -444,8 +445,6 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
                 _show(view, records, fleet, None, stopped=True)
             finally:
                 if stack_started is not None:
-                    from infra.stack import stop_stack
-
                     stop_stack(stack_started, timeout_s=0.0 if fleet.hurry.is_set() else STACK_STOP_TIMEOUT_S)
     trainer = fleet.trainer
     return RunOutcome(
@@ -468,9 +467,6 @@ def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
-    from actors.launcher.live_view import LiveView
-    from actors.launcher.report import write_report
-    from infra.process import StackError
 
     num_generators = args.generators or 1
     if num_generators < 1:

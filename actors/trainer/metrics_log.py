@@ -6,11 +6,14 @@ from __future__ import annotations
 import datetime as dt
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from pipeline.config import LeewayConfig
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:
@@ -27,9 +30,10 @@ class MetricsLog:
     def __init__(self, cfg: LeewayConfig, path: Path) -> None:
         self.path = path
         self._jsonl = cfg.logging.metrics_jsonl
-        self._tb: Any = None
-        self._wandb: Any = None
+        self._tb: SummaryWriter | None = None
+        self._wandb: Any = None  # a wandb run; wandb is optional, so it stays untyped here
         path.parent.mkdir(parents=True, exist_ok=True)
+        # tensorboard and wandb are optional packages: imported only when the config asks for them
         if cfg.logging.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

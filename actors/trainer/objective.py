@@ -2,8 +2,9 @@
 
 The backend hands over log-probs with grad for one micro-batch; this module turns them into the
 step's loss with `pipeline.correction` (tis / mis / decoupled_ppo / none, token or sequence level,
-optional staleness decay) and `pipeline.loss` (constant or token_mean). The ratio always uses the
-behaviour log-probs recorded by the generator, never a recomputation.
+optional staleness decay, whose rule is in `pipeline/staleness.py`) and `pipeline.loss` (constant or
+token_mean). The ratio always uses the behaviour log-probs recorded by the generator, never a
+recomputation.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Tasks: where prompts come from and how completions are scored.
 
-A `Task` yields `Prompt`s and scores a completion with `Task.verify`, which returns a `VerifierResult`
-with status ``ok`` (reward set) or ``format_error`` (reward 0: the policy's fault, trained on). The
-caller never invokes ``verify`` directly but through `run_verifier`, which applies a timeout and turns
+A `Task` yields `Prompt`s (the one prompt record, `pipeline/prompts.py`) and scores a completion with
+`Task.verify`, which returns a `VerifierResult` with status ``ok`` (reward set) or ``format_error``
+(reward 0: the policy's fault, trained on). The caller never invokes ``verify`` directly but through `run_verifier`, which applies a timeout and turns
 an exception or a timeout into ``infra_error`` with reward None: an infrastructure failure is never
 scored as a policy failure, so it stays out of the loss and out of the group baseline.
 
@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pipeline.prompts import Prompt, PromptError
+
 logger = logging.getLogger(__name__)
 
 VerifierStatus = Literal["ok", "format_error", "infra_error"]
@@ -34,24 +36,6 @@ BUILTIN_TASKS: dict[str, str] = {
     "exact_match": "pipeline.tasks:ExactMatchTask",
 }
 """Built-in task name -> ``module:callable`` returning a `Task`."""
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt. ``text`` is tokenized by the rollout (special tokens such as ``<bos>`` added), unless
-    ``token_ids`` is given, which is then used as is. ``answer`` and ``metadata`` are for the verifier;
-    ``tags`` group metrics (per-task-tag reward means)."""
-
-    prompt_id: str
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    answer: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    tags: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if (self.text is None) == (self.token_ids is None):
-            raise ValueError(f"prompt {self.prompt_id!r}: give exactly one of text and token_ids")
 
 
 @dataclass(frozen=True)
@@ -156,13 +140,16 @@ def _prompt_from_row(row: Any, path: Path, index: int, prefix: str) -> Prompt:
         raise ValueError(f"{path}: row {index} has no string 'prompt' field")
     answer = row.get("answer")
     metadata = {k: v for k, v in row.items() if k not in ("prompt", "answer", "tags", "id")}
-    return Prompt(
-        prompt_id=str(row.get("id", f"{prefix}-{index}")),
-        text=row["prompt"],
-        answer=None if answer is None else str(answer),
-        metadata=metadata,
-        tags=tuple(row.get("tags") or ()),
-    )
+    try:
+        return Prompt(
+            prompt_id=str(row.get("id", f"{prefix}-{index}")),
+            text=row["prompt"],
+            answer=None if answer is None else str(answer),
+            metadata=metadata,
+            tags=tuple(str(t) for t in row.get("tags") or ()),
+        )
+    except PromptError as exc:
+        raise ValueError(f"{path}: row {index}: {exc}") from exc
 
 
 class ExactMatchTask(Task):

@@ -21,7 +21,7 @@ onto ``/abort_request`` with ``abort_all``, whose results finish with reason ``a
 tokens produced so far.
 
 The request and result records live in `pipeline.rollout` (``pipeline/`` never imports ``actors/``) and
-are re-exported here.
+are re-exported here. A rollout needs only the bound `Engine.generate`: `pipeline.rollout.Generate`.
 """
 
 from __future__ import annotations

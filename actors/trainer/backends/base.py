@@ -7,14 +7,9 @@ backend can later implement the same interface with its own packing and parallel
 ``forward_step`` would unpack THD logits into the padded ``[S, T]`` layout below and call the same
 ``loss_fn``).
 
-How one sequence lines up (a 3-token prompt, 4 generated tokens; position 0 never has a log-prob)::
-
-    position             0     1     2     3      4      5      6
-    tokens               151   9707  25    785    3681   374    151643
-    loss_mask            0     0     0     1      1      1      1
-    behaviour_logprobs   0.0   0.0   0.0   -0.01  -2.30  -0.00  -0.12   # log mu(token_t | tokens_<t)
-    versions             -1    -1    -1    6      6      7      7
-    logprobs (backend)   0.0   lp1   lp2   lp3    lp4    lp5    lp6     # log pi(token_t | tokens_<t)
+The record of one sequence, `TrainSequence`, lives in `pipeline/batching.py` (which produces it; its
+docstring shows how tokens, masks, log-probs and versions line up); `TrainBatch` and what follows
+are the backend's own.
 
 One optimizer step (``train_step``)::
 
@@ -45,58 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True, eq=False)
-class TrainSequence:
-    """One sample to train on, column-aligned as in the module docstring.
-
-    ``advantage`` is one float for the whole sample or a float32 array per token (only its values at
-    loss tokens matter). ``proximal_logprobs`` (optional) are the trainer's log-probs under the
-    weights at the step's start, for ``decoupled_ppo``; compute them with `TrainingBackend.logprobs`.
-    An invalid (masked) sample must arrive with ``loss_mask`` all zero: the backend never decides
-    what is trainable. ``loss_mask[0]`` must be 0, since the first token has no context to predict it.
-    """
-
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    behaviour_logprobs: np.ndarray
-    versions: np.ndarray
-    advantage: float | np.ndarray = 0.0
-    proximal_logprobs: np.ndarray | None = None
-    sample_id: str = ""
-
-    def __post_init__(self) -> None:
-        where = f"TrainSequence {self.sample_id!r}"
-        tokens = np.asarray(self.tokens)
-        if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(
-                f"{where}: tokens must be a non-empty 1-D integer array, got {tokens.dtype} shape {tokens.shape}"
-            )
-        columns = {
-            "loss_mask": self.loss_mask,
-            "behaviour_logprobs": self.behaviour_logprobs,
-            "versions": self.versions,
-            "proximal_logprobs": self.proximal_logprobs,
-        }
-        if not np.isscalar(self.advantage):
-            columns["advantage"] = self.advantage
-        for name, column in columns.items():
-            if column is not None and np.shape(column) != tokens.shape:
-                raise ValueError(f"{where}: {name} has shape {np.shape(column)}, tokens have {tokens.shape}")
-        if np.asarray(self.loss_mask)[0]:
-            raise ValueError(f"{where}: loss_mask[0] is 1, but position 0 has no log-prob (nothing precedes it)")
-
-    @property
-    def num_tokens(self) -> int:
-        return int(np.asarray(self.tokens).shape[0])
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(np.count_nonzero(self.loss_mask))
-
-    def advantages_per_token(self) -> np.ndarray:
-        """The advantage broadcast to every position, float32."""
-        return np.broadcast_to(np.asarray(self.advantage, dtype=np.float32), (self.num_tokens,))
+from pipeline.batching import TrainSequence
 
 
 @dataclass(frozen=True, eq=False)

@@ -5,7 +5,8 @@ Decisions the trainer relies on:
   device that supports bf16; on the CPU it is off, so CPU runs are deterministic and checkpoint
   resume is bit-exact. Logits are cast to fp32 before the log-softmax either way.
 - Log-probs are those of the tempered policy, ``log_softmax(logits / temperature)``, matching the
-  generator's sampling temperature (top-k/top-p cannot be recomputed here; see DESIGN.md).
+  generator's sampling temperature (top-k/top-p cannot be recomputed here; see `docs/design.md`,
+  "Importance correction").
 - Micro-batches hold whole sequences, right-padded, with at most ``micro_batch_tokens`` padded
   tokens (a longer sequence goes alone). Right padding under a causal mask leaves every real token's
   logits unchanged, so packing changes the gradient only by float rounding.

@@ -1,0 +1,219 @@
+"""The generator process: a `Generator` (`actors/generator/loop.py`) wired to the run's servers.
+
+```
+  leeway generator CONFIG ─► main (logging, torch threads, SIGINT/SIGTERM -> stop)
+      └─► serve ─► GeneratorRuntime.open: object store, task + tokenizer, engine, NATS (one connect,
+                   `actors.endpoints.connect_nats`), trajectory streams + prompt queue, WeightSync
+                   │   background: WeightSync.run (KV watch + LATEST poll, pulls)
+                   │   background: report_metrics (a JSON report every REPORT_INTERVAL_S)
+                   └─► Generator.run until stop ─► close: loops cancelled, queue unsubscribed, NATS drained,
+                                                   subscriber and store closed
+```
+
+`main` returns 0 after a clean shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import orjson
+import torch
+from nats.aio.client import Client as NatsClient
+from nats.js.kv import KeyValue
+from tokenizers import Tokenizer
+
+from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
+from actors.generator.engines.base import Engine, SamplingParams
+from actors.generator.engines.torch_engine import TorchEngine
+from actors.generator.loop import Generator
+from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report
+from actors.generator.weight_sync import StoreWeightSource, WeightSync
+from actors.models import build_policy_model, eos_token_id, load_tokenizer, pad_token_id
+from pipeline.announce import generator_metrics_subject, version_kv, watch_announcements
+from pipeline.config import LeewayConfig
+from pipeline.names import RunNames
+from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue
+from pipeline.tasks import get_task
+from pipeline.transport import TrajectoryPublisher, ensure_trajectory_streams
+from storage.weights import WeightSubscriber
+
+log = logging.getLogger(__name__)
+
+LOG_EVERY_REPORTS = 10
+"""Log a metrics line every this many reports (20 s at the 2 s report interval)."""
+
+
+def sampling_params(cfg: LeewayConfig, tokenizer: Tokenizer) -> SamplingParams:
+    """The configured sampling, stopping at the tokenizer's EOS token (if it has one)."""
+    eos = eos_token_id(tokenizer)
+    s = cfg.engine.sampling
+    return SamplingParams(
+        max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        stop_token_ids=() if eos is None else (eos,),
+    )
+
+
+def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str) -> Engine:
+    """The configured engine, with the model's random init in place until version 0 is pulled (version -1)."""
+    model = build_policy_model(cfg, tokenizer, dtype=getattr(torch, cfg.model.dtype)).to(cfg.engine.device)
+    seed = (cfg.run.seed * 1_000_003 + zlib.crc32(generator_id.encode())) % 2**62
+    return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), seed=seed, version=-1)
+
+
+def default_generator_id(cfg: LeewayConfig) -> str:
+    return cfg.generator.id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class GeneratorRuntime:
+    """A `Generator` wired to the run's servers, with its background loops (weight sync, metrics).
+
+    ``async with GeneratorRuntime.open(cfg) as rt: await rt.generator.run()``; leaving the block stops
+    the loops, drains NATS and closes the store. Tests reach `generator`, `weights` and `engine` here.
+    """
+
+    generator: Generator
+    weights: WeightSync
+    engine: Engine
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(
+        cls, cfg: LeewayConfig, *, generator_id: str | None = None, engine: Engine | None = None
+    ) -> AsyncIterator[GeneratorRuntime]:
+        """Open everything in order; on leaving (or a failure half-way) close what was opened, newest first."""
+        generator_id = generator_id or default_generator_id(cfg)
+        names = RunNames.for_run(cfg.run.name)
+        endpoints = resolve_endpoints(cfg)
+        async with contextlib.AsyncExitStack() as opened:
+            store = open_run_store(cfg, endpoints)
+            opened.push_async_callback(_close_logged, "the object store", lambda: asyncio.to_thread(store.close))
+            task = get_task(cfg.task.name, **cfg.task.args)
+            tokenizer = load_tokenizer(cfg, task)
+            engine = engine or build_engine(cfg, tokenizer, generator_id)
+            subscriber = WeightSubscriber(store, cfg.run.name, parallelism=cfg.weights.parallelism)
+            opened.push_async_callback(
+                _close_logged, "the weight subscriber", lambda: asyncio.to_thread(subscriber.close)
+            )
+            nc = await connect_nats(cfg, endpoints, name=f"leeway-generator-{generator_id}")
+            opened.push_async_callback(_close_logged, "the NATS connection", nc.drain)
+            js = nc.jetstream()
+            await ensure_trajectory_streams(js, names, cfg.stream)
+            await ensure_prompt_queue(js, names, cfg.stream)
+            queue = PromptQueue(js, names, cfg.stream)
+            opened.push_async_callback(_close_logged, "the prompt queue", queue.close)
+            kv = await version_kv(js, names) if cfg.weights.announce else None
+            metrics = GeneratorMetrics(generator_id)
+            weights = _weight_sync(cfg, subscriber, engine, metrics, kv)
+            generator = Generator(
+                cfg,
+                engine=engine,
+                tokenizer=tokenizer,
+                task=task,
+                sampling=sampling_params(cfg, tokenizer),
+                queue=queue,
+                publisher=TrajectoryPublisher(js, names, cfg.stream, store),
+                weights=weights,
+                metrics=metrics,
+                generator_id=generator_id,
+            )
+            background = [
+                asyncio.create_task(weights.run()),
+                asyncio.create_task(report_metrics(nc, generator_metrics_subject(names), metrics, weights)),
+            ]
+            opened.push_async_callback(_cancel, background)
+            yield cls(generator, weights, engine)
+
+
+def _weight_sync(
+    cfg: LeewayConfig, subscriber: WeightSubscriber, engine: Engine, metrics: GeneratorMetrics, kv: KeyValue | None
+) -> WeightSync:
+    return WeightSync(
+        StoreWeightSource(subscriber),
+        engine,
+        metrics,
+        poll_interval_s=cfg.generator.poll_interval_s,
+        update_mode=cfg.generator.update_mode,
+        announcements=None if kv is None else lambda: watch_announcements(kv),
+    )
+
+
+async def report_metrics(nc: NatsClient, subject: str, metrics: GeneratorMetrics, weights: WeightSync) -> None:
+    """Publish a metrics report every `REPORT_INTERVAL_S` (core NATS, fire-and-forget) until cancelled."""
+    count = 0
+    while True:
+        await asyncio.sleep(REPORT_INTERVAL_S)
+        record = metrics.report(version=weights.engine_version, newest_known=weights.newest_known)
+        try:
+            await nc.publish(subject, orjson.dumps(record))
+        except Exception:  # a background loop we own: the next report carries the cumulative numbers again
+            log.warning("publishing generator metrics failed", exc_info=True)
+        count += 1
+        if count % LOG_EVERY_REPORTS == 0:
+            log.info(format_report(record))
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_logged(what: str, close: Callable[[], Awaitable[object]]) -> None:
+    """Close one resource on the way out; a failure is logged and never keeps the others open."""
+    try:
+        await close()
+    except Exception:
+        log.warning("closing %s failed", what, exc_info=True)
+
+
+async def serve(
+    cfg: LeewayConfig,
+    *,
+    generator_id: str | None = None,
+    stop: asyncio.Event | None = None,
+    engine: Engine | None = None,
+) -> None:
+    """Connect to the run's servers and run one generator until `stop` is set."""
+    async with GeneratorRuntime.open(cfg, generator_id=generator_id, engine=engine) as rt:
+        watcher = asyncio.create_task(_stop_when(stop, rt.generator)) if stop is not None else None
+        try:
+            await rt.generator.run()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        log.info("generator %s: stopped", rt.generator.generator_id)
+
+
+async def _stop_when(stop: asyncio.Event, generator: Generator) -> None:
+    await stop.wait()
+    generator.request_stop()
+
+
+def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
+    """`leeway generator CONFIG`: one generator until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(cfg.engine.torch_threads)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, stop=stop)
+
+    asyncio.run(run())
+    return 0

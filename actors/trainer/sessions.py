@@ -1,0 +1,455 @@
+"""What differs between a live trainer and a replay: where groups come from, where results go.
+
+The loop in `actors/trainer/loop.py` is the same for both; it asks its session, never a mode flag.
+
+```
+                      LiveSession (`leeway trainer [--resume]`)      ReplaySession (`--replay SELECTION`)
+  start               fresh: publish version 0                       open the recorded range
+                      resume: newest checkpoint, republished as
+                      newest+1, lost metrics rolled back
+  groups from         catch-up `ReplayReader` (after a resume), then  the recorded range, until it ends
+                      the durable `TrajectoryConsumer`
+  cap counts against  the trainer's version V                        the newest version recorded so far
+  admission           `admissible_prompts` (`pipeline/staleness.py`)  none
+  publish             V+1 (parts, manifest, LATEST), then announced   nothing
+  ack / nak           the durable consumer                           nothing (an `ack none` consumer)
+  checkpoint          every `trainer.checkpoint_every` steps and at   none
+                      the end of the session
+  metrics             <run.dir>/metrics.jsonl                         <run.dir>/replays/<time>/metrics.jsonl
+```
+
+Each session owns its `RunLink` (NATS connection, object store) and closes it. The replay session's
+version is the one the live trainer held at least when it consumed those groups, so the cap and the
+correction see the staleness the live run saw, or more (`staleness.cap_in_replay=false`: no cap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import nats.errors
+import orjson
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from transformers import PreTrainedModel
+
+from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
+from actors.trainer.backends import TrainingBackend
+from actors.trainer.checkpoints import RecentIds, TrainerState, load_latest_checkpoint, write_checkpoint
+from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
+from actors.trainer.prompt_feed import PromptFeed
+from pipeline.announce import announce_version, generator_metrics_subject, version_kv
+from pipeline.config import LeewayConfig
+from pipeline.names import RunNames
+from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
+from pipeline.staleness import admissible_prompts
+from pipeline.tasks import Task
+from pipeline.trajectory import TrajectoryGroup
+from pipeline.transport import (
+    Delivery,
+    ReplayReader,
+    ReplaySelection,
+    TrajectoryConsumer,
+    ensure_trainer_consumer,
+    ensure_trajectory_streams,
+)
+from storage.manifest import config_hash
+from storage.objectstore import ObjectStore
+from storage.weights import TORCH_DTYPES, WeightPublisher, list_versions
+
+log = logging.getLogger("leeway.trainer")
+
+QUEUE_INFO_TIMEOUT_S = 2.0
+"""Bound on the consumer-info request behind the `queue/trajectories` metric."""
+
+
+@dataclass(frozen=True)
+class RunLink:
+    """The run's names, NATS connection and object store; the session holding it closes it."""
+
+    names: RunNames
+    nc: NatsClient
+    js: JetStreamContext
+    store: ObjectStore
+
+    @classmethod
+    async def open(cls, cfg: LeewayConfig) -> RunLink:
+        endpoints = resolve_endpoints(cfg)
+        store = open_run_store(cfg, endpoints)
+        nc = await connect_nats(cfg, endpoints, name="leeway-trainer")
+        return cls(RunNames.for_run(cfg.run.name), nc, nc.jetstream(), store)
+
+
+class Session(Protocol):
+    """What the trainer loop asks of a session (the two answers are in the module docstring)."""
+
+    metrics_path: Path
+    staleness_cap: int | None
+    """`staleness.max_staleness`, or None when a replay runs with the cap off."""
+    generator_reports: Mapping[str, Mapping[str, Any]]
+    """The newest metrics report of each generator (live only)."""
+
+    async def start(self) -> TrainerState:
+        """Fresh, resumed (a checkpoint's state) or replaying; the loop continues from the state returned."""
+        ...
+
+    def cap_version(self, group: TrajectoryGroup, trainer_version: int) -> int:
+        """The version `group`'s staleness counts against (a replay first takes note of the group)."""
+        ...
+
+    def current_version(self, trainer_version: int) -> int:
+        """The version a step trains at now (the objective's) and the one a metrics record names."""
+        ...
+
+    async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
+        """Admit the prompts the staleness rule allows; `pending_dropped`: dropped groups of the open batch."""
+        ...
+
+    async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]: ...
+
+    @property
+    def exhausted(self) -> bool:
+        """No group will ever come again (the end of a replayed range)."""
+        ...
+
+    async def keep_alive(self) -> None:
+        """Reset the ack wait of held groups during a long wait for the rest of a batch."""
+        ...
+
+    async def publish(self, state: TrainerState) -> None:
+        """Make the step's weights the next version; returns only once generators can find them."""
+        ...
+
+    async def ack(self, seqs: Sequence[int]) -> None: ...
+
+    async def give_back(self) -> None:
+        """Nak every held group for immediate redelivery (the step was abandoned)."""
+        ...
+
+    async def queue_depth(self) -> int | None: ...
+
+    async def checkpoint(self, state: TrainerState, handled: RecentIds, *, final: bool) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# ---- live -------------------------------------------------------------------------------------------------
+
+
+class LiveSession:
+    """`leeway trainer [--resume]`: the durable consumer, admission, published versions, checkpoints.
+
+    Acks go through `ack` only, which the loop calls after `publish` returned; `publish` returns once
+    the version's manifest and LATEST are in the store and the KV announcement is written.
+    """
+
+    def __init__(
+        self,
+        cfg: LeewayConfig,
+        link: RunLink,
+        backend: TrainingBackend,
+        publisher: WeightPublisher,
+        task: Task,
+        consumer: TrajectoryConsumer,
+        prompt_queue: PromptQueue,
+        kv: KeyValue | None,
+        *,
+        resume: bool,
+    ) -> None:
+        self.cfg = cfg
+        self.link = link
+        self.names = link.names
+        self.backend = backend
+        self.publisher = publisher
+        self.task = task
+        self.consumer = consumer
+        self.prompt_queue = prompt_queue
+        self.kv = kv
+        self.resume = resume
+        self.metrics_path = cfg.run.run_dir / "metrics.jsonl"
+        self.staleness_cap: int | None = cfg.staleness.max_staleness
+        self.generator_reports: dict[str, dict[str, Any]] = {}
+        self.prompt_feed: PromptFeed | None = None
+        """Built by `start`, at the count of prompts admitted so far."""
+        self.catch_up: ReplayReader | None = None
+        """After a resume: the groups acked after the checkpoint, read again before the durable consumer."""
+        self.last_checkpoint_step = 0
+
+    @classmethod
+    async def open(
+        cls,
+        cfg: LeewayConfig,
+        link: RunLink,
+        backend: TrainingBackend,
+        publisher: WeightPublisher,
+        task: Task,
+        *,
+        resume: bool,
+    ) -> LiveSession:
+        """Make sure the streams, the trainer's consumer and the prompt queue exist, bind them, listen to generators."""
+        js, names = link.js, link.names
+        await ensure_trajectory_streams(js, names, cfg.stream)
+        await ensure_trainer_consumer(js, names)
+        await ensure_prompt_queue(js, names, cfg.stream)
+        consumer = await TrajectoryConsumer.bind(js, names, cfg.stream, link.store)
+        kv = await version_kv(js, names) if cfg.weights.announce else None
+        queue = PromptQueue(js, names, cfg.stream)
+        session = cls(cfg, link, backend, publisher, task, consumer, queue, kv, resume=resume)
+        await link.nc.subscribe(generator_metrics_subject(names), cb=session._on_generator_report)
+        return session
+
+    # ---- start: fresh or resumed
+
+    async def start(self) -> TrainerState:
+        return await (self._resume() if self.resume else self._start_fresh())
+
+    async def _start_fresh(self) -> TrainerState:
+        latest = await self._newest_published()
+        if latest is not None:
+            raise RuntimeError(
+                f"run {self.names.run!r} already has published weights (version {latest}); continue it with "
+                f"`leeway trainer CONFIG --resume`, or start a new run with --set run.name=<new name>"
+            )
+        self.prompt_feed = PromptFeed(self.cfg, self.task, start=0)
+        await self._publish(0)
+        log.info("trainer ready: fresh run %s, version 0 published", self.names.run)
+        return TrainerState()
+
+    async def _resume(self) -> TrainerState:
+        """Restore the newest checkpoint, republish it as newest+1, roll back lost metrics, catch up."""
+        loaded = await asyncio.to_thread(load_latest_checkpoint, self.link.store, self.names.run)
+        latest = await self._newest_published()
+        if loaded is None and latest is None:
+            log.warning("--resume: run %s has neither checkpoint nor weights; starting fresh", self.names.run)
+            return await self._start_fresh()
+        state = TrainerState()
+        if loaded is None:
+            log.warning(
+                "--resume: run %s has no complete checkpoint; restarting from the initial weights", self.names.run
+            )
+        else:
+            state, tensors, meta = loaded
+            self.backend.load_state(tensors, meta)
+        restored = state.version
+        state.version = max(latest if latest is not None else -1, restored) + 1
+        await self._publish(state.version)
+        log.info(
+            "trainer ready: resumed step %d (checkpointed version %d), republished as version %d",
+            state.step,
+            restored,
+            state.version,
+        )
+        self.last_checkpoint_step = state.step
+        self.prompt_feed = PromptFeed(self.cfg, self.task, start=state.admitted)
+        moved = roll_back_metrics(self.metrics_path, state.step)
+        if moved:
+            log.info("moved %d metrics records of steps after %d to metrics.rolled_back.jsonl", moved, state.step)
+        await self._catch_up_from(state.consumed_seq + 1)
+        return state
+
+    async def _newest_published(self) -> int | None:
+        """The newest version with a manifest; can be past LATEST when a trainer died between the two."""
+        latest = await asyncio.to_thread(self.publisher.latest_version)
+        listed = await asyncio.to_thread(list_versions, self.link.store, self.names.run)
+        newest = max([-1 if latest is None else latest, *listed])
+        return None if newest < 0 else newest
+
+    async def _catch_up_from(self, seq: int) -> None:
+        """Read `seq`..the stream's current end again (acked after the checkpoint, training lost) first."""
+        info = await self.link.js.stream_info(self.names.trajectory_stream)
+        if info.state.last_seq < seq:
+            return
+        selection = ReplaySelection(from_seq=seq, until_seq=info.state.last_seq)
+        self.catch_up = await ReplayReader.open(self.link.js, self.names, self.cfg.stream, self.link.store, selection)
+        log.info("catching up: re-reading trajectory stream seqs %d..%d", seq, info.state.last_seq)
+
+    # ---- versions and admission
+
+    def cap_version(self, group: TrajectoryGroup, trainer_version: int) -> int:
+        return trainer_version
+
+    def current_version(self, trainer_version: int) -> int:
+        return trainer_version
+
+    async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
+        """Publish as many prompts as `admissible_prompts` allows, tagged with the current version."""
+        assert self.prompt_feed is not None, "admit before start"
+        dropped = state.discarded_groups + pending_dropped
+        count = admissible_prompts(
+            version=state.step,
+            max_staleness=self.cfg.staleness.max_staleness,
+            batch_groups=self.cfg.trainer.batch_groups,
+            outstanding=max(0, state.admitted - state.trained_groups - dropped),
+            trained=state.trained_groups,
+        )
+        if count <= 0:
+            return
+        prompts = self.prompt_feed.take(count)
+        await self.prompt_queue.admit_many(queue_prompt(p, state.version) for p in prompts)
+        state.admitted += len(prompts)  # re-admitted duplicates (after a resume) count: they are outstanding
+
+    # ---- groups in
+
+    async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]:
+        """The catch-up range first (after a resume), then the durable consumer."""
+        if self.catch_up is None:
+            return await self.consumer.fetch(max_groups=max_groups, timeout_s=timeout_s)
+        deliveries = await self.catch_up.fetch(max_groups=max_groups, timeout_s=timeout_s)
+        if self.catch_up.done:
+            log.info("caught up with the groups whose training was lost; continuing with live data")
+            await self.catch_up.close()
+            self.catch_up = None
+        return deliveries
+
+    @property
+    def exhausted(self) -> bool:
+        return False
+
+    async def keep_alive(self) -> None:
+        await self.consumer.in_progress()  # a slow batch must not outlive the consumer's ack wait
+
+    # ---- results out
+
+    async def publish(self, state: TrainerState) -> None:
+        state.version += 1
+        await self._publish(state.version)
+
+    async def _publish(self, version: int) -> None:
+        tensors = self.backend.export_weights(TORCH_DTYPES[self.cfg.model.dtype])
+        manifest = await asyncio.to_thread(self.publisher.publish, version, tensors)
+        if self.kv is not None:
+            await announce_version(self.kv, version)
+        log.debug("published version %d (%s, parent %s)", version, manifest.kind, manifest.parent_version)
+
+    async def ack(self, seqs: Sequence[int]) -> None:
+        await self.consumer.ack(seqs)
+
+    async def give_back(self) -> None:
+        await self.consumer.nak(self.consumer.held_seqs)
+
+    async def queue_depth(self) -> int | None:
+        """Groups waiting in the stream for this trainer (for the live view); None if unknown right now."""
+        try:
+            info = await asyncio.wait_for(
+                self.link.js.consumer_info(self.names.trajectory_stream, self.names.trainer_consumer),
+                QUEUE_INFO_TIMEOUT_S,
+            )
+        except (asyncio.TimeoutError, nats.errors.Error):
+            return None
+        return int(info.num_pending)
+
+    async def checkpoint(self, state: TrainerState, handled: RecentIds, *, final: bool) -> None:
+        """Every `trainer.checkpoint_every` steps (and at the end of a session) write a checkpoint."""
+        if state.step == self.last_checkpoint_step:
+            return
+        if not final and state.step % self.cfg.trainer.checkpoint_every:
+            return
+        state.handled_group_ids = handled.to_list()
+        tensors, meta = self.backend.state_tensors(), self.backend.state_meta()
+        await asyncio.to_thread(write_checkpoint, self.link.store, self.names.run, state, tensors, meta)
+        self.last_checkpoint_step = state.step
+        log.info(
+            "checkpoint written at step %d (version %d, stream seq %d)", state.step, state.version, state.consumed_seq
+        )
+
+    async def _on_generator_report(self, msg: Msg) -> None:
+        try:
+            report = orjson.loads(msg.data)
+            self.generator_reports[str(report["generator_id"])] = report
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            log.warning("ignoring a malformed generator report on %s", msg.subject)
+
+    async def close(self) -> None:
+        if self.catch_up is not None:
+            await self.catch_up.close()
+        await self.consumer.close()
+        await self.link.nc.drain()
+        await asyncio.to_thread(self.publisher.close)
+
+
+def build_weight_publisher(cfg: LeewayConfig, store: ObjectStore, model: PreTrainedModel) -> WeightPublisher:
+    """The run's `WeightPublisher`, from ``weights.*`` and ``model.dtype``."""
+    w = cfg.weights
+    return WeightPublisher(
+        store,
+        cfg.run.name,
+        model_config_hash=config_hash(model.config.to_dict()),
+        dtype=TORCH_DTYPES[cfg.model.dtype],
+        full_every=w.full_every,
+        keep_versions=w.keep_versions,
+        grace_s=w.grace_s,
+        part_bytes=w.part_bytes,
+        parallelism=w.parallelism,
+    )
+
+
+# ---- replay -----------------------------------------------------------------------------------------------
+
+
+class ReplaySession:
+    """`leeway trainer --replay SELECTION`: trains on a recorded range; publishes, acks and checkpoints nothing."""
+
+    def __init__(self, cfg: LeewayConfig, link: RunLink, reader: ReplayReader) -> None:
+        self.cfg = cfg
+        self.link = link
+        self.reader = reader
+        self.metrics_path = replay_metrics_path(cfg)
+        self.staleness_cap: int | None = cfg.staleness.max_staleness if cfg.staleness.cap_in_replay else None
+        self.generator_reports: dict[str, dict[str, Any]] = {}
+        self.newest_version = 0
+        """The newest policy version recorded in the groups replayed so far."""
+
+    @classmethod
+    async def open(cls, cfg: LeewayConfig, link: RunLink, selection: ReplaySelection) -> ReplaySession:
+        reader = await ReplayReader.open(link.js, link.names, cfg.stream, link.store, selection)
+        return cls(cfg, link, reader)
+
+    async def start(self) -> TrainerState:
+        log.info("replaying %s into training; metrics in %s", self.reader.selection, self.metrics_path)
+        return TrainerState()
+
+    def cap_version(self, group: TrajectoryGroup, trainer_version: int) -> int:
+        self.newest_version = max(self.newest_version, group.group_max_version)
+        return self.newest_version
+
+    def current_version(self, trainer_version: int) -> int:
+        return self.newest_version
+
+    async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
+        return None
+
+    async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]:
+        return await self.reader.fetch(max_groups=max_groups, timeout_s=timeout_s)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.reader.done
+
+    async def keep_alive(self) -> None:
+        return None
+
+    async def publish(self, state: TrainerState) -> None:
+        return None
+
+    async def ack(self, seqs: Sequence[int]) -> None:
+        return None
+
+    async def give_back(self) -> None:
+        return None
+
+    async def queue_depth(self) -> int | None:
+        return None
+
+    async def checkpoint(self, state: TrainerState, handled: RecentIds, *, final: bool) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self.reader.close()
+        await self.link.nc.drain()

@@ -1,0 +1,130 @@
+"""The prompt record: what a task yields, what the trainer admits and what the prompt queue carries.
+
+One record end to end: a `Task` yields it (``policy_version`` -1), the trainer stamps the version it
+held at admission (`pipeline.prompt_queue.queue_prompt`) and enqueues it as JSON, a generator decodes
+it, rolls it out and hands the same record to the task's verifier. On the queue (`pipeline.prompt_queue`) one prompt is one JSON object::
+
+    {"prompt_id": "reverse_digits-s0-41.3", "text": "4821>", "token_ids": null, "answer": "1284",
+     "tags": ["reverse"], "metadata": {"difficulty": 2}, "policy_version": 7}
+
+Exactly one of ``text`` and ``token_ids`` is set. ``policy_version`` is what the generator's sync floor
+reads (the rule is in `pipeline/staleness.py`). A payload that fails validation raises `PromptError`
+naming the field; the queue dead-letters such a message instead of dropping it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from pipeline.trajectory import ID_RE
+
+WIRE_FIELDS = frozenset({"prompt_id", "text", "token_ids", "answer", "tags", "metadata", "policy_version"})
+"""The keys of a prompt's JSON object; any other key makes the payload invalid."""
+
+
+class PromptError(ValueError):
+    """A prompt that is not valid; the message names the prompt and the field."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt. ``text`` is tokenized by the rollout (special tokens such as ``<bos>`` added), unless
+    ``token_ids`` is given, which is then used as is. ``answer`` and ``metadata`` are for the verifier;
+    ``tags`` group metrics (per-task-tag reward means). ``policy_version``: the trainer's version when it
+    admitted the prompt, -1 before admission (no sync floor from it)."""
+
+    prompt_id: str
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    answer: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    tags: tuple[str, ...] = ()
+    policy_version: int = -1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt_id, str) or not ID_RE.match(self.prompt_id):
+            raise PromptError(f"prompt_id {self.prompt_id!r} is not a valid id (letters, digits, '_.:-')")
+        if (self.text is None) == (self.token_ids is None):
+            raise PromptError(f"prompt {self.prompt_id!r}: give exactly one of text and token_ids")
+        if self.text is not None and not isinstance(self.text, str):
+            raise PromptError(f"prompt {self.prompt_id!r}: text must be a string")
+        if self.token_ids is not None:
+            if not isinstance(self.token_ids, Sequence) or isinstance(self.token_ids, str):
+                raise PromptError(f"prompt {self.prompt_id!r}: token_ids must be a list of integers")
+            ids = tuple(self.token_ids)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise PromptError(f"prompt {self.prompt_id!r}: token_ids must be non-negative integers")
+            object.__setattr__(self, "token_ids", ids)
+        if self.answer is not None and not isinstance(self.answer, str):
+            raise PromptError(f"prompt {self.prompt_id!r}: answer must be a string or null")
+        if not isinstance(self.metadata, Mapping):
+            raise PromptError(f"prompt {self.prompt_id!r}: metadata must be an object")
+        tags = tuple(self.tags)
+        if not all(isinstance(t, str) for t in tags):
+            raise PromptError(f"prompt {self.prompt_id!r}: tags must be strings")
+        object.__setattr__(self, "tags", tags)
+        version = self.policy_version
+        if not isinstance(version, int) or isinstance(version, bool) or version < -1:
+            raise PromptError(f"prompt {self.prompt_id!r}: policy_version must be an integer >= -1, got {version!r}")
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {
+                "prompt_id": self.prompt_id,
+                "text": self.text,
+                "token_ids": None if self.token_ids is None else list(self.token_ids),
+                "answer": self.answer,
+                "tags": list(self.tags),
+                "metadata": dict(self.metadata),
+                "policy_version": self.policy_version,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Prompt:
+        """Decode and validate; raises `PromptError` naming the field for any invalid payload."""
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise PromptError(f"not JSON: {exc}") from exc
+        if not isinstance(obj, dict):
+            raise PromptError(f"expected a JSON object, got {str(obj)[:80]}")
+        if unknown := set(obj) - WIRE_FIELDS:
+            raise PromptError(f"unknown prompt fields {sorted(unknown)} (expected {sorted(WIRE_FIELDS)})")
+        obj = _lift_legacy_metadata(obj)
+        tags = obj.get("tags") or ()
+        if not isinstance(tags, list | tuple):
+            raise PromptError(f"prompt {obj.get('prompt_id')!r}: tags must be a list")
+        return cls(
+            prompt_id=obj.get("prompt_id"),
+            text=obj.get("text"),
+            token_ids=obj.get("token_ids"),
+            answer=obj.get("answer"),
+            metadata=obj.get("metadata") or {},
+            tags=tuple(tags),
+            policy_version=obj.get("policy_version", -1),
+        )
+
+
+LEGACY_METADATA_FIELDS = ("answer", "tags", "policy_version")
+"""Fields the first prompt wire format (before `Prompt` was one record) carried inside ``metadata``."""
+
+
+def _lift_legacy_metadata(obj: dict[str, Any]) -> dict[str, Any]:
+    """Read a prompt written by the first wire format, so a queue filled before an upgrade still drains.
+
+    That format had no top-level ``answer``/``tags``/``policy_version``; the trainer put them into
+    ``metadata``. A payload with any of them at the top level is read as the current format.
+    """
+    metadata = obj.get("metadata")
+    if any(key in obj for key in LEGACY_METADATA_FIELDS) or not isinstance(metadata, dict):
+        return obj
+    if not any(key in metadata for key in LEGACY_METADATA_FIELDS):
+        return obj
+    metadata = dict(metadata)
+    lifted = {key: metadata.pop(key) for key in LEGACY_METADATA_FIELDS if key in metadata}
+    return {**obj, **lifted, "metadata": metadata}

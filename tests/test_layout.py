@@ -1,0 +1,103 @@
+"""The repository's rooms hold: no role imports another, lower floors never import upward, cited paths exist."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("actors", "pipeline", "storage", "infra")
+ROLES = ("actors.trainer", "actors.generator")
+CITED_PATH = re.compile(r"`((?:actors|pipeline|storage|infra|configs|tests|docs)/[A-Za-z0-9_./-]*)`")
+"""A repository path in backticks, as docstrings and Markdown cite files and folders."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module named by an import statement anywhere in the file (function-local ones included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_role_imports_another_role() -> None:
+    offenders = []
+    for module, path in _modules().items():
+        own = next((role for role in ROLES if _within(module, role)), None)
+        if own is None:
+            continue
+        for imported in _imports(path):
+            for other in ROLES:
+                if other != own and _within(imported, other):
+                    offenders.append(f"{path.relative_to(ROOT)} imports {imported}")
+    assert not offenders, "\n".join(sorted(set(offenders)))
+
+
+@pytest.mark.parametrize("package", ["pipeline", "storage", "infra"])
+def test_lower_floors_never_import_actors(package: str) -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {imported}"
+        for module, path in _modules().items()
+        if _within(module, package)
+        for imported in _imports(path)
+        if _within(imported, "actors")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_storage_does_not_know_the_config_or_the_pipeline() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {imported}"
+        for module, path in _modules().items()
+        if _within(module, "storage")
+        for imported in _imports(path)
+        if _within(imported, "pipeline")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_path_cited_in_docs_and_docstrings_exists() -> None:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    files += [path for package in (*PACKAGES, "tests") for path in sorted((ROOT / package).rglob("*.py"))]
+    missing = []
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            for cited in CITED_PATH.findall(line):
+                if "<" in cited or "*" in cited:
+                    continue  # a pattern such as `tests/test_*.py`, not a path
+                if not (ROOT / cited.rstrip("/")).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{number}: {cited}")
+    assert not missing, "cited paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_design_document_is_in_the_repository_and_nothing_cites_the_old_one() -> None:
+    assert (ROOT / "docs" / "design.md").is_file()
+    old = [
+        f"{path.relative_to(ROOT)}"
+        for package in (*PACKAGES, "tests", "configs")
+        for path in (ROOT / package).rglob("*")
+        if path.is_file()
+        and path.suffix in {".py", ".yaml", ".md"}
+        and re.search(r"(?<!docs/)DESIGN\.md", path.read_text())
+    ]
+    assert not old, f"cite docs/design.md instead of the old out-of-repo design file in: {old}"
