@@ -603,6 +603,13 @@ class TrajectoryConsumer:
             log.warning("acks of %d groups not confirmed (they will be redelivered): seqs %s", len(failed), failed[:8])
         return len(msgs) - len(failed)
 
+    async def dead_letter(self, seq: int, reason: str, detail: str) -> None:
+        """Refuse a held group for good: copy it to the dead-letter subject with `reason`, then terminate it
+        (a group that decodes but can never be trained, e.g. a token id past the model's vocabulary)."""
+        msg = self._held.pop(seq, None)
+        if msg is not None:
+            await self.dead_letters.dispose(msg, reason, detail)
+
     async def nak(self, seqs: Iterable[int], delay_s: float | None = None) -> None:
         """Give held groups back for redelivery (e.g. a step that was abandoned)."""
         for s in list(seqs):
