@@ -4,6 +4,10 @@ Only argparse and the standard library are imported at module level, so `leeway 
 `leeway <cmd> --help` answer at once without torch; each handler imports its role after parsing.
 (`leeway bench <name> --help` imports that benchmark's module, which defines its own flags.)
 
+A role started by `leeway run` carries its launcher's pid in `LEEWAY_PARENT_PID`; `main` then watches
+that pid before dispatching (`infra.process.watch_parent`), so the role stops when the launcher dies,
+even by SIGKILL.
+
 Exit codes: 2 for a config error (the message names file, key and value; no traceback), as argparse
 does for bad arguments; 130 when interrupted; otherwise what the command returns (`stack status`: 1
 when a server is unhealthy).
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +68,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
     if args.action == "up":
         state = stack.start_stack(directory, fsync=args.fsync, bucket=args.bucket)
         print(f"stack up in {directory}")
-        print(f"  nats: {state.nats_url}")
+        print(f"  nats: {state.nats_endpoint} (token in {directory}/credentials.json)")
         print(f"  s3:   {state.s3_endpoint} (bucket {state.bucket})")
         print(f"stop it with: leeway stack down --dir {directory}")
         return 0
@@ -128,6 +133,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_main(cfg, args)
 
 
+def cmd_purge(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
+    from actors.tools.purge import main as purge_main
+
+    return purge_main(cfg, args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"actors.tools.bench.{args.bench}")
     result = module.run(args)
@@ -189,7 +201,12 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     _add_config_args(run)
     run.add_argument("--generators", type=int, default=None, help="generator processes (default: 1 on 2 cores)")
     run.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
-    run.add_argument("--fresh", action="store_true", help="delete an earlier run's directory (run.dir) first")
+    run.add_argument(
+        "--fresh",
+        action="store_true",
+        help="delete an earlier run's directory (run.dir) first, after stopping its private stack; only a "
+        "directory `leeway run` created (it holds .leeway-run), never the working directory, home or /",
+    )
     run.set_defaults(handler=cmd_run)
 
     trainer = sub.add_parser(
@@ -226,6 +243,20 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     add_replay_arguments(replay)
     replay.set_defaults(handler=cmd_replay)
 
+    purge = sub.add_parser(
+        "purge",
+        help="delete one run's streams, KV bucket and objects from shared servers (needs --yes)",
+        description="Deletes what run.name left on the servers, so the name can be used again: the "
+        "JetStream streams LEEWAY_<run>_TRAJ, _PROMPTS and _DLQ (with their consumers), the KV bucket "
+        "leeway_<run>_versions, and every object under <run>/ in the store (weights, checkpoints, "
+        "claim-checked groups). Other runs on the same servers are not touched; run.dir stays. "
+        "Stop the run's trainer and generators first. Without --yes it only prints what it would "
+        "delete and exits 1.",
+    )
+    _add_config_args(purge)
+    purge.add_argument("--yes", action="store_true", help="really delete (without it: print the plan, exit 1)")
+    purge.set_defaults(handler=cmd_purge)
+
     bench = sub.add_parser("bench", help="benchmarks that print JSON with ratios against same-run baselines")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, text in [
@@ -241,10 +272,29 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _watch_launcher() -> None:
+    """Stop this process when the `leeway run` that started it dies (`LEEWAY_PARENT_PID`, see the module doc).
+
+    The variable is removed from the environment, so nothing this process starts inherits a pid that is
+    not its parent.
+    """
+    from infra.process import PARENT_PID_ENV, watch_parent
+
+    value = os.environ.pop(PARENT_PID_ENV, None)
+    if value is None:
+        return
+    try:
+        parent_pid = int(value)
+    except ValueError:
+        raise SystemExit(f"leeway: {PARENT_PID_ENV}={value!r} is not a process id") from None
+    watch_parent(parent_pid)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(bench_name=argv[1] if len(argv) >= 2 and argv[0] == "bench" else None)
     args = parser.parse_args(argv)
+    _watch_launcher()
     from pipeline.config import ConfigError
 
     try:

@@ -2,8 +2,9 @@
 
 Every process of a run resolves endpoints the same way, so `leeway run`, `leeway trainer` and
 `leeway generator` launched by hand in separate terminals meet on the same servers. Credentials come
-from the environment (AWS_*), the embedded stack's 0600 key file, or `nats.creds_file`; none of them
-is ever logged or written into a config.
+from the environment (AWS_*), the embedded stack's 0600 credentials file (its S3 key, and its NATS
+token, carried in `Endpoints.nats_url` as `nats://TOKEN@host:port`), or `nats.creds_file`; none of
+them is ever logged or written into a config (`Endpoints.__repr__` masks the token).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
+from infra.nats_server import redact_url
 from infra.stack import StackState, load_credentials, load_state, stack_status
 from pipeline.config import LeewayConfig
 from pipeline.transport import connect
@@ -30,8 +32,8 @@ class Endpoints:
     store_url: str
     store_options: dict[str, Any]
 
-    def __repr__(self) -> str:  # never print the S3 secret
-        return f"Endpoints(nats_url={self.nats_url!r}, store_url={self.store_url!r})"
+    def __repr__(self) -> str:  # never print the S3 secret or the NATS token
+        return f"Endpoints(nats_url={redact_url(self.nats_url)!r}, store_url={self.store_url!r})"
 
 
 def _embedded_state(cfg: LeewayConfig) -> StackState:

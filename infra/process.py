@@ -6,21 +6,38 @@ started, even if the pid has since been reused. Nothing is ever killed by name.
 
 Each server runs in its own session and process group (`start_new_session=True`): Ctrl-C in the
 terminal that ran `up` does not reach it, and stopping signals the whole group.
+
+Servers of `leeway stack up` outlive the command that started them. Processes that must not outlive
+their parent (the roles `leeway run` spawns, the servers of its private stack) are tied to it:
+- on Linux the kernel sends them a signal when their parent dies (`prctl(PR_SET_PDEATHSIG)`, set in the
+  child between fork and exec by `die_with_parent`). The signal fires when the *thread* that spawned
+  the child exits, so spawn tied children only from a thread that outlives them (`leeway run` spawns
+  from its main thread and stops every child before it returns);
+- everywhere, a role started with `PARENT_PID_ENV` in its environment watches that pid
+  (`watch_parent`, called by `actors/cli.py`) and stops itself when it is orphaned: SIGTERM (a clean
+  stop), then SIGKILL after `ORPHAN_GRACE_S`.
+`spawn` ties the servers it starts inside `with tied_to_this_process():`; otherwise they are free.
+Off Linux only the roles' watchdog exists: a SIGKILLed `leeway run` there leaves its private servers
+running until `leeway run --fresh` (or `leeway stack down --dir <run.dir>/stack`) stops them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import ctypes
 import errno
 import importlib.metadata
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +50,25 @@ POLL_INTERVAL_S = 0.05
 KILL_WAIT_S = 10.0
 """How long a SIGKILLed process group may take to disappear before stopping is reported as failed."""
 
+
+PARENT_PID_ENV = "LEEWAY_PARENT_PID"
+"""Set in a role's environment by its launcher: the pid the role must not outlive (see `watch_parent`)."""
+
+ORPHAN_POLL_S = 0.5
+"""How often an orphan watchdog checks that its parent is still its parent."""
+
+ORPHAN_GRACE_S = 20.0
+"""How long an orphaned role may take to stop cleanly after SIGTERM before it SIGKILLs itself: the grace
+`leeway run` gives a role it stops itself. A role whose servers died with the launcher cannot finish
+cleanly and uses all of it."""
+
+_PR_SET_PDEATHSIG = 1
+"""`prctl` option from <linux/prctl.h>: the signal the calling process gets when its parent dies."""
+
+_TIED: contextvars.ContextVar[bool] = contextvars.ContextVar("leeway_tied_spawn", default=False)
+"""True inside `tied_to_this_process()`: `spawn` then ties its servers to this process."""
+
+log = logging.getLogger(__name__)
 
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 """Servers this process spawned, by pid, kept until they are reaped: `Popen` then collects their exit
@@ -164,13 +200,88 @@ def is_running(info: ProcessInfo) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def tied_to_this_process() -> Iterator[None]:
+    """Servers `spawn`ed inside this block get SIGKILL when this process dies (Linux; see the module doc).
+
+    `leeway run` starts its private stack inside it; `leeway stack up` does not, so its servers outlive it.
+    A SIGKILL loses nothing the servers acknowledged: it is in the OS page cache.
+    """
+    token = _TIED.set(True)
+    try:
+        yield
+    finally:
+        _TIED.reset(token)
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's `prctl`, resolved in the parent (a `preexec_fn` must not load libraries), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()
+
+
+def die_with_parent(sig: signal.Signals) -> Callable[[], None] | None:
+    """A `preexec_fn` giving the child `sig` when the calling thread of this process dies; None off Linux.
+
+    Runs in the child between fork and exec, so it only calls the already-resolved `prctl`. If the
+    parent died before `prctl` took effect (the child is already re-parented), the child signals itself.
+    """
+    prctl = _PRCTL
+    if prctl is None:
+        return None
+    parent_pid = os.getpid()
+    signum = int(sig)
+
+    def set_parent_death_signal() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signum)
+
+    return set_parent_death_signal
+
+
+def watch_parent(
+    parent_pid: int, *, grace_s: float = ORPHAN_GRACE_S, poll_s: float = ORPHAN_POLL_S
+) -> threading.Thread:
+    """Stop this process once `parent_pid` is no longer its parent (the launcher died, even by SIGKILL).
+
+    A daemon thread polls `os.getppid()`: an orphan is re-parented, so its parent pid changes. It then
+    sends this process SIGTERM (the roles' clean stop: prompts go back, the trainer checkpoints) and,
+    if the process is still alive after `grace_s` (e.g. its servers died with the launcher), SIGKILL.
+    The portable guard for roles; on Linux `die_with_parent` usually gets there first.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        log.warning("parent process %d is gone: stopping (SIGKILL in %.0f s if still running)", parent_pid, grace_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="leeway-orphan-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
 def spawn(
     name: str, argv: Sequence[str], log_path: Path, *, ports: Mapping[str, int]
 ) -> tuple[subprocess.Popen[bytes], ProcessInfo]:
     """Start `argv` in a new session with stdout and stderr appended to `log_path`.
 
     The previous log of the same server is kept as `<log>.prev`, so a failed restart still shows
-    why the last run ended.
+    why the last run ended. Inside `tied_to_this_process()` the server dies with this process.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if log_path.exists():
@@ -184,6 +295,7 @@ def spawn(
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 close_fds=True,
+                preexec_fn=die_with_parent(signal.SIGKILL) if _TIED.get() else None,
             )
         except OSError as exc:
             raise StackError(f"{name}: cannot execute {argv[0]!r}: {exc}") from exc

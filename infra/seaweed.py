@@ -8,6 +8,13 @@ so two stacks on one machine would collide. Telemetry to seaweedfs.com is switch
 Data lives under `<stack>/seaweed/` (master metadata in `master/`, volumes and the filer's leveldb
 in `data/`), fixed across restarts even though the ports change.
 
+Writes need a token: `<stack>/seaweed/config/security.toml` (0600, random keys on every start, read
+through `-config_dir`, so no `security.toml` in the working directory or `~/.seaweedfs` is used) sets
+`jwt.signing` (the volume server refuses uploads and deletes not signed by the master) and
+`jwt.filer_signing` plus its `.read` key (the filer's HTTP port refuses unsigned writes and reads;
+the S3 gateway signs its own requests). The S3 gateway itself checks the stack's S3 key. What stays
+open to any local user in SeaweedFS 4.48, and why, is listed in the README ("The embedded servers").
+
 SeaweedFS also creates Unix sockets named after the ports (`/tmp/seaweedfs-*-<port>.sock`); they are
 not configurable for every service in 4.48 and outlive even a clean stop, so the stack removes them
 (`remove_unix_sockets`) once the process is gone.
@@ -18,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import tempfile
 import urllib.request
 from dataclasses import dataclass
@@ -44,6 +52,12 @@ leaves room for one bucket only, because each bucket (a SeaweedFS collection) gr
 PROBE_TIMEOUT_S = 2.0
 """Connect and read timeout of one readiness or health probe."""
 
+SECURITY_FILE = "security.toml"
+"""The file weed reads its JWT keys from, in the directory given by `-config_dir`."""
+
+JWT_EXPIRES_S = 10
+"""Lifetime of one signed write or read token (SeaweedFS's default): the signer issues one per request."""
+
 _UNIX_SOCKET_SERVICES = ("master_grpc", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 """Services whose port names a Unix socket `seaweedfs-<service>-<port>.sock` (dash for underscore)."""
 
@@ -59,6 +73,47 @@ class Credentials:
 
     def __repr__(self) -> str:
         return f"Credentials(access_key_id={self.access_key_id!r}, secret_access_key='***')"
+
+
+@dataclass(frozen=True)
+class SigningKeys:
+    """The JWT keys of one `weed server` start. Never logged; stored only in the 0600 `security.toml`."""
+
+    volume_write: str
+    filer_write: str
+    filer_read: str
+
+    @classmethod
+    def generate(cls) -> SigningKeys:
+        return cls(*(secrets.token_urlsafe(32) for _ in range(3)))
+
+    def __repr__(self) -> str:
+        return "SigningKeys(***)"
+
+
+def security_config(keys: SigningKeys) -> str:
+    """`security.toml`: volume writes signed by the master, filer writes and reads signed by the S3 gateway.
+
+    `jwt.signing.read` stays empty: SeaweedFS signs volume reads only for clients that ask the master
+    for a read token, and the filer (behind the S3 gateway) does not, so a read key would break S3 GETs.
+    """
+    return (
+        "[jwt.signing]\n"
+        f"key = {_toml_string(keys.volume_write)}\n"
+        f"expires_after_seconds = {JWT_EXPIRES_S}\n\n"
+        "[jwt.filer_signing]\n"
+        f"key = {_toml_string(keys.filer_write)}\n"
+        f"expires_after_seconds = {JWT_EXPIRES_S}\n\n"
+        "[jwt.filer_signing.read]\n"
+        f"key = {_toml_string(keys.filer_read)}\n"
+        f"expires_after_seconds = {JWT_EXPIRES_S}\n\n"
+        "[access]\n"
+        "ui = false\n"
+    )
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def remove_unix_sockets(ports: dict[str, int]) -> None:
@@ -95,12 +150,17 @@ def write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def argv(binary: Path, *, data_root: Path, s3_config_path: Path, ports: dict[str, int]) -> list[str]:
-    """`weed server` with master, volume, filer and S3, all on 127.0.0.1 and the given ports."""
+def argv(binary: Path, *, data_root: Path, config_dir: Path, s3_config_path: Path, ports: dict[str, int]) -> list[str]:
+    """`weed server` with master, volume, filer and S3, all on 127.0.0.1 and the given ports.
+
+    `config_dir` holds `security.toml` (see `security_config`); weed looks there before the working
+    directory.
+    """
     missing = set(PORT_NAMES) - set(ports)
     assert not missing, f"seaweed ports missing: {sorted(missing)}"
     return [
         str(binary),
+        f"-config_dir={config_dir}",
         "server",
         "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1",

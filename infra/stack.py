@@ -3,21 +3,24 @@
 `leeway stack up|down|status`, `leeway run` and the test fixtures all go through this module.
 
 ```
-<dir>/                       (default .leeway/stack)
+<dir>/                       0700 (default .leeway/stack)
   stack.json                 StackState: endpoints, bucket, pids with their start identity, logs
-  credentials.json   0600    the S3 access key, generated once per dir (never in stack.json or logs)
-  nats/nats.conf, nats/jetstream/...            JetStream file store
+  credentials.json   0600    the S3 key and the NATS token, generated once per dir (never in stack.json or logs)
+  nats/nats.conf     0600    listen address, the token, JetStream file store under nats/jetstream/
   seaweed/s3.json    0600    SeaweedFS S3 identity
+  seaweed/config/security.toml  0600   JWT keys for volume and filer writes (new random keys each start)
   seaweed/master/, seaweed/data/                SeaweedFS metadata, volumes, filer
   logs/nats.log, logs/seaweed.log               (the previous run's as *.log.prev)
 ```
 
 Invariants:
 - Both servers listen on 127.0.0.1 only, on ports chosen free at start; two stacks on one machine
-  never share a port. Ports may change between starts; data directories do not, so `up` after
+  never share a port. nats-server refuses clients without the token; SeaweedFS's volume and filer
+  HTTP ports refuse unsigned writes (limits: README, "The embedded servers"). Ports may change between starts; data directories do not, so `up` after
   `down` finds earlier objects and messages.
-- `start_stack` returns only when a JetStream account-info request and an authenticated S3
-  ListBuckets both succeed and the bucket exists. A server that exits, or a deadline that passes,
+- `start_stack` returns only when an authenticated JetStream account-info request and an
+  authenticated S3 ListBuckets both succeed and the bucket exists. A running stack is reused only
+  if nats-server refuses an anonymous client (so a stack started before authentication is restarted). A server that exits, or a deadline that passes,
   raises `StackError` quoting that server's log tail, and nothing is left running.
 - `stop_stack` stops exactly the processes `start_stack` recorded (pid + kernel start time),
   never anything found by name.
@@ -60,6 +63,7 @@ __all__ = [
     "StackPorts",
     "StackState",
     "load_credentials",
+    "load_nats_token",
     "load_state",
     "s3_client",
     "stack_status",
@@ -73,7 +77,10 @@ DEFAULT_STACK_DIR = Path(".leeway") / "stack"
 STATE_FILE = "stack.json"
 CREDENTIALS_FILE = "credentials.json"
 LOCK_FILE = ".lock"
-STATE_SCHEMA_VERSION = 1
+STATE_SCHEMA_VERSION = 2
+"""2: the NATS address is stored as `nats_endpoint`, without credentials (1 called it `nats_url`; still read)."""
+
+PRIVATE_DIR_MODE = 0o700
 
 DEFAULT_START_TIMEOUT_S = 60.0
 """Deadline for both servers to answer; SeaweedFS needs ~3 s on 2 cores, more on a cold disk."""
@@ -118,17 +125,25 @@ class StackPorts:
 class StackState:
     """What a running stack offers its clients, and what `down` needs to stop it (`<dir>/stack.json`).
 
-    Holds no secrets: the S3 key is in `<dir>/credentials.json`, see `load_credentials`.
+    `stack.json` holds no secrets: the S3 key and the NATS token are in `<dir>/credentials.json`
+    (`load_credentials`, `load_nats_token`). `load_state` fills in `nats_token`, so `nats_url`
+    (`nats://TOKEN@127.0.0.1:PORT`) connects as is; print `nats_endpoint` instead, never `nats_url`.
     `processes` is empty after `stop_stack`.
     """
 
     dir: str
-    nats_url: str
+    nats_endpoint: str
     s3_endpoint: str
     bucket: str
     region: str
     fsync: str
     processes: tuple[ProcessInfo, ...] = field(default_factory=tuple)
+    nats_token: str = field(default="", repr=False)
+
+    @property
+    def nats_url(self) -> str:
+        """The URL to connect with: the endpoint with the token as userinfo (a secret: never print it)."""
+        return nats_server.url_with_token(self.nats_endpoint, self.nats_token)
 
     def process(self, name: str) -> ProcessInfo | None:
         return next((p for p in self.processes if p.name == name), None)
@@ -136,12 +151,13 @@ class StackState:
     def env(self, credentials: Credentials | None = None) -> dict[str, str]:
         """Environment variables that point a client process at this stack.
 
-        With `credentials`, also the standard `AWS_*` variables boto3 reads; pass them only to
-        processes you trust with the key.
+        With `credentials`, also the standard `AWS_*` variables boto3 reads and a `LEEWAY_NATS_URL`
+        that carries the NATS token; pass them only to processes you trust with both. Without, the
+        NATS URL has no token (such a client reads it from `LEEWAY_STACK_DIR`'s credentials file).
         """
         out = {
             "LEEWAY_STACK_DIR": self.dir,
-            "LEEWAY_NATS_URL": self.nats_url,
+            "LEEWAY_NATS_URL": self.nats_url if credentials is not None else self.nats_endpoint,
             "LEEWAY_S3_ENDPOINT": self.s3_endpoint,
             "LEEWAY_S3_BUCKET": self.bucket,
             "LEEWAY_S3_REGION": self.region,
@@ -156,7 +172,7 @@ class StackState:
         return {
             "schema_version": STATE_SCHEMA_VERSION,
             "dir": self.dir,
-            "nats_url": self.nats_url,
+            "nats_endpoint": self.nats_endpoint,
             "s3_endpoint": self.s3_endpoint,
             "bucket": self.bucket,
             "region": self.region,
@@ -165,33 +181,45 @@ class StackState:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> StackState:
-        if data.get("schema_version") != STATE_SCHEMA_VERSION:
-            raise StackError(
-                f"stack state schema_version={data.get('schema_version')!r}, expected {STATE_SCHEMA_VERSION}"
-            )
+    def from_json(cls, data: Mapping[str, Any], nats_token: str = "") -> StackState:
+        version = data.get("schema_version")
+        if version not in (1, STATE_SCHEMA_VERSION):
+            raise StackError(f"stack state schema_version={version!r}, expected {STATE_SCHEMA_VERSION}")
+        endpoint = str(data["nats_endpoint"] if version == STATE_SCHEMA_VERSION else data["nats_url"])
         return cls(
             dir=str(data["dir"]),
-            nats_url=str(data["nats_url"]),
+            nats_endpoint=endpoint,
             s3_endpoint=str(data["s3_endpoint"]),
             bucket=str(data["bucket"]),
             region=str(data["region"]),
             fsync=str(data["fsync"]),
             processes=tuple(ProcessInfo.from_json(p) for p in data.get("processes", [])),
+            nats_token=nats_token,
         )
 
 
 def load_state(dir: str | Path) -> StackState | None:
-    """The state recorded in `<dir>/stack.json`, or None if no stack was ever started there."""
+    """The state recorded in `<dir>/stack.json` with the NATS token filled in, or None if no stack was started there.
+
+    The token is "" where the credentials file has none (a stack started before NATS authentication).
+    """
     path = Path(dir) / STATE_FILE
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
     try:
-        return StackState.from_json(json.loads(text))
+        return StackState.from_json(json.loads(text), nats_token=_read_secrets(Path(dir)).get("nats_token", ""))
     except (ValueError, KeyError, TypeError) as exc:
         raise StackError(f"{path}: unreadable stack state: {exc}") from exc
+
+
+def load_nats_token(dir: str | Path) -> str:
+    """The stack's NATS token from `<dir>/credentials.json` (0600), created by the first `start_stack` there."""
+    token = _read_secrets(Path(dir)).get("nats_token")
+    if not isinstance(token, str) or not token:
+        raise StackError(f"{Path(dir) / CREDENTIALS_FILE}: no NATS token; start the stack there (leeway stack up)")
+    return token
 
 
 def load_credentials(dir: str | Path) -> Credentials:
@@ -233,15 +261,17 @@ def start_stack(
     """
     nats_server.validate_sync_interval(fsync)
     root = Path(dir).resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    root.chmod(PRIVATE_DIR_MODE)
     with _locked(root):
         existing = load_state(root)
         if existing is not None and existing.processes:
-            if _healthy(existing):
+            if existing.nats_token and _healthy(existing) and nats_server.refuses_anonymous(existing.nats_url):
                 return _reuse(root, existing, bucket)
             _stop(existing.processes, DEFAULT_STOP_TIMEOUT_S)
             _write_state(root, replace(existing, processes=()))
         credentials = _ensure_credentials(root)
+        nats_token = _ensure_nats_token(root)
         binaries = (nats_server.binary_path(nats_bin), seaweed.binary_path(weed_bin))
         attempts = 1 if ports is not None else 2
         for attempt in range(attempts):
@@ -251,6 +281,7 @@ def start_stack(
                     binaries,
                     ports or StackPorts.free(),
                     credentials,
+                    nats_token,
                     fsync=fsync,
                     bucket=bucket,
                     timeout_s=timeout_s,
@@ -281,7 +312,7 @@ def stop_stack(dir: str | Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> No
 def stack_status(dir: str | Path) -> dict[str, Any]:
     """Per server: `running` (our recorded process is alive), `healthy` (it answers), `endpoint`, `pid`, `log`.
 
-    No secrets: credentials are used for the S3 probe but never returned.
+    No secrets: credentials are used for the probes but never returned (the NATS endpoint has no token).
     """
     root = Path(dir).resolve()
     state = load_state(root)
@@ -308,6 +339,7 @@ def _launch(
     binaries: tuple[Path, Path],
     ports: StackPorts,
     credentials: Credentials,
+    nats_token: str,
     *,
     fsync: str,
     bucket: str,
@@ -317,21 +349,29 @@ def _launch(
     deadline = time.monotonic() + timeout_s
     nats_bin, weed_bin = binaries
     nats_dir, weed_dir, logs = root / "nats", root / "seaweed", root / "logs"
-    for d in (nats_dir, weed_dir / "master", weed_dir / "data", logs):
-        d.mkdir(parents=True, exist_ok=True)
+    weed_config_dir = weed_dir / "config"
+    for d in (nats_dir, weed_dir, weed_config_dir, weed_dir / "master", weed_dir / "data", logs):
+        d.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     nats_conf = nats_dir / "nats.conf"
-    nats_conf.write_text(nats_server.render_config(port=ports.nats, store_dir=nats_dir, sync_interval=fsync))
+    seaweed.write_private(
+        nats_conf,
+        nats_server.render_config(port=ports.nats, store_dir=nats_dir, sync_interval=fsync, token=nats_token),
+    )
     s3_conf = weed_dir / "s3.json"
     num_volumes = seaweed.count_volumes(weed_dir)
     seaweed.write_private(s3_conf, seaweed.s3_identity_config(credentials))
+    seaweed.write_private(
+        weed_config_dir / seaweed.SECURITY_FILE, seaweed.security_config(seaweed.SigningKeys.generate())
+    )
 
     state = StackState(
         dir=str(root),
-        nats_url=nats_server.url(ports.nats),
+        nats_endpoint=nats_server.url(ports.nats),
         s3_endpoint=seaweed.endpoint(ports.s3),
         bucket=bucket,
         region=seaweed.REGION,
         fsync=fsync,
+        nats_token=nats_token,
     )
     started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
     try:
@@ -341,7 +381,13 @@ def _launch(
         started.append(
             spawn(
                 SEAWEED,
-                seaweed.argv(weed_bin, data_root=weed_dir, s3_config_path=s3_conf, ports=ports.seaweed()),
+                seaweed.argv(
+                    weed_bin,
+                    data_root=weed_dir,
+                    config_dir=weed_config_dir,
+                    s3_config_path=s3_conf,
+                    ports=ports.seaweed(),
+                ),
                 logs / "seaweed.log",
                 ports=ports.seaweed(),
             )
@@ -438,7 +484,7 @@ def _probe(state: StackState, name: str) -> str | None:
 
 
 def _endpoint(state: StackState, name: str) -> str:
-    return state.nats_url if name == NATS else state.s3_endpoint
+    return state.nats_endpoint if name == NATS else state.s3_endpoint
 
 
 def _ensure_credentials(root: Path) -> Credentials:
@@ -456,6 +502,34 @@ def _ensure_credentials(root: Path) -> Credentials:
         json.dumps({"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}),
     )
     return credentials
+
+
+def _ensure_nats_token(root: Path) -> str:
+    """Load the dir's NATS token, or add a new one to `credentials.json` (a dir from before authentication has none).
+
+    Kept across restarts, like the S3 key: clients that reconnect forever after `down` and `up` get back in.
+    """
+    data = _read_secrets(root)
+    token = data.get("nats_token")
+    if isinstance(token, str) and token:
+        return token
+    token = nats_server.new_token()
+    seaweed.write_private(root / CREDENTIALS_FILE, json.dumps({**data, "nats_token": token}))
+    return token
+
+
+def _read_secrets(root: Path) -> dict[str, Any]:
+    """`credentials.json` as a dict ({} when absent); the error for an unreadable file never quotes its contents."""
+    path = root / CREDENTIALS_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        raise StackError(f"{path}: unreadable stack credentials ({type(exc).__name__})") from exc
+    if not isinstance(data, dict):
+        raise StackError(f"{path}: unreadable stack credentials (not a JSON object)")
+    return data
 
 
 def _write_state(root: Path, state: StackState) -> None:

@@ -6,7 +6,9 @@ store still works. The trainer writes the key only after the version's manifest 
 are in the store, so a generator woken by it always finds the version there.
 
     KV bucket  leeway_<run>_versions   key "latest" -> {"version": V, "published_at_s": t}
-    subject    leeway.<run>.metrics.generator      generator metric reports (core NATS, JSON)
+    subject    leeway.<run>.metrics.generator      generator metric reports (core NATS, JSON), every
+                                                   `GENERATOR_REPORT_INTERVAL_S`; any client can publish
+                                                   there, so listeners validate what they read
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from nats.js.api import KeyValueConfig, StorageType
 from pipeline.names import RunNames
 
 LATEST_KEY = "latest"
+GENERATOR_REPORT_INTERVAL_S = 2.0
+"""How often a generator reports on `generator_metrics_subject` (listeners expire reports by it)."""
 
 
 def version_bucket(names: RunNames) -> str:

@@ -5,10 +5,15 @@ trainable (with one `TrainSequence` per sample, the record the training backend 
 masked samples carry an all-zero loss mask) or not, with the reason. The order of decisions is the
 one `docs/design.md` ("Rewards, groups and failures") argues for:
 
-    group ──► staleness cap (`pipeline/staleness.py`) against the trainer's version V
+    group ──► door: every token id < the model's vocabulary, every sample within its context (else refused)
+          ──► staleness cap (`pipeline/staleness.py`) against the trainer's version V
           ──► validity: status ok/truncated/format_error with a verifier reward; dropped samples invalid
           ──► advantages over the valid samples only (GRPO or RLOO)
           ──► trainable only if at least two valid samples disagree, else "filtered"
+
+A refused group (`check_model_limits`) is never prepared: a token id past the vocabulary or a sample
+longer than the model's context would fail inside the training step (a device assert, out of memory)
+and fail again on every resume, so the trainer dead-letters it instead.
 
 A masked sample (infra failure, missing reward, dropped by the cap) is in no baseline and no
 denominator: its tokens reach the backend with loss mask 0, so only its presence is visible.
@@ -27,6 +32,52 @@ from pipeline.trajectory import TrajectoryGroup
 
 DROP_CAP = "staleness_cap"
 DROP_FILTER = "no_disagreement"
+REFUSE_VOCAB = "token_out_of_vocab"
+"""Refusal reason: a token id >= the model's vocabulary size."""
+REFUSE_TOO_LONG = "sample_too_long"
+"""Refusal reason: a sample with more tokens than the model has positions."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a group must fit to reach the training step (`TrainingBackend.model_limits`)."""
+
+    vocab_size: int
+    max_positions: int | None
+    """None: the model names no context length (no length check)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a group can never be trained by this model: a stable `reason` code and a `detail` naming the sample."""
+
+    reason: str
+    detail: str
+
+
+def check_model_limits(group: TrajectoryGroup, limits: ModelLimits) -> Refusal | None:
+    """None if every token id is < `limits.vocab_size` and every sample fits `limits.max_positions`.
+
+    Negative ids never get here (`TrajectoryGroup` validation refuses them). The detail names the
+    first offending sample (index and trajectory id) and the value.
+    """
+    for i in range(group.num_samples):
+        s = group.token_slice(i)
+        tokens = group.tokens[s]
+        where = f"sample {i} ({group.trajectory_ids[i]!r})"
+        if tokens.size and int(tokens.max()) >= limits.vocab_size:
+            position = int(np.argmax(tokens >= limits.vocab_size))
+            return Refusal(
+                REFUSE_VOCAB,
+                f"{where}: token id {int(tokens[position])} at position {position} >= the model's vocabulary "
+                f"size {limits.vocab_size}",
+            )
+        if limits.max_positions is not None and tokens.size > limits.max_positions:
+            return Refusal(
+                REFUSE_TOO_LONG,
+                f"{where}: {tokens.size} tokens > the model's context of {limits.max_positions} positions",
+            )
+    return None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ because they derive the same names here from `run.name`; nothing is configured t
     leeway.<run>.traj                          LEEWAY_<run>_TRAJ        limits (age, bytes): replayable
     leeway.<run>.prompts                       LEEWAY_<run>_PROMPTS     work queue: acked = gone
     leeway.<run>.dlq.traj, leeway.<run>.dlq.prompts  LEEWAY_<run>_DLQ   limits: inspectable
-    object store: <run>/trajectories/<group_id>.arrow   (claim check for large groups)
+    object store: <run>/trajectories/<group_id>.<sha256>.arrow   (claim check for large groups, create-only)
 """
 
 from __future__ import annotations
@@ -82,6 +82,17 @@ class RunNames:
         """Durable pull consumer of the prompt work queue shared by all generators."""
         return "generators"
 
-    def trajectory_key(self, group_id: str) -> str:
-        """Object-store key of a claim-checked group (group ids never contain '/'; see trajectory.ID_RE)."""
-        return f"{self.run}/trajectories/{group_id}.arrow"
+    def trajectory_key(self, group_id: str, sha256: str | None = None) -> str:
+        """Object-store key of a claim-checked group (group ids never contain '/'; see trajectory.ID_RE).
+
+        The body's digest is part of the key, so a regenerated group with the same id gets its own object
+        and never overwrites the one an earlier message points to. Without `sha256`: the key pointers
+        carried before keys held the digest (still accepted when read).
+        """
+        if sha256 is None:
+            return f"{self.run}/trajectories/{group_id}.arrow"
+        return f"{self.run}/trajectories/{group_id}.{sha256}.arrow"
+
+    def claim_keys(self, group_id: str, sha256: str) -> tuple[str, str]:
+        """The keys a claim pointer of this run for `group_id` with body digest `sha256` may name: current, legacy."""
+        return self.trajectory_key(group_id, sha256), self.trajectory_key(group_id)

@@ -7,7 +7,9 @@
 
 One message per prompt: the `pipeline.prompts.Prompt` as JSON (answer, tags, metadata and the admission
 ``policy_version`` included), ``Nats-Msg-Id`` = prompt id, so admitting a prompt twice stores it once.
-A message that does not decode is dead-lettered (reason `bad_prompt`), never dropped.
+A message that does not decode is dead-lettered (reason `bad_prompt`), never dropped; a generator that
+finds a prompt it can never roll out (`PromptLease.reject`, e.g. ``invalid_token_ids``) dead-letters it too,
+so it neither comes back forever nor takes a batch down with it.
 A generator that dies holding a prompt stops heartbeating; after `prompt_ack_wait_s` the server
 redelivers the prompt to another generator. The consumer allows `prompt_max_deliver + 1` deliveries:
 the delivery after the last allowed one is not run but dead-lettered (reason `max_deliveries`) and
@@ -60,11 +62,13 @@ def queue_prompt(prompt: Prompt, policy_version: int) -> Prompt:
 
 @dataclass(eq=False)
 class PromptLease:
-    """A prompt held by one generator until `done()` (after its group is published) or `release()`."""
+    """A prompt held by one generator until `done()` (after its group is published), `release()` (give it
+    back) or `reject()` (dead-letter it: it can never succeed)."""
 
     prompt: Prompt
     msg: Msg
     num_delivered: int
+    dead_letters: DeadLetters
 
     async def in_progress(self) -> None:
         """Heartbeat: resets the ack wait, so a long rollout keeps its prompt."""
@@ -77,6 +81,11 @@ class PromptLease:
     async def release(self, delay_s: float | None = None) -> None:
         """Give the prompt back for another generator (e.g. on shutdown)."""
         await self.msg.nak(delay=delay_s)
+
+    async def reject(self, reason: str, detail: str) -> None:
+        """Dead-letter the prompt (original bytes, `reason`, `detail`) and terminate it, for a prompt no retry
+        can roll out. If the dead letter cannot be stored, the prompt is nak'ed and comes back later."""
+        await self.dead_letters.dispose(self.msg, reason, detail)
 
 
 async def ensure_prompt_queue(js: JetStreamContext, names: RunNames, stream: PromptSettings) -> None:
@@ -163,7 +172,7 @@ class PromptQueue:
         except PromptError as exc:
             await self.dead_letters.dispose(msg, "bad_prompt", str(exc))
             return None
-        return PromptLease(prompt, msg, delivered)
+        return PromptLease(prompt, msg, delivered, self.dead_letters)
 
     async def pending(self) -> int:
         """Prompts waiting in the queue (not yet delivered)."""

@@ -30,7 +30,12 @@ Generation and scoring are separate steps: `score_group` turns the results of on
 ``group_size`` requests (`group_requests`) into scored samples, so a generator can serve many groups
 with one batched engine call and score each afterwards. `run_group` does both for one group: one
 generate call (single-turn), or, with an environment, concurrent episodes with one generate call per
-turn. Generate calls run in a worker thread (generation is synchronous torch).
+turn. Generate calls run in a worker thread (generation is synchronous torch); verifiers run on a
+`pipeline.tasks.VerifierPool`, threads of their own, so a hung verifier never holds up generation.
+
+`checked_prompt_ids` decides, before any engine call, whether a prompt can ever be rolled out (ids inside
+the vocabulary, room for one new token in the context): a prompt that cannot raises `UnrunnablePrompt`
+with a dead-letter reason, so a generator refuses it alone instead of failing the engine call of a batch.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from pipeline.tasks import Prompt, Task, VerifierResult, run_verifier
+from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
 from pipeline.trajectory import FinishReason, Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -123,8 +128,6 @@ Generate = Callable[[Sequence[GenerateRequest], SamplingParams], list[GenerateRe
 """A blocking generate call: results in request order (`Engine.generate`, or a wrapper that meters it)."""
 
 
-VERIFIER_TIMEOUT_S = 30.0
-"""Default limit on one `Task.verify` call; past it the sample is an ``infra_error``."""
 ENV_TIMEOUT_S = 60.0
 """Default limit on one `Environment.step` call; past it the sample is an ``infra_error``."""
 MAX_TURNS = 8
@@ -224,6 +227,46 @@ def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer) -> list[int]:
     return _encode(tokenizer, prompt.text, add_special_tokens=True)
 
 
+class UnrunnablePrompt(ValueError):
+    """A prompt no engine call can take, now or on a retry; ``reason`` names the failure for its dead letter."""
+
+    def __init__(self, prompt_id: str, reason: str, detail: str) -> None:
+        super().__init__(f"prompt {prompt_id!r}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def checked_prompt_ids(
+    prompt: Prompt, tokenizer: Tokenizer, *, vocab_size: int | None, max_context_tokens: int | None
+) -> list[int]:
+    """`prompt_token_ids`, or `UnrunnablePrompt` when they can never be rolled out.
+
+    Reasons: ``prompt_not_tokenizable`` (the tokenizer raised on its text), ``empty_prompt``,
+    ``invalid_token_ids`` (an id outside ``[0, vocab_size)``: it would fail the engine call, or assert on a
+    GPU), ``prompt_too_long`` (``max_context_tokens`` leaves no room for one new token). A limit of None is
+    not checked.
+    """
+    try:
+        ids = prompt_token_ids(prompt, tokenizer)
+    except Exception as exc:  # a tokenizer raising on one text is that prompt's fault, permanently
+        raise UnrunnablePrompt(prompt.prompt_id, "prompt_not_tokenizable", f"{type(exc).__name__}: {exc}") from exc
+    if not ids:
+        raise UnrunnablePrompt(prompt.prompt_id, "empty_prompt", "no tokens")
+    if vocab_size is not None and (bad := [t for t in ids if not 0 <= t < vocab_size]):
+        raise UnrunnablePrompt(
+            prompt.prompt_id,
+            "invalid_token_ids",
+            f"token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+        )
+    if max_context_tokens is not None and len(ids) >= max_context_tokens:
+        raise UnrunnablePrompt(
+            prompt.prompt_id,
+            "prompt_too_long",
+            f"{len(ids)} tokens leave no room for a reply in the model's context of {max_context_tokens}",
+        )
+    return ids
+
+
 def group_requests(prompt_ids: Sequence[int], group_size: int, group_id: str) -> list[GenerateRequest]:
     """The ``group_size`` requests of one single-turn group; request ``i`` becomes trajectory ``<group_id>-<i>``."""
     if group_size < 1:
@@ -240,14 +283,14 @@ async def score_group(
     *,
     tokenizer: Tokenizer,
     group_id: str,
-    verifier_timeout_s: float = VERIFIER_TIMEOUT_S,
+    verifiers: VerifierPool,
 ) -> list[Sample]:
-    """One sample per single-turn result, in order, each scored by the task's verifier under its timeout.
+    """One sample per single-turn result, in order, each scored by the task's verifier on `verifiers`.
 
     ``results`` answer `group_requests` of ``prompt_ids`` (however many engine calls produced them);
     every sample comes back, whatever its status (an aborted one unscored).
     """
-    scorer = _Scorer(task, prompt, sampling, tokenizer, verifier_timeout_s, group_id)
+    scorer = _Scorer(task, prompt, sampling, tokenizer, verifiers, group_id)
     return list(
         await asyncio.gather(
             *(
@@ -269,7 +312,7 @@ async def run_group(
     env: EnvironmentFactory | None = None,
     *,
     tokenizer: Tokenizer,
-    verifier_timeout_s: float = VERIFIER_TIMEOUT_S,
+    verifiers: VerifierPool,
     env_timeout_s: float = ENV_TIMEOUT_S,
     max_turns: int = MAX_TURNS,
     max_total_tokens: int | None = None,
@@ -299,9 +342,9 @@ async def run_group(
             sampling,
             tokenizer=tokenizer,
             group_id=group_id,
-            verifier_timeout_s=verifier_timeout_s,
+            verifiers=verifiers,
         )
-    scorer = _Scorer(task, prompt, sampling, tokenizer, verifier_timeout_s, group_id)
+    scorer = _Scorer(task, prompt, sampling, tokenizer, verifiers, group_id)
     return list(
         await asyncio.gather(
             *(
@@ -320,7 +363,7 @@ class _Scorer:
     prompt: Prompt
     sampling: SamplingParams
     tokenizer: Tokenizer
-    verifier_timeout_s: float
+    verifiers: VerifierPool
     group_id: str
 
     def sample(
@@ -362,7 +405,7 @@ class _Scorer:
         ids = np.concatenate([_strip_stop(t, self.sampling) for t in completion])
         text = "".join(_decode(self.tokenizer, _strip_stop(t, self.sampling)) for t in completion)
         start = time.perf_counter()
-        verdict = await run_verifier(self.task, self.prompt, text, ids, timeout_s=self.verifier_timeout_s)
+        verdict = await self.verifiers.verify(self.task, self.prompt, text, ids)
         return self.sample(
             index,
             turns,

@@ -9,8 +9,8 @@ curve does not rise just because easy groups were filtered out.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,19 @@ def reward_metrics(groups: Sequence[PreparedGroup]) -> dict[str, Any]:
     }
     out.update({f"reward/tag/{tag}": _mean(values) for tag, values in sorted(by_tag.items())})
     return out
+
+
+def refusal_metrics(refused: Mapping[str, tuple[str, str]]) -> dict[str, Any]:
+    """Groups refused at the trainer's door this step (live: dead-lettered; replay: skipped), by reason.
+
+    `refused` maps group id -> (reason, detail), e.g. ``{"g7": ("token_out_of_vocab", "sample 1 ...")}``.
+    """
+    by_reason = Counter(reason for reason, _ in refused.values())
+    return {
+        "groups/refused": len(refused),
+        **{f"groups/refused/{reason}": n for reason, n in sorted(by_reason.items())},
+        "refused_group_ids": {group_id: reason for group_id, (reason, _) in refused.items()},
+    }
 
 
 def sample_counts(groups: Sequence[PreparedGroup]) -> dict[str, int]:

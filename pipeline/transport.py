@@ -1,11 +1,13 @@
 """Trajectory groups over JetStream: stream set-up, publisher, trainer consumer, dead letters, replay.
 
     generator ── TrajectoryPublisher.publish(group) ──► leeway.<run>.traj  (stream LEEWAY_<run>_TRAJ, limits)
-                  encode; > max_inline_bytes: body to the object store, message = pointer (claim check)
+                  encode; > max_inline_bytes: body to the object store (create-only, key = run/group/digest),
+                  message = pointer (claim check)
                   Nats-Msg-Id = group id; every ack wait bounded; retried with backoff, same id
                                                             │
     trainer ranks ◄── TrajectoryConsumer.fetch() ◄──────────┘  durable pull consumer "trainer", bound by all ranks
                   decode + validate; failure -> leeway.<run>.dlq.traj (stream LEEWAY_<run>_DLQ) + term()
+                  claim object unreadable now (store error, timeout) -> nak with backoff; past max_deliver -> dlq
                   ack(seqs) only after the step that used the groups is committed
     replay   ◄── ReplayReader (ephemeral, ack none) from a stream seq / a start time, filtered by min version
 
@@ -17,6 +19,10 @@ Guarantees and their sources:
   a timeout (a pending publish can stay unresolved after a server kill).
 - A message that fails to decode or validate is dead-lettered (original bytes + reason header), then
   terminated, never dropped; if the dead-letter publish itself fails the message is nak'ed and retried.
+- A claim pointer is checked before the store is touched: its key must be exactly the one the run and
+  the group id imply (no `..`, no other run's prefix), its size must match a HEAD of the object and stay
+  under `CLAIM_CHECK_MAX_BYTES`. A store error or timeout is transient (nak with backoff); a delivery past
+  the consumer's `max_deliver` is dead-lettered (`max_deliveries`), so nothing loops through every resume.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +59,7 @@ from nats.js.api import (
 from pipeline.codec import CodecError, decode_group, encode_group
 from pipeline.names import RunNames
 from pipeline.trajectory import SCHEMA_VERSION, TrajectoryGroup, TrajectoryValidationError
+from storage.objectstore import PreconditionFailed, validate_key
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +103,22 @@ REPLAY_INACTIVE_THRESHOLD_S = 60.0
 """An abandoned replay consumer is deleted by the server after this idle time."""
 CONNECT_PENDING_BYTES = 64 * 1024 * 1024
 """Client outbound buffer: publishes made during a reconnect are kept up to this size (default 2 MiB)."""
+TRAINER_MAX_DELIVER = 20
+"""Deliveries of one group the trainer handles; the next is dead-lettered (`max_deliveries`) instead, so a
+group that kills the trainer, or whose claim object stays unreadable, cannot come back on every resume."""
+MAX_DELIVER_DEAD_LETTER_TRIES = 3
+"""Deliveries the server allows past the handled ones: each tries to store the dead letter (nak'ed if it fails)."""
+CLAIM_CHECK_MAX_BYTES = 256 * 1024**2
+"""Largest claim-checked body: publishers refuse larger groups, consumers dead-letter pointers to larger ones."""
+CLAIM_RETRY_DELAY_INITIAL_S = 0.5
+CLAIM_RETRY_DELAY_MAX_S = 60.0
+"""A message whose claim object could not be read now (store error, timeout) is nak'ed with delay
+initial * 2**(deliveries - 1), capped here: with `TRAINER_MAX_DELIVER` it rides out ~14 min of store outage."""
+REPLAY_CLAIM_ATTEMPTS = 3
+REPLAY_CLAIM_BACKOFF_S = 0.25
+"""Replay (no redelivery) reads an unreadable claim object this many times, backing off from this delay, then
+skips the group with the counted reason `claim_check_unavailable`."""
+SHA256_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 class StreamSettings(Protocol):
@@ -112,9 +136,11 @@ class StreamSettings(Protocol):
 
 
 class ClaimStore(Protocol):
-    """The two object-store calls the claim check needs (`storage.objectstore.ObjectStore`)."""
+    """The object-store calls the claim check needs (`storage.objectstore.ObjectStore`)."""
 
-    def put(self, key: str, data: bytes) -> str: ...
+    def put_if_absent(self, key: str, data: bytes) -> str: ...
+
+    def size(self, key: str) -> int: ...
 
     def get(self, key: str) -> bytes: ...
 
@@ -130,6 +156,19 @@ class DeadLetterError(Exception):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class ClaimUnavailable(Exception):
+    """The claim object could not be read now (store error or timeout): transient, the message is retried."""
+
+    def __init__(self, key: str, cause: BaseException) -> None:
+        super().__init__(f"object {key!r} unreadable: {type(cause).__name__}: {cause}")
+        self.key = key
+
+
+def claim_retry_delay_s(num_delivered: int) -> float:
+    """Nak delay after the `num_delivered`-th delivery found its claim object unreadable (exponential, capped)."""
+    return min(CLAIM_RETRY_DELAY_INITIAL_S * 2 ** max(0, min(num_delivered - 1, 30)), CLAIM_RETRY_DELAY_MAX_S)
 
 
 # --- connection and set-up ------------------------------------------------------------------------------
@@ -210,23 +249,50 @@ async def ensure_trajectory_streams(
     )
 
 
+_CONSUMER_EXISTS = (10013, 10148)  # "consumer name already in use", "consumer already exists"
+
+
 async def ensure_trainer_consumer(
     js: JetStreamContext,
     names: RunNames,
     *,
     ack_wait_s: float = TRAINER_ACK_WAIT_S,
     max_ack_pending: int = TRAINER_MAX_ACK_PENDING,
+    max_deliver: int = TRAINER_MAX_DELIVER,
 ) -> None:
-    """Create the durable consumer once (rank 0 or the launcher); ranks then `TrajectoryConsumer.bind`."""
+    """Create the durable consumer, or bring an existing one (e.g. made before it had a `max_deliver`) up to date.
+
+    Called by rank 0 or the launcher on every start; ranks then `TrajectoryConsumer.bind`. The server allows
+    `max_deliver + MAX_DELIVER_DEAD_LETTER_TRIES` deliveries; the consumer handles the first `max_deliver` and
+    dead-letters the later ones. Updating keeps the consumer's position and pending acks.
+    """
+    if max_deliver < 1:
+        raise ValueError(f"ensure_trainer_consumer: max_deliver={max_deliver} (must be >= 1)")
     config = ConsumerConfig(
         durable_name=names.trainer_consumer,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ack_wait_s,
         max_ack_pending=max_ack_pending,
+        max_deliver=max_deliver + MAX_DELIVER_DEAD_LETTER_TRIES,
         filter_subject=names.trajectory_subject,
     )
-    await js.add_consumer(names.trajectory_stream, config)
+    try:
+        await js.add_consumer(names.trajectory_stream, config)  # nats-server >= 2.10 updates an existing one
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code not in _CONSUMER_EXISTS:
+            raise
+        # An older server refuses to change a durable; keep it: bound consumers still enforce the limit.
+        log.warning(
+            "trainer consumer exists with other settings and was kept (%s); max_deliver enforced client-side", exc
+        )
+
+
+def handled_deliveries(server_max_deliver: int | None) -> int:
+    """Deliveries a bound consumer handles, from the server's `max_deliver` (unlimited: `TRAINER_MAX_DELIVER`)."""
+    if server_max_deliver is None or server_max_deliver <= 0:
+        return TRAINER_MAX_DELIVER
+    return max(1, server_max_deliver - MAX_DELIVER_DEAD_LETTER_TRIES)
 
 
 def fetch_batch_size(stream: StreamSettings, max_groups: int | None = None) -> int:
@@ -307,10 +373,15 @@ class TrajectoryPublisher:
                     f"group {group.group_id!r} is {len(data)} bytes > max_inline_bytes "
                     f"{self._stream.max_inline_bytes} and no object store is configured"
                 )
-            key = self._names.trajectory_key(group.group_id)
-            await asyncio.to_thread(self._store.put, key, data)
+            if len(data) > CLAIM_CHECK_MAX_BYTES:
+                raise PublishError(
+                    f"group {group.group_id!r} is {len(data)} bytes > CLAIM_CHECK_MAX_BYTES {CLAIM_CHECK_MAX_BYTES}"
+                )
+            digest = hashlib.sha256(data).hexdigest()
+            key = self._names.trajectory_key(group.group_id, digest)
+            await asyncio.to_thread(_store_claim, self._store, key, data)
             headers[H_CLAIM_CHECK] = key
-            data = orjson.dumps({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+            data = orjson.dumps({"key": key, "bytes": len(data), "sha256": digest})
         ack, attempts = await self.publish_raw(
             self._names.trajectory_subject, data, headers, stream_name=self._names.trajectory_stream
         )
@@ -365,6 +436,13 @@ class TrajectoryPublisher:
         raise AssertionError("unreachable")
 
 
+def _store_claim(store: ClaimStore, key: str, data: bytes) -> None:
+    """Create-only write of a claim body: an object already at `key` (which names the digest) holds these bytes,
+    written by an earlier attempt of the same publish, so it is left as it is and never overwritten."""
+    with contextlib.suppress(PreconditionFailed):
+        store.put_if_absent(key, data)
+
+
 # --- decoding received messages (pure, except the claim-check fetch) -----------------------------------------
 
 
@@ -377,31 +455,69 @@ def _int_header(headers: Mapping[str, str], name: str) -> int:
         ) from exc
 
 
-def parse_claim_check(headers: Mapping[str, str], data: bytes) -> tuple[str, int, str] | None:
-    """(key, size, sha256) when the message is a claim-check pointer, else None; bad pointers dead-letter."""
+def parse_claim_check(
+    headers: Mapping[str, str], data: bytes, names: RunNames, *, max_bytes: int = CLAIM_CHECK_MAX_BYTES
+) -> tuple[str, int, str] | None:
+    """(key, size, sha256) when the message is a claim-check pointer, else None; bad pointers dead-letter.
+
+    The key must be exactly what `names` and the message's group id (`Nats-Msg-Id`) imply, with the
+    pointer's digest (or the legacy key without it): `claim_check_invalid` for a malformed pointer or key
+    (`../x`, `/a`, a size over `max_bytes`), `claim_check_foreign` for a well-formed key of another run or
+    group. Nothing here touches the store.
+    """
     key = headers.get(H_CLAIM_CHECK)
     if key is None:
         return None
     try:
         pointer = orjson.loads(data)
+        if not isinstance(pointer, dict):
+            raise TypeError(f"pointer is a {type(pointer).__name__}, not an object")
+        size, digest = pointer["bytes"], pointer["sha256"]
         if pointer["key"] != key:
             raise ValueError(f"body key {pointer['key']!r} != header key {key!r}")
-        return str(pointer["key"]), int(pointer["bytes"]), str(pointer["sha256"])
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= max_bytes:
+            raise ValueError(f"bytes={size!r} is not an integer in [0, {max_bytes}]")
+        if not isinstance(digest, str) or not SHA256_HEX_RE.match(digest):
+            raise ValueError(f"sha256={digest!r} is not 64 lowercase hex digits")
+        validate_key(key)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise DeadLetterError("claim_check_invalid", f"bad pointer: {exc}") from exc
+    group_id = headers.get(H_MSG_ID)
+    if not isinstance(group_id, str) or key not in names.claim_keys(group_id, digest):
+        raise DeadLetterError(
+            "claim_check_foreign",
+            f"key {key!r} is not run {names.run!r}'s key for group {group_id!r} "
+            f"({names.trajectory_key(str(group_id), digest)!r})",
+        )
+    return key, size, digest
 
 
 def fetch_claim(store: ClaimStore | None, key: str, size: int, sha256: str) -> bytes:
-    """Load and verify a claim-checked body; a missing or corrupt object is a dead letter, not a crash."""
+    """Load and verify a claim-checked body: HEAD (size must equal the pointer's), then GET and hash.
+
+    A missing object (`claim_check_missing`), a size or digest other than the pointer's (`claim_check_mismatch`)
+    or a key the store refuses (`claim_check_invalid`) is permanent: `DeadLetterError`. Any other store error
+    (connection, timeout, S3 5xx or throttling) is transient: `ClaimUnavailable`, and the caller retries later.
+    """
     if store is None:
         raise DeadLetterError("claim_check_invalid", f"pointer to {key!r} but no object store is configured")
     try:
+        stored = store.size(key)
+        if stored != size:
+            raise DeadLetterError("claim_check_mismatch", f"object {key!r} is {stored} bytes, the pointer says {size}")
         data = store.get(key)
+    except DeadLetterError:
+        raise
     except KeyError as exc:  # storage.objectstore.ObjectNotFound is a KeyError
         raise DeadLetterError("claim_check_missing", f"object {key!r} not found") from exc
+    except ValueError as exc:  # storage.objectstore.validate_key
+        raise DeadLetterError("claim_check_invalid", f"object key {key!r} refused by the store: {exc}") from exc
+    except Exception as exc:  # a store we do not own: every other failure is treated as transient
+        raise ClaimUnavailable(key, exc) from exc
     if len(data) != size or hashlib.sha256(data).hexdigest() != sha256:
         raise DeadLetterError(
-            "claim_check_invalid", f"object {key!r} is {len(data)} bytes / other digest than the pointer's {size} bytes"
+            "claim_check_mismatch",
+            f"object {key!r} is {len(data)} bytes / other digest than the pointer's {size} bytes",
         )
     return data
 
@@ -538,21 +654,29 @@ class TrajectoryConsumer:
         names: RunNames,
         stream: StreamSettings,
         store: ClaimStore | None,
+        *,
+        max_deliver: int = TRAINER_MAX_DELIVER,
     ) -> None:
         self._js = js
         self._sub = sub
+        self._names = names
         self._stream = stream
         self._store = store
         self._held: dict[int, Msg] = {}
+        self.max_deliver = max_deliver
+        """Deliveries of one message this consumer handles; a later delivery is dead-lettered (`max_deliveries`)."""
         self.dead_letters = DeadLetters(js, names.trajectory_dead_letter_subject)
 
     @classmethod
     async def bind(
         cls, js: JetStreamContext, names: RunNames, stream: StreamSettings, store: ClaimStore | None = None
     ) -> TrajectoryConsumer:
-        """Bind to the durable consumer made by `ensure_trainer_consumer` (any number of ranks may)."""
+        """Bind to the durable consumer made by `ensure_trainer_consumer` (any number of ranks may).
+
+        The delivery limit is read from the server's consumer, so every rank enforces the same one."""
         sub = await js.pull_subscribe_bind(names.trainer_consumer, stream=names.trajectory_stream)
-        return cls(js, sub, names, stream, store)
+        info = await sub.consumer_info()
+        return cls(js, sub, names, stream, store, max_deliver=handled_deliveries(info.config.max_deliver))
 
     @property
     def held_seqs(self) -> list[int]:
@@ -577,10 +701,14 @@ class TrajectoryConsumer:
         return out
 
     async def _handle(self, msg: Msg) -> Delivery | None:
-        seq = msg.metadata.sequence.stream
+        seq, delivered = msg.metadata.sequence.stream, msg.metadata.num_delivered
+        if delivered > self.max_deliver:
+            detail = f"delivered {delivered} times without an ack (limit {self.max_deliver})"
+            await self.dead_letters.dispose(msg, "max_deliveries", detail)
+            return None
         try:
             headers = msg.headers or {}
-            claim = parse_claim_check(headers, msg.data)
+            claim = parse_claim_check(headers, msg.data, self._names)
             data = msg.data
             if claim is not None:
                 data = await asyncio.to_thread(fetch_claim, self._store, *claim)
@@ -588,8 +716,31 @@ class TrajectoryConsumer:
         except DeadLetterError as exc:
             await self.dead_letters.dispose(msg, exc.reason, exc.detail)
             return None
+        except ClaimUnavailable as exc:
+            await self._retry_later(msg, exc)
+            return None
         self._held[seq] = msg
         return Delivery(group, seq, msg, msg.metadata.num_delivered, _published_at(msg))
+
+    async def _retry_later(self, msg: Msg, exc: ClaimUnavailable) -> None:
+        """Transient claim failure: nak with backoff (a lost nak is covered by the ack wait)."""
+        delivered = msg.metadata.num_delivered
+        delay_s = claim_retry_delay_s(delivered)
+        log.warning(
+            "seq %d: %s (delivery %d of %d); retrying in %.1fs",
+            msg.metadata.sequence.stream,
+            exc,
+            delivered,
+            self.max_deliver,
+            delay_s,
+            exc_info=exc.__cause__ if delivered == 1 else None,
+        )
+        try:
+            await msg.nak(delay=delay_s)
+        except (nats.errors.Error, asyncio.TimeoutError) as nak_exc:
+            log.warning(
+                "nak of seq %d not sent (%s); it comes back after the ack wait", msg.metadata.sequence.stream, nak_exc
+            )
 
     async def ack(self, seqs: Iterable[int]) -> int:
         """Ack held groups (synchronously, in parallel); returns how many the server confirmed.
@@ -669,8 +820,10 @@ class ReplayReader:
     """Reads a `ReplaySelection` through an ephemeral `ack none` consumer; same `fetch`/`ack` as the trainer's.
 
     Bad messages are counted in `stats.skipped` and logged once per reason (the live consumer already
-    dead-lettered them). A gap in consumer sequences (messages lost to the client) restarts the consumer
-    right after the last message seen, so the output is exactly the selection, in order.
+    dead-lettered them); so is a group whose claim object stays unreadable after `REPLAY_CLAIM_ATTEMPTS`
+    reads (`claim_check_unavailable`): a replay never dies on one message. A gap in consumer sequences
+    (messages lost to the client) restarts the consumer right after the last message seen, so the output
+    is exactly the selection, in order.
     """
 
     def __init__(
@@ -793,8 +946,8 @@ class ReplayReader:
                 if _int_header(headers, H_MIN_VERSION) < self.selection.min_version:
                     self.stats.filtered += 1
                     return None
-            claim = parse_claim_check(headers, msg.data)
-            data = msg.data if claim is None else await asyncio.to_thread(fetch_claim, self._store, *claim)
+            claim = parse_claim_check(headers, msg.data, self._names)
+            data = msg.data if claim is None else await self._fetch_claim(*claim)
             group = decode_payload(headers, data)
         except DeadLetterError as exc:
             self.stats.skipped[exc.reason] += 1
@@ -804,6 +957,17 @@ class ReplayReader:
             return None
         self.stats.delivered += 1
         return Delivery(group, msg.metadata.sequence.stream, None, msg.metadata.num_delivered, _published_at(msg))
+
+    async def _fetch_claim(self, key: str, size: int, sha256: str) -> bytes:
+        """`fetch_claim` with a few backed-off retries (no redelivery here); then a counted skip."""
+        for attempt in range(REPLAY_CLAIM_ATTEMPTS):
+            try:
+                return await asyncio.to_thread(fetch_claim, self._store, key, size, sha256)
+            except ClaimUnavailable as exc:
+                if attempt + 1 == REPLAY_CLAIM_ATTEMPTS:
+                    raise DeadLetterError("claim_check_unavailable", f"{exc} ({attempt + 1} attempts)") from exc
+                await asyncio.sleep(REPLAY_CLAIM_BACKOFF_S * 2**attempt)
+        raise AssertionError("unreachable")
 
     async def _finish(self) -> None:
         self.done = True

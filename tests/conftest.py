@@ -14,7 +14,11 @@ TEST_STOP_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]:
-    """A running stack on free ports for the whole session; `s3_client(stack)` carries its credentials."""
+    """A running stack on free ports for the whole session.
+
+    `s3_client(stack)` carries its S3 key and `stack.nats_url` its NATS token (nats-server refuses
+    clients without it); print `stack.nats_endpoint`, never `stack.nats_url`.
+    """
     stack_dir = tmp_path_factory.mktemp("stack")
     state = start_stack(stack_dir)
     try:

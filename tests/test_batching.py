@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.batching import DROP_CAP, DROP_FILTER, GroupPolicy, prepare_group
+from pipeline.batching import (
+    DROP_CAP,
+    DROP_FILTER,
+    REFUSE_TOO_LONG,
+    REFUSE_VOCAB,
+    GroupPolicy,
+    ModelLimits,
+    check_model_limits,
+    prepare_group,
+)
 from pipeline.step_metrics import reward_metrics, sample_counts, staleness_metrics
 from pipeline.trajectory import Sample, TrajectoryGroup
 
@@ -104,3 +113,33 @@ def test_staleness_metrics_count_loss_tokens() -> None:
     assert metrics["staleness/min"] == 0 and metrics["staleness/max"] == 1
     assert metrics["staleness/mean"] == 0.5
     assert metrics["staleness/hist"] == {"0": 3, "1": 3}
+
+
+def _with_tokens(tokens: list[int]) -> Sample:
+    n = len(tokens)
+    return Sample(
+        tokens=np.array(tokens, dtype=np.int32),
+        loss_mask=np.r_[np.zeros(2, np.uint8), np.ones(n - 2, np.uint8)],
+        logprobs=np.r_[np.zeros(2, np.float32), np.full(n - 2, -0.5, np.float32)],
+        versions=np.r_[np.full(2, -1, np.int32), np.full(n - 2, 5, np.int32)],
+        reward=1.0,
+        reward_source="verifier",
+        status="ok",
+    )
+
+
+def test_the_door_refuses_token_ids_past_the_vocabulary_naming_sample_and_value() -> None:
+    limits = ModelLimits(vocab_size=21, max_positions=8)
+    assert check_model_limits(_group(_sample(1.0), _with_tokens([1, 2, 20, 3])), limits) is None
+    refusal = check_model_limits(_group(_sample(1.0), _with_tokens([1, 2, 3, 21, 4])), limits)
+    assert refusal is not None and refusal.reason == REFUSE_VOCAB
+    assert "sample 1" in refusal.detail and "token id 21 at position 3" in refusal.detail and "21" in refusal.detail
+
+
+def test_the_door_refuses_samples_longer_than_the_context() -> None:
+    limits = ModelLimits(vocab_size=21, max_positions=8)
+    assert check_model_limits(_group(_with_tokens([1] * 8)), limits) is None
+    refusal = check_model_limits(_group(_sample(0.0), _with_tokens([1] * 9)), limits)
+    assert refusal is not None and refusal.reason == REFUSE_TOO_LONG
+    assert "sample 1" in refusal.detail and "9 tokens > the model's context of 8" in refusal.detail
+    assert check_model_limits(_group(_with_tokens([1] * 9)), ModelLimits(vocab_size=21, max_positions=None)) is None

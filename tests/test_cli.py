@@ -24,6 +24,7 @@ COMMANDS = (
     ("trainer",),
     ("generator",),
     ("replay",),
+    ("purge",),
     ("bench", "weights"),
     ("bench", "transport"),
     ("bench", "e2e"),
@@ -161,3 +162,18 @@ def test_each_bench_adds_its_own_flags(bench: str) -> None:
     assert "--json" in result.stdout
     own_flag = {"weights": "--lr", "transport": "--tokens", "e2e": "--target"}[bench]
     assert own_flag in result.stdout
+
+
+def test_purge_help_says_what_it_deletes_and_asks_for_yes() -> None:
+    result = _leeway("purge", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for expected in ("LEEWAY_<run>_TRAJ", "leeway_<run>_versions", "every object under <run>/", "--yes", "not touched"):
+        assert expected in text, f"{expected!r} missing from leeway purge --help"
+
+
+def test_fresh_help_names_the_marker_and_the_protected_directories() -> None:
+    result = _leeway("run", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert ".leeway-run" in text and "never the working directory, home or /" in text

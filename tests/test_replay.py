@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import hashlib
 import json
 import uuid
 
 import numpy as np
+import orjson
 
 from actors.tools import replay as replay_cmd
+from actors.tools.bench.transport import free_port
+from infra.stack import load_credentials
 from pipeline.codec import read_parquet
 from pipeline.config import LeewayConfig, StreamConfig
 from pipeline.names import RunNames
 from pipeline.trajectory import Sample, TrajectoryGroup
 from pipeline.transport import (
+    H_CLAIM_CHECK,
     ReplayReader,
     ReplaySelection,
     TrajectoryConsumer,
@@ -23,7 +28,9 @@ from pipeline.transport import (
     connect,
     ensure_trainer_consumer,
     ensure_trajectory_streams,
+    group_headers,
 )
+from storage.s3 import S3Options, S3Store
 
 NUM_GROUPS = 10
 
@@ -111,3 +118,49 @@ def test_replay_command_exports_parquet(stack, tmp_path):
     assert [g.group_id for g in groups] == ["g1", "g2", "g3"]
     assert groups[2].versions.max() == 3
     json.dumps(summary)
+
+
+def test_replay_skips_unreadable_claims_with_a_counted_reason_and_goes_on(stack):
+    """A store that refuses connections, or a pointer that escapes its prefix, costs one counted group, not
+    the replay; with the store back, the claimed group replays."""
+    names, stream = RunNames.for_run(f"r-{uuid.uuid4().hex[:8]}"), StreamConfig(max_bytes=64 * 2**20)
+    creds = load_credentials(stack.dir)
+    options = dict(region=stack.region, access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key)
+    prefix = f"test-replay/{uuid.uuid4().hex}"
+    store = S3Store(stack.bucket, prefix, S3Options(endpoint=stack.s3_endpoint, **options))
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+    down = S3Store(stack.bucket, prefix, S3Options(endpoint=nowhere, max_retries=0, connect_timeout_s=2, **options))
+
+    async def main() -> None:
+        await _recorded_run(stack.nats_url, names, stream)  # seqs 1..10, inline
+        nc = await connect(stack.nats_url, name="replay")
+        try:
+            js = nc.jetstream(timeout=10)
+            claimed = StreamConfig(max_bytes=64 * 2**20, max_inline_bytes=1024)
+            mask = np.r_[np.zeros(4, np.uint8), np.ones(1996, np.uint8)]
+            tokens = np.random.default_rng(0).integers(0, 151_936, 2000).astype(np.int32)
+            sample = Sample(
+                tokens,
+                mask,
+                np.where(mask == 1, -0.5, 0).astype(np.float32),
+                np.where(mask == 1, 9, -1).astype(np.int32),
+            )
+            big = TrajectoryGroup.from_samples(group_id="big", prompt_id="p", generator_id="gen", samples=[sample])
+            assert (await TrajectoryPublisher(js, names, claimed, store).publish(big)).claim_check_key  # seq 11
+            escaping = _group(12)  # seq 12: a pointer out of the prefix
+            body = orjson.dumps({"key": "../x", "bytes": 10, "sha256": hashlib.sha256(b"x").hexdigest()})
+            await js.publish(names.trajectory_subject, body, headers={**group_headers(escaping), H_CLAIM_CHECK: "../x"})
+            await TrajectoryPublisher(js, names, stream).publish(_group(13))  # seq 13
+            selection = ReplaySelection(from_seq=10)
+            reader = await ReplayReader.open(js, names, stream, down, selection)
+            assert [d.group.group_id async for d in reader] == ["g9", "g13"]
+            assert reader.stats.skipped == {"claim_check_unavailable": 1, "claim_check_invalid": 1}
+            reader = await ReplayReader.open(js, names, stream, store, selection)
+            assert [d.group.group_id async for d in reader] == ["g9", "big", "g13"]
+            assert reader.stats.skipped == {"claim_check_invalid": 1}
+        finally:
+            await nc.close()
+            store.close()
+            down.close()
+
+    asyncio.run(main())

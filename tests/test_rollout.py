@@ -7,12 +7,22 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import pytest
 
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import build_model
-from pipeline.rollout import EnvStep, Generate, group_requests, prompt_token_ids, run_group, score_group
-from pipeline.tasks import Prompt, Task, VerifierResult
+from pipeline.rollout import (
+    EnvStep,
+    Generate,
+    UnrunnablePrompt,
+    checked_prompt_ids,
+    group_requests,
+    prompt_token_ids,
+    run_group,
+    score_group,
+)
+from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask
 from pipeline.trajectory import Sample
@@ -80,7 +90,10 @@ def _run(
     **kwargs: object,
 ) -> list[Sample]:
     task = task or (ReverseDigitsTask(num_digits=2) if env is None else _TranscriptTask())
-    return asyncio.run(run_group(generate, task, PROMPT, group_size, SAMPLING, env, tokenizer=TOK, **kwargs))
+    with VerifierPool() as verifiers:
+        return asyncio.run(
+            run_group(generate, task, PROMPT, group_size, SAMPLING, env, tokenizer=TOK, verifiers=verifiers, **kwargs)
+        )
 
 
 def test_single_turn_group_aligns_tokens_masks_versions_and_logprobs() -> None:
@@ -120,9 +133,19 @@ def test_groups_sharing_one_generate_call_are_scored_apart_in_request_order() ->
     task = ReverseDigitsTask(num_digits=2)
 
     def score(prompt: Prompt, group: list[GenerateResult]) -> list[Sample]:
-        return asyncio.run(
-            score_group(task, prompt, ids[prompt.prompt_id], group, SAMPLING, tokenizer=TOK, group_id=prompt.prompt_id)
-        )
+        with VerifierPool() as verifiers:
+            return asyncio.run(
+                score_group(
+                    task,
+                    prompt,
+                    ids[prompt.prompt_id],
+                    group,
+                    SAMPLING,
+                    tokenizer=TOK,
+                    group_id=prompt.prompt_id,
+                    verifiers=verifiers,
+                )
+            )
 
     first, second = score(PROMPT, results[:2]), score(other, results[2:])
     assert [r.request_id for r in requests] == ["p0-0", "p0-1", "p1-0", "p1-1"]
@@ -189,3 +212,18 @@ def test_turn_and_token_limits_truncate_the_episode() -> None:
     (s,) = _run(engine, lambda prompt: _Env([EnvStep(message="|||")] * 5), max_total_tokens=9)
     # prompt 4 + reply 2 + message 3 leaves no room: the message is dropped with the turn it would have fed
     assert (s.status, s.num_turns, len(s.tokens)) == ("truncated", 1, 6)
+
+
+def test_prompts_no_engine_call_can_take_are_refused_with_a_dead_letter_reason() -> None:
+    limits = {"vocab_size": TOK.get_vocab_size(), "max_context_tokens": 8}
+    assert checked_prompt_ids(PROMPT, TOK, **limits) == prompt_token_ids(PROMPT, TOK)
+    cases = {
+        "invalid_token_ids": Prompt("oov", token_ids=(1, TOK.get_vocab_size())),
+        "prompt_too_long": Prompt("long", token_ids=(1,) * 8),
+        "empty_prompt": Prompt("empty", token_ids=()),
+    }
+    for reason, prompt in cases.items():
+        with pytest.raises(UnrunnablePrompt, match=prompt.prompt_id) as refused:
+            checked_prompt_ids(prompt, TOK, **limits)
+        assert refused.value.reason == reason
+    assert checked_prompt_ids(cases["prompt_too_long"], TOK, vocab_size=None, max_context_tokens=None) == [1] * 8

@@ -22,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +32,21 @@ from rich.console import Console
 from actors.launcher.live_view import LiveView, sparkline
 from actors.launcher.report import summarize, write_report
 from actors.launcher.run import (
+    RUN_MARKER,
     GeneratorProcessStatus,
     RoleProcess,
     RunDirInUse,
+    RunDirRefused,
     RunStatus,
     prepare_run_dir,
+    protected_reason,
     read_metrics,
     spawn_role,
     split_threads,
     stop_roles,
 )
-from infra.process import start_ticks
-from infra.stack import StackState, load_state
+from infra.process import is_running, start_ticks, stop_processes
+from infra.stack import StackState, load_state, start_stack
 from pipeline.config import LeewayConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +60,16 @@ EDGE = 10
 """Reward rises: the mean of the last EDGE steps beats the mean of the first EDGE steps by more than
 three standard errors of that difference (and by at least MIN_RISE)."""
 MIN_RISE = 0.01
+UNBOUNDED_STEPS = 1_000_000
+"""trainer.max_steps of a run that a test stops itself, once the events it waits for were seen."""
+EVENT_DEADLINE_S = 150.0
+"""Generous bound on waiting for one event of a run (a step, a report); the wait ends as soon as it happens."""
+ROLE_STOP_DEADLINE_S = 120.0
+"""Generous bound on a role's (or a whole run's) clean stop after SIGTERM; waits end as soon as it exited."""
+GONE_DEADLINE_S = 60.0
+"""Generous bound on a SIGKILLed process disappearing."""
+DEMO_DEADLINE_S = 540.0
+"""Generous bound on the short demo (about 40 s on 2 cores); the test ends when the run does."""
 
 
 # ------------------------------------------------------------------------------------ synthetic
@@ -210,26 +223,77 @@ def test_run_dir_is_never_mixed_with_an_earlier_run(tmp_path: Path) -> None:
     assert not (prepare_run_dir(cfg, fresh=True) / "metrics.jsonl").exists()
 
 
+def test_fresh_deletes_only_a_directory_leeway_created(tmp_path: Path) -> None:
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("years of work")
+    (foreign / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirRefused, match=RUN_MARKER):
+        prepare_run_dir(demo_config(tmp_path, f"run.dir={foreign}"), fresh=True)
+    assert (foreign / "thesis.tex").read_text() == "years of work"
+
+    cfg = demo_config(tmp_path)
+    created = prepare_run_dir(cfg, fresh=False)
+    assert (created / RUN_MARKER).is_file()
+    (created / "metrics.jsonl").write_text('{"step": 1}\n')
+    again = prepare_run_dir(cfg, fresh=True)
+    assert (again / RUN_MARKER).is_file() and not (again / "metrics.jsonl").exists()
+
+
+def test_fresh_never_deletes_the_working_directory_home_or_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    work = home / "work"
+    work.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    for run_dir in (".", str(work), str(home), str(tmp_path)):  # cwd (relative, absolute), home, a parent of both
+        for path in (work, home, tmp_path):  # each looks like an earlier run, marker included
+            (path / RUN_MARKER).write_text("")
+            (path / "metrics.jsonl").write_text('{"step": 1}\n')
+        with pytest.raises(RunDirRefused, match="refuses to delete"):
+            prepare_run_dir(demo_config(tmp_path, f"run.dir={run_dir}"), fresh=True)
+        assert (work / "metrics.jsonl").exists() and (home / "metrics.jsonl").exists(), run_dir
+    assert protected_reason(Path("/")) == "the filesystem root"
+    assert protected_reason(work / "runs" / "demo") is None
+
+
+@pytest.mark.timeout(120)
+def test_fresh_stops_the_private_stack_of_the_earlier_run(tmp_path: Path) -> None:
+    cfg = demo_config(tmp_path)
+    run_dir = prepare_run_dir(cfg, fresh=False)
+    state = start_stack(run_dir / "stack")  # as left running by a `leeway run` that was killed
+    try:
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        prepare_run_dir(cfg, fresh=True)
+        assert not [p.name for p in state.processes if is_running(p)], "the earlier run's stack is still running"
+        assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "stack").exists()
+    finally:
+        stop_processes([p for p in state.processes if is_running(p)], timeout_s=1.0)
+
+
 def test_stop_roles_kills_the_whole_group_of_a_role_ignoring_sigterm(tmp_path: Path) -> None:
     script = (
         "import signal, subprocess, sys, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
         "print(child.pid, flush=True)\n"
-        "time.sleep(60)\n"
+        "time.sleep(600)\n"
     )
     log = tmp_path / "role.log"
     with open(log, "wb") as out:
         popen = subprocess.Popen([sys.executable, "-c", script], stdout=out, start_new_session=True)
     role = RoleProcess("stubborn", popen, log)
-    deadline = time.monotonic() + 10
-    while not log.read_text().strip() and time.monotonic() < deadline:
+    deadline = time.monotonic() + EVENT_DEADLINE_S
+    while not log.read_text().strip():
+        assert time.monotonic() < deadline and popen.poll() is None, log.read_text()
         time.sleep(0.05)
     grandchild = int(log.read_text().split()[0])
     started = time.monotonic()
     stop_roles([role], timeout_s=0.5)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 60, "stop_roles waited for the role instead of killing it"
     assert popen.returncode == -signal.SIGKILL
     _wait_gone([grandchild])
 
@@ -248,7 +312,7 @@ def _alive(pid: int, ticks: int | None = None) -> bool:
     return ticks is None or start_ticks(pid) == ticks
 
 
-def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+def _wait_gone(pids: list[int], timeout_s: float = GONE_DEADLINE_S) -> None:
     deadline = time.monotonic() + timeout_s
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -289,18 +353,33 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+def _last_step(records: list[dict[str, Any]]) -> int:
+    return int(records[-1]["step"]) if records else 0
+
+
+def _reporters(records: list[dict[str, Any]]) -> set[str]:
+    """Every generator whose report the trainer recorded in some step."""
+    return set().union(*(set(r.get("generators") or {}) for r in records))
+
+
+def _wait_for_records(
+    run_dir: Path,
+    what: str,
+    predicate: Callable[[list[dict[str, Any]]], bool],
+    procs: list[subprocess.Popen[bytes]],
+    timeout_s: float = EVENT_DEADLINE_S,
+) -> list[dict[str, Any]]:
+    """Poll metrics.jsonl until `predicate(records)` holds; fail at once if one of `procs` exits first."""
     deadline = time.monotonic() + timeout_s
     path = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if path.exists():
-            records, _ = read_metrics(path, 0)
-            if records and int(records[-1]["step"]) >= step:
-                return
+    while True:
+        records = read_metrics(path, 0)[0]
+        if predicate(records):
+            return records
         for proc in procs:
-            assert proc.poll() is None, f"{proc.args} exited with {proc.returncode} before step {step}"
+            assert proc.poll() is None, f"{proc.args} exited with {proc.returncode} before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s (last step {_last_step(records)})"
         time.sleep(0.2)
-    raise AssertionError(f"no step {step} within {timeout_s} s")
 
 
 def _leeway(*args: str) -> list[str]:
@@ -411,7 +490,7 @@ def cleanup() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(DEMO_DEADLINE_S + 60)
 def test_short_demo_learns_within_the_cap(
     tmp_path: Path, stack: StackState, cleanup: list[subprocess.Popen[bytes]]
 ) -> None:
@@ -429,7 +508,7 @@ def test_short_demo_learns_within_the_cap(
         start_new_session=True,
     )
     cleanup.append(proc)
-    out, _ = proc.communicate(timeout=200)
+    out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text + _log_tails(run_dir)
     assert f"step {DEMO_STEPS}/{DEMO_STEPS} reward" in text
@@ -470,13 +549,19 @@ def test_short_demo_learns_within_the_cap(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(4 * EVENT_DEADLINE_S + 3 * ROLE_STOP_DEADLINE_S)
 def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
     tmp_path: Path, stack: StackState, cleanup: list[subprocess.Popen[bytes]]
 ) -> None:
-    """Generator first, trainer next, a second generator late, the first stopped mid-run."""
-    steps = 24
-    cfg = _shared_stack_config(tmp_path, stack, "run-roles", steps)
+    """Generator first, trainer next, a second generator late, the first stopped mid-run.
+
+    Each phase ends on an event seen in the trainer's records (a generator's report, a trained group of
+    gen-b, progress after gen-a left), never on a duration: generators report every few seconds, and
+    on a fast machine a fixed number of steps ends before any report arrives. So the trainer runs
+    without a step limit and is stopped (SIGTERM: it finishes or abandons its step and checkpoints)
+    once everything was seen.
+    """
+    cfg = _shared_stack_config(tmp_path, stack, "run-roles", UNBOUNDED_STEPS)
     run_dir = cfg.run.run_dir
     run_dir.mkdir(parents=True)
     config_path = run_dir / "config.yaml"
@@ -488,26 +573,49 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
         cleanup.append(started.popen)
         return started
 
+    def trained_from(generator_id: str, records: list[dict[str, Any]]) -> bool:
+        trained = {g for r in records for g in r["trained_group_ids"]}
+        return bool(trained) and any(
+            g.generator_id == generator_id and g.group_id in trained for g in asyncio.run(_recorded_groups(cfg))
+        )
+
     gen_a = role("generator", "gen-a", "generator.id=gen-a")
     trainer = role("trainer", "trainer")
     try:
-        _wait_for_step(run_dir, 6, [gen_a.popen, trainer.popen], timeout_s=120)
+        _wait_for_records(
+            run_dir,
+            "step 6 and a report of gen-a",
+            lambda records: _last_step(records) >= 6 and "gen-a" in _reporters(records),
+            [gen_a.popen, trainer.popen],
+        )
         gen_b = role("generator", "gen-b", "generator.id=gen-b")
-        _wait_for_step(run_dir, 12, [gen_a.popen, gen_b.popen, trainer.popen], timeout_s=60)
-        stop_roles([gen_a], timeout_s=20)
+        _wait_for_records(
+            run_dir,
+            "a report of gen-b and a trained group of gen-b",
+            lambda records: "gen-b" in _reporters(records) and trained_from("gen-b", records),
+            [gen_a.popen, gen_b.popen, trainer.popen],
+        )
+        stop_roles([gen_a], timeout_s=ROLE_STOP_DEADLINE_S)
         assert gen_a.popen.returncode == 0, _log_tails(run_dir)
-        trainer.popen.wait(timeout=120)
+        left_at = _last_step(_records(run_dir))
+        _wait_for_records(
+            run_dir,
+            f"3 steps after step {left_at}, when gen-a left",
+            lambda records: _last_step(records) >= left_at + 3,
+            [gen_b.popen, trainer.popen],
+        )
+        stop_roles([trainer], timeout_s=ROLE_STOP_DEADLINE_S)
         assert trainer.popen.returncode == 0, _log_tails(run_dir)
-        stop_roles([gen_b], timeout_s=20)
+        stop_roles([gen_b], timeout_s=ROLE_STOP_DEADLINE_S)
         assert gen_b.popen.returncode == 0, _log_tails(run_dir)
     except BaseException:
         print(_log_tails(run_dir))
         raise
 
     records = _records(run_dir)
+    steps = len(records)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    reporters = set().union(*(set(r.get("generators") or {}) for r in records))
-    assert reporters == {"gen-a", "gen-b"}
+    assert _reporters(records) == {"gen-a", "gen-b"}
 
     # every admitted prompt is trained, dropped with a reason, or still waiting (queue or stream)
     trained = [g for r in records for g in r["trained_group_ids"]]
@@ -530,7 +638,7 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
     assert {by_generator[g] for g in trained} == {"gen-a", "gen-b"}
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(EVENT_DEADLINE_S + ROLE_STOP_DEADLINE_S + 60)
 def test_ctrl_c_stops_everything(tmp_path: Path, cleanup: list[subprocess.Popen[bytes]]) -> None:
     """SIGINT after the first steps: exit 130, every role and the private stack are gone, a report is written."""
     run_dir = tmp_path / "run"
@@ -557,7 +665,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path, cleanup: list[subprocess.Popen[
     )
     cleanup.append(proc)
     seen: dict[int, int | None] = {}
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + EVENT_DEADLINE_S
     while time.monotonic() < deadline:
         seen.update(_children_of(proc.pid))
         records, _ = read_metrics(run_dir / "metrics.jsonl", 0)
@@ -573,7 +681,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path, cleanup: list[subprocess.Popen[
     assert set(stack_pids) <= set(seen) and len(roles) == 3, f"stack + trainer + 2 generators expected, saw {seen}"
 
     proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C delivers (roles run in their own sessions)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=ROLE_STOP_DEADLINE_S)
     text = out.decode(errors="replace")
     assert proc.returncode == 130, text
     assert "interrupted" in text

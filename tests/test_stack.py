@@ -8,12 +8,17 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import nats
 import pytest
 from nats.js.api import StreamConfig
 
+from actors.endpoints import resolve_endpoints
 from infra.process import ProcessInfo, is_running
 from infra.stack import (
     CREDENTIALS_FILE,
@@ -22,6 +27,7 @@ from infra.stack import (
     StackPorts,
     StackState,
     load_credentials,
+    load_nats_token,
     load_state,
     s3_client,
     stack_status,
@@ -31,6 +37,15 @@ from infra.stack import (
 
 STOP_TIMEOUT_S = 2.0
 """SIGTERM grace before SIGKILL; SeaweedFS would take ~17 s to stop by itself."""
+
+HTTP_TIMEOUT_S = 5.0
+"""Timeout of one raw HTTP request to a SeaweedFS port."""
+
+CLI_TIMEOUT_S = 60.0
+"""Bound on one `leeway stack` command against a running stack (it only probes)."""
+
+NATS_CONNECT_TIMEOUT_S = 5.0
+"""Bound on one refused connect attempt."""
 
 
 async def _publish(nats_url: str, stream: str, payload: bytes) -> int:
@@ -54,6 +69,39 @@ async def _consume_one(nats_url: str, stream: str) -> bytes:
         return msg.data
     finally:
         await nc.close()
+
+
+async def _connect_once(nats_url: str) -> None:
+    """One connect attempt, no reconnects; raises what the server answered."""
+
+    async def quiet(_: Exception) -> None:
+        """The refusal is raised from connect; no need to print it too."""
+
+    nc = await asyncio.wait_for(
+        nats.connect(nats_url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, error_cb=quiet),
+        NATS_CONNECT_TIMEOUT_S,
+    )
+    await nc.close()
+
+
+def _http(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes, dict[str, str]]:
+    """Status, body and headers of one plain (unsigned) HTTP request."""
+    request = urllib.request.Request(url, method=method, data=body)
+    try:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as resp:
+            return resp.status, resp.read(), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), dict(exc.headers)
+
+
+def _leeway(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "actors.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        cwd=Path(__file__).resolve().parents[1],
+    )
 
 
 def _gone(info: ProcessInfo) -> bool:
@@ -87,12 +135,80 @@ def test_jetstream_publish_then_consume(stack: StackState) -> None:
 def test_status_is_healthy_and_holds_no_secret(stack: StackState) -> None:
     status = stack_status(stack.dir)
     assert status["nats"]["healthy"] and status["seaweed"]["healthy"]
-    assert status["nats"]["endpoint"] == stack.nats_url and status["seaweed"]["endpoint"] == stack.s3_endpoint
+    assert status["nats"]["endpoint"] == stack.nats_endpoint and status["seaweed"]["endpoint"] == stack.s3_endpoint
     secret = load_credentials(stack.dir).secret_access_key
-    assert secret not in json.dumps(status)
-    assert secret not in (Path(stack.dir) / STATE_FILE).read_text()
-    assert stat.S_IMODE(os.stat(Path(stack.dir) / CREDENTIALS_FILE).st_mode) == 0o600
-    assert secret not in repr(load_credentials(stack.dir))
+    token = load_nats_token(stack.dir)
+    assert token in stack.nats_url  # the URL clients connect with carries it...
+    state_text = (Path(stack.dir) / STATE_FILE).read_text()
+    for shown in (
+        json.dumps(status),
+        state_text,
+        repr(stack),
+        repr(load_state(stack.dir)),
+        repr(load_credentials(stack.dir)),
+    ):
+        assert secret not in shown and token not in shown  # ...nothing printed or recorded does
+    assert token not in Path(stack.process("nats").log_path).read_text()  # type: ignore[union-attr]
+
+
+def test_stack_files_and_dirs_are_private(stack: StackState) -> None:
+    root = Path(stack.dir)
+    mode = lambda path: stat.S_IMODE(os.stat(root / path).st_mode)  # noqa: E731
+    assert mode(".") == 0o700
+    for private in (CREDENTIALS_FILE, "nats/nats.conf", "seaweed/s3.json", "seaweed/config/security.toml"):
+        assert mode(private) == 0o600, private
+    assert load_nats_token(stack.dir) in (root / "nats/nats.conf").read_text()
+    assert "[jwt.filer_signing]" in (root / "seaweed/config/security.toml").read_text()
+    argv = " ".join(arg for info in stack.processes for arg in info.argv)
+    assert load_nats_token(stack.dir) not in argv  # secrets live in files, never on a command line
+
+
+def test_nats_refuses_a_client_without_the_token(stack: StackState) -> None:
+    assert stack.nats_endpoint != stack.nats_url
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        asyncio.run(_connect_once(stack.nats_endpoint))
+    wrong = stack.nats_url.replace(load_nats_token(stack.dir), "0" * 48)
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        asyncio.run(_connect_once(wrong))
+    asyncio.run(_connect_once(stack.nats_url))
+
+
+def test_roles_resolve_the_token_from_the_stack_and_never_print_it(stack: StackState) -> None:
+    from pipeline.config import LeewayConfig
+
+    cfg = LeewayConfig(nats={"stack_dir": stack.dir}, store={"url": f"s3://{stack.bucket}/t"})
+    endpoints = resolve_endpoints(cfg)
+    assert endpoints.nats_url == stack.nats_url
+    asyncio.run(_connect_once(endpoints.nats_url))
+    assert load_nats_token(stack.dir) not in repr(endpoints) and "***@127.0.0.1" in repr(endpoints)
+
+
+def test_stack_commands_print_no_token(stack: StackState) -> None:
+    token, secret = load_nats_token(stack.dir), load_credentials(stack.dir).secret_access_key
+    up = _leeway("stack", "up", "--dir", stack.dir)
+    status = _leeway("stack", "status", "--dir", stack.dir)
+    assert up.returncode == 0 and status.returncode == 0, up.stderr + status.stderr
+    assert stack.nats_endpoint in up.stdout and json.loads(status.stdout)["nats"]["healthy"] is True
+    for output in (up.stdout, up.stderr, status.stdout, status.stderr):
+        assert token not in output and secret not in output
+
+
+def test_seaweed_ports_refuse_unsigned_writes_while_s3_works(stack: StackState) -> None:
+    s3_client(stack).put_object(Bucket=stack.bucket, Key="t/signed", Body=b"via the S3 gateway")
+    ports = stack.process("seaweed").ports  # type: ignore[union-attr]
+    filer, volume = f"http://127.0.0.1:{ports['filer']}", f"http://127.0.0.1:{ports['volume']}"
+
+    # The filer's HTTP port: no write, delete or read of the bucket without the S3 gateway's signature.
+    assert _http(f"{filer}/buckets/{stack.bucket}/t/forged", "PUT", b"forged")[0] == 401
+    assert _http(f"{filer}/buckets/{stack.bucket}/t/signed", "DELETE")[0] == 401
+    assert _http(f"{filer}/buckets/{stack.bucket}/t/signed")[0] == 401
+    # The volume server: a file id from the master is useless without the master's signed token.
+    code, body, _ = _http(f"http://127.0.0.1:{ports['master']}/dir/assign")
+    assert code == 200, body
+    fid = json.loads(body)["fid"]
+    assert _http(f"{volume}/{fid}", "PUT", b"forged")[0] == 401
+    assert _http(f"{volume}/{fid}", "DELETE")[0] == 401
+    assert s3_client(stack).get_object(Bucket=stack.bucket, Key="t/signed")["Body"].read() == b"via the S3 gateway"
 
 
 def test_up_on_a_healthy_stack_returns_it_instead_of_starting_another(stack: StackState) -> None:

@@ -31,7 +31,7 @@ from actors.trainer.objective import CorrectedObjective
 from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, build_weight_publisher
 from infra.stack import StackState
 from pipeline.announce import version_kv, watch_announcements
-from pipeline.batching import GroupPolicy, prepare_group
+from pipeline.batching import GroupPolicy, ModelLimits, prepare_group
 from pipeline.config import LeewayConfig, load_config
 from pipeline.names import RunNames
 from pipeline.prompt_queue import PromptLease, PromptQueue
@@ -141,6 +141,9 @@ class _RecordingBackend(TrainingBackend):
     def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
         self.inner.load_state(tensors, meta)
 
+    def model_limits(self) -> ModelLimits:
+        return self.inner.model_limits()
+
 
 async def _live_trainer(cfg: LeewayConfig, wrap: Callable[[TrainingBackend], TrainingBackend]) -> Trainer:
     """`open_trainer`'s live path, assembled from its public parts with the backend wrapped by `wrap`."""
@@ -220,9 +223,12 @@ def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: Sta
     assert records[2]["staleness/max"] == 2
     assert not any(s.startswith(("stale:", "same:")) for s in trained_sample_ids)
     assert len(trained_sample_ids) == 12
-    # every group acked, dropped ones included, and only once the version trained on it was in the store
+    # every group acked: trainable ones only once the version trained on them was in the store, dropped ones
+    # (seqs 5, 6) as soon as they were decided, before the step that consumed them was published
     assert set(acks) == set(step_of_seq)
-    assert all(acks[seq] >= step for seq, step in step_of_seq.items()), f"LATEST at each ack: {acks}"
+    dropped_seqs = {5, 6}
+    assert all(acks[seq] >= step for seq, step in step_of_seq.items() if seq not in dropped_seqs), acks
+    assert all(acks[seq] < step_of_seq[seq] for seq in dropped_seqs), f"LATEST at each ack: {acks}"
     assert info.ack_floor.stream_seq == len(groups) and info.num_ack_pending == 0 and info.num_pending == 0
     assert sorted(set(announced)) == [0, 1, 2, 3]
     assert list_versions(store, cfg.run.name)[-4:] == [0, 1, 2, 3]

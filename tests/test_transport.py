@@ -4,25 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import struct
 import time
 import uuid
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
+import nats.js.errors
 import numpy as np
+import orjson
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.tools.bench.transport import LocalNats, free_port, local_nats
+from infra.stack import load_credentials
 from pipeline.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch
 from pipeline.config import StreamConfig
 from pipeline.names import RunNames
 from pipeline.trajectory import Sample, TrajectoryGroup
 from pipeline.transport import (
+    CLAIM_CHECK_MAX_BYTES,
     H_CLAIM_CHECK,
     H_DLQ_REASON,
     H_MIN_VERSION,
@@ -34,10 +41,14 @@ from pipeline.transport import (
     group_headers,
 )
 from storage.objectstore import FileStore
+from storage.s3 import S3Options, S3Store
 
 
-def _group(group_id: str, version: int = 3, num_samples: int = 2, num_tokens: int = 48) -> TrajectoryGroup:
-    rng = np.random.default_rng(zlib.crc32(group_id.encode()))
+def _group(
+    group_id: str, version: int = 3, num_samples: int = 2, num_tokens: int = 48, seed: str | None = None
+) -> TrajectoryGroup:
+    """Random tokens and log-probs, seeded by `seed` (default: the group id)."""
+    rng = np.random.default_rng(zlib.crc32((seed or group_id).encode()))
     samples = []
     for _ in range(num_samples):
         mask = np.r_[np.zeros(8, np.uint8), np.ones(num_tokens - 8, np.uint8)]
@@ -120,7 +131,8 @@ def test_large_group_travels_by_claim_check(stack, tmp_path):
             big, small = _group("big", num_tokens=2000), _group("small", num_tokens=16, num_samples=1)
             publisher = TrajectoryPublisher(js, names, stream, store)
             result = await publisher.publish(big)
-            assert result.claim_check_key == f"{names.run}/trajectories/big.arrow"
+            digest = hashlib.sha256(encode_group(big)).hexdigest()
+            assert result.claim_check_key == f"{names.run}/trajectories/big.{digest}.arrow"
             assert result.payload_bytes < 300 and store.get(result.claim_check_key) == encode_group(big)
             assert (await publisher.publish(small)).claim_check_key is None
             consumer = await TrajectoryConsumer.bind(js, names, stream, store)
@@ -221,7 +233,7 @@ def test_no_loss_no_duplicate_across_connection_cut_and_server_restart(own_nats)
         await admin.close()
         proxy = _CuttableProxy(own_nats.port)
         await proxy.start()
-        pub_nc = await connect(f"nats://127.0.0.1:{proxy.port}", name="publisher")
+        pub_nc = await connect(f"nats://{own_nats.token}@127.0.0.1:{proxy.port}", name="publisher")
         publisher = TrajectoryPublisher(pub_nc.jetstream(timeout=5), names, stream)
         groups = [_group(f"g{i:03d}") for i in range(num_groups)]
         published: list[str] = []
@@ -258,6 +270,52 @@ def test_no_loss_no_duplicate_across_connection_cut_and_server_restart(own_nats)
     asyncio.run(main())
 
 
+def test_an_unreachable_store_delays_a_claimed_group_and_never_stops_the_consumer(stack, tmp_path):
+    """S3 refusing connections is transient: the claimed group is nak'ed (not dead-lettered, no crash), the
+    groups behind it flow, and it is delivered once the store answers again."""
+
+    async def main() -> None:
+        names, stream = _names(), _stream(max_inline_bytes=8192)
+        creds = load_credentials(stack.dir)
+        options = dict(
+            region=stack.region, access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key
+        )
+        prefix = f"test-claims/{uuid.uuid4().hex}"
+        writer = S3Store(stack.bucket, prefix, S3Options(endpoint=stack.s3_endpoint, **options))
+        proxy = _CuttableProxy(urlparse(stack.s3_endpoint).port)
+        await proxy.start()
+        proxy.cut()  # the trainer's path to the store is down
+        reader = S3Store(
+            stack.bucket,
+            prefix,
+            S3Options(endpoint=f"http://127.0.0.1:{proxy.port}", max_retries=0, connect_timeout_s=2, **options),
+        )
+        nc, js = await _setup(stack.nats_url, names, stream)
+        try:
+            publisher = TrajectoryPublisher(js, names, stream, writer)
+            big = _group("big", num_tokens=2000)
+            assert (await publisher.publish(big)).claim_check_key is not None
+            await publisher.publish(_group("small", num_tokens=16, num_samples=1))
+            consumer = await TrajectoryConsumer.bind(js, names, stream, reader)
+            assert await _drain(consumer, 1) == ["small"]  # "big" (seq 1) was handled first, and given back
+            assert not consumer.dead_letters.counts and consumer.held_seqs == []
+            proxy.accepting = True
+            batch: list = []
+            deadline = time.monotonic() + 20
+            while not batch:
+                assert time.monotonic() < deadline, "the claimed group never came back"
+                batch = await consumer.fetch(timeout_s=0.5)
+            assert [d.group.group_id for d in batch] == ["big"] and batch[0].num_delivered >= 2
+            np.testing.assert_array_equal(batch[0].group.tokens, big.tokens)
+        finally:
+            await nc.close()
+            await proxy.close()
+            writer.close()
+            reader.close()
+
+    asyncio.run(main())
+
+
 # --- dead letters (hypothesis) ---------------------------------------------------------------------------------
 
 
@@ -268,19 +326,53 @@ def _ipc(batch: pa.RecordBatch) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _bad_message(kind: str, data: st.DataObject, group_id: str) -> tuple[dict[str, str], bytes, set[str]]:
-    """(headers, body, acceptable reasons) for one kind of bad input."""
-    good = _group(group_id)
+@dataclass
+class _Case:
+    """One fuzz input: what to publish, what the store holds, and the expected outcome."""
+
+    headers: dict[str, str]
+    body: bytes
+    reasons: set[str] | None
+    """Acceptable dead-letter reasons; None: the transport must deliver the group intact."""
+    objects: dict[str, bytes] = field(default_factory=dict)
+    """Claim objects to put in the store first."""
+    store_failures: int = 0
+    """Store reads that raise ConnectionError before it works again (transient: the message is redelivered)."""
+    expected: TrajectoryGroup | None = None
+
+
+def _pointer(key: str, body: bytes, size: int | None = None) -> bytes:
+    return orjson.dumps({"key": key, "bytes": len(body) if size is None else size, "sha256": _sha(body)})
+
+
+def _sha(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def _one_sample_group(group_id: str, tokens: np.ndarray) -> TrajectoryGroup:
+    mask = np.r_[np.zeros(8, np.uint8), np.ones(len(tokens) - 8, np.uint8)]
+    sample = Sample(
+        tokens=tokens.astype(np.int32),
+        loss_mask=mask,
+        logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32),
+        versions=np.where(mask == 1, 3, -1).astype(np.int32),
+    )
+    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id="p", generator_id="gen-0", samples=[sample])
+
+
+def _bad_message(kind: str, data: st.DataObject, group_id: str, names: RunNames) -> _Case:
+    """One kind of bad input for group `group_id` of run `names` (content seeded alike for every example)."""
+    good = _group(group_id, seed="bad-group")
     headers = group_headers(good)
     if kind == "random_bytes":
-        return headers, data.draw(st.binary(max_size=2048)), {"decode_error"}
+        return _Case(headers, data.draw(st.binary(max_size=2048)), {"decode_error"})
     if kind == "truncated":
         body = encode_group(good)
-        return headers, body[: data.draw(st.integers(0, len(body) - 1))], {"decode_error"}
+        return _Case(headers, body[: data.draw(st.integers(0, len(body) - 1))], {"decode_error"})
     if kind == "wrong_schema":
         cols = data.draw(st.lists(st.sampled_from(["tokens", "reward", "x"]), min_size=1, max_size=3, unique=True))
         batch = pa.record_batch([pa.array(np.arange(3, dtype=np.int64)) for _ in cols], names=cols)
-        return headers, _ipc(batch), {"schema_mismatch"}
+        return _Case(headers, _ipc(batch), {"schema_mismatch"})
     if kind == "lengths_disagree":
         batch = group_to_record_batch(good)
         column = data.draw(st.sampled_from(["loss_mask", "logprobs", "versions"]))
@@ -291,20 +383,50 @@ def _bad_message(kind: str, data: st.DataObject, group_id: str) -> tuple[dict[st
             TRAJECTORY_SCHEMA.field(column),
             pa.array(values, TRAJECTORY_SCHEMA.field(column).type),
         )
-        return headers, _ipc(fixed), {"validation_error"}
+        return _Case(headers, _ipc(fixed), {"validation_error"})
     if kind == "huge_length":
         raw = bytearray(encode_group(good))
         pattern = struct.pack("<q", good.num_tokens * 4)  # a zstd buffer's declared uncompressed length
         at = raw.find(pattern)
         raw[at : at + 8] = struct.pack("<q", data.draw(st.sampled_from([2**31, 2**40, 2**62])))
-        return headers, bytes(raw), {"decode_error"}
+        return _Case(headers, bytes(raw), {"decode_error"})
+    body = encode_group(good)
+    own_key = names.trajectory_key(group_id, _sha(body))
     if kind == "missing_claim":
-        key = f"nowhere/trajectories/{group_id}.arrow"
-        return (
-            {**headers, H_CLAIM_CHECK: key},
-            b'{"key": "%s", "bytes": 10, "sha256": "00"}' % key.encode(),
-            {"claim_check_missing"},
-        )
+        return _Case({**headers, H_CLAIM_CHECK: own_key}, _pointer(own_key, body), {"claim_check_missing"})
+    if kind == "invalid_claim_key":  # keys that escape the prefix, and a size past the limit: refused unread
+        key = data.draw(st.sampled_from(["../x", "/a", f"{names.run}/../{own_key}", f"{names.run}//x", "a/./b", "big"]))
+        size = CLAIM_CHECK_MAX_BYTES + 1 if key == "big" else None
+        key = own_key if key == "big" else key
+        objects = {own_key: body} if size else {}
+        return _Case({**headers, H_CLAIM_CHECK: key}, _pointer(key, body, size), {"claim_check_invalid"}, objects)
+    if kind == "foreign_claim":  # a readable object of another run or group: never fetched
+        other = data.draw(st.sampled_from(["run", "group", "digest"]))
+        if other == "run":
+            key = RunNames.for_run(f"other-{names.run}").trajectory_key(group_id, _sha(body))
+        elif other == "group":
+            key = names.trajectory_key(f"other-{group_id}", _sha(body))
+        else:
+            key = names.trajectory_key(group_id, "0" * 64)
+        return _Case({**headers, H_CLAIM_CHECK: key}, _pointer(key, body), {"claim_check_foreign"}, {key: body})
+    if kind == "size_mismatch":
+        pointer = _pointer(own_key, body, len(body) + data.draw(st.sampled_from([-1, 1, 4096])))
+        return _Case({**headers, H_CLAIM_CHECK: own_key}, pointer, {"claim_check_mismatch"}, {own_key: body})
+    if kind == "store_down":  # transient: redelivered with backoff, delivered once the store answers
+        key = own_key if data.draw(st.booleans()) else names.trajectory_key(group_id)  # legacy keys still read
+        failures = data.draw(st.integers(1, 2))
+        return _Case({**headers, H_CLAIM_CHECK: key}, _pointer(key, body), None, {key: body}, failures, good)
+    # Out-of-vocab ids and over-long samples are decided at the trainer's door (actors/trainer), which knows
+    # the model's vocabulary and context and dead-letters them with a reason; the transport must deliver them
+    # intact (decode succeeds) so that the trainer can.
+    if kind == "out_of_vocab_token":
+        tokens = np.arange(48) % 1000
+        tokens[data.draw(st.integers(8, 47))] = data.draw(st.sampled_from([2**20, 2**31 - 1]))
+        group = _one_sample_group(group_id, tokens)
+        return _Case(group_headers(group), encode_group(group), None, expected=group)
+    if kind == "over_long_sample":
+        group = _one_sample_group(group_id, np.arange(data.draw(st.sampled_from([2**17, 2**18 + 1]))) % 997)
+        return _Case(group_headers(group), encode_group(group), None, expected=group)
     assert kind == "random_headers"
     junk = data.draw(
         st.dictionaries(
@@ -313,7 +435,26 @@ def _bad_message(kind: str, data: st.DataObject, group_id: str) -> tuple[dict[st
             max_size=3,
         )
     )
-    return junk, encode_group(good), {"schema_mismatch", "bad_headers", "header_mismatch"}
+    return _Case(junk, body, {"schema_mismatch", "bad_headers", "header_mismatch"})
+
+
+class _FlakyStore(FileStore):
+    """A FileStore whose next `failures` reads raise ConnectionError, as an unreachable S3 endpoint does."""
+
+    failures = 0
+
+    def _maybe_fail(self, key: str) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise ConnectionError(f"store unreachable reading {key!r}")
+
+    def size(self, key: str) -> int:
+        self._maybe_fail(key)
+        return super().size(key)
+
+    def get(self, key: str) -> bytes:
+        self._maybe_fail(key)
+        return super().get(key)
 
 
 @pytest.fixture(scope="module")
@@ -322,9 +463,9 @@ def fuzz_env(stack, tmp_path_factory):
     loop = asyncio.new_event_loop()
     names, stream = _names(), _stream()
     nc, js = loop.run_until_complete(_setup(stack.nats_url, names, stream))
-    store = FileStore(tmp_path_factory.mktemp("claims"))
+    store = _FlakyStore(tmp_path_factory.mktemp("claims"))
     consumer = loop.run_until_complete(TrajectoryConsumer.bind(js, names, stream, store))
-    yield loop, js, names, consumer
+    yield loop, js, names, consumer, store
     loop.run_until_complete(nc.close())
     loop.close()
 
@@ -336,34 +477,59 @@ KINDS = [
     "lengths_disagree",
     "huge_length",
     "missing_claim",
+    "invalid_claim_key",
+    "foreign_claim",
+    "size_mismatch",
+    "store_down",
+    "out_of_vocab_token",
+    "over_long_sample",
     "random_headers",
 ]
 
 
+async def _last_dead_letter(js, names: RunNames):
+    try:
+        return await js.get_last_msg(names.dead_letter_stream, names.trajectory_dead_letter_subject)
+    except nats.js.errors.NotFoundError:
+        return None
+
+
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 @given(kind=st.sampled_from(KINDS), data=st.data())
 def test_bad_messages_end_in_dead_letters_and_the_consumer_keeps_going(fuzz_env, kind, data):
-    loop, js, names, consumer = fuzz_env
-    tag = uuid.uuid4().hex[:12]
-    headers, body, reasons = _bad_message(kind, data, "bad-group")  # deterministic for hypothesis
+    loop, js, names, consumer, store = fuzz_env
+    msg_id = f"raw-{uuid.uuid4().hex[:12]}"
+    case = _bad_message(kind, data, msg_id, names)
+    wanted = {f"ok-{msg_id}"} | ({msg_id} if case.reasons is None else set())
 
     async def main() -> None:
-        await js.publish(names.trajectory_subject, body, headers={**headers, "Nats-Msg-Id": f"raw-{tag}"})
-        sentinel = _group(f"ok-{tag}")
-        await TrajectoryPublisher(js, names, _stream()).publish(sentinel)
-        got: list[str] = []
-        deadline = time.monotonic() + 10
-        while f"ok-{tag}" not in got:
-            assert time.monotonic() < deadline, "consumer blocked"
+        for key, obj in case.objects.items():
+            store.put(key, obj)
+        store.failures = case.store_failures
+        await js.publish(names.trajectory_subject, case.body, headers={**case.headers, "Nats-Msg-Id": msg_id})
+        await TrajectoryPublisher(js, names, _stream()).publish(_group(f"ok-{msg_id}"))
+        got: dict[str, object] = {}
+        deadline = time.monotonic() + 20
+        while not wanted <= set(got):
+            assert time.monotonic() < deadline, ("consumer blocked", kind, sorted(got))
             batch = await consumer.fetch(timeout_s=0.5)
-            got += [d.group.group_id for d in batch]
+            got.update({d.group.group_id: d for d in batch})
             await consumer.ack([d.seq for d in batch])
-        assert got == [f"ok-{tag}"]  # the bad one never reaches the trainer
-        last = await js.get_last_msg(names.dead_letter_stream, names.trajectory_dead_letter_subject)
-        assert last.headers[H_DLQ_REASON] in reasons, (kind, last.headers)
-        assert last.headers["Leeway-Original-Msg-Id"] == f"raw-{tag}"
-        assert last.data == body or (not body and not last.data)
+        assert set(got) == wanted, kind  # a bad one never reaches the trainer; a transient one does, once
+        last = await _last_dead_letter(js, names)
+        if case.reasons is None:
+            assert last is None or last.headers["Leeway-Original-Msg-Id"] != msg_id, (kind, last.headers)
+            delivery = got[msg_id]
+            assert delivery.num_delivered == case.store_failures + 1 and store.failures == 0
+            np.testing.assert_array_equal(delivery.group.tokens, case.expected.tokens)
+            return
+        assert last.headers[H_DLQ_REASON] in case.reasons, (kind, last.headers)
+        assert last.headers["Leeway-Original-Msg-Id"] == msg_id
+        assert last.data == case.body or (not case.body and not last.data)
 
-    loop.run_until_complete(main())
+    try:
+        loop.run_until_complete(main())
+    finally:
+        store.failures = 0

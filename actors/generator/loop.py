@@ -4,10 +4,10 @@
   prompt queue (JetStream work queue)                                      trajectory stream (JetStream)
       │ take(<= concurrency), short timeout                                          ▲
       ▼                                                                              │ publish (Nats-Msg-Id =
-  Generator.run ─► run_batch: sync ─► generate ─────────────► score ──────────── group id = prompt id)
-      │            (sync_floor)      one engine call for all   score_group per       │ then, only after
-      │            waits on          prompts x group_size      prompt (verifier      ▼ the publish ack:
-      │            WeightSync        (worker thread)           under its timeout)  lease.done()  (ack)
+  Generator.run ─► run_batch: refuse ─► sync ─► generate ──────► score ────────── group id = prompt id)
+      │            unrunnable   (sync_floor)  one engine call for  score_group per   │ then, only after
+      │            (dead-letter  waits on     all prompts x        prompt (Verifier- ▼ the publish ack:
+      │            or nak)       WeightSync   group_size (thread)  Pool, timeout)    lease.done()  (ack)
       │                                  │ in_progress() every heartbeat_s
       │                                  └── aborted (cap crossed / shutdown) ──────► lease.release() (nak)
       ▼
@@ -33,6 +33,14 @@ Invariants and failure behaviour:
 - A prompt is acked only after its group's publish is acknowledged; a generator killed before that
   leaves the prompt to be redelivered after ``stream.prompt_ack_wait_s``, and no partial group exists
   (a group is one message).
+- One prompt fails alone. Before the engine call, a prompt no engine call can take (`checked_prompt_ids`:
+  ids outside the vocabulary, no room in the context) is dead-lettered with its reason, and one admitted
+  at a version the store's LATEST has not reached (left from an earlier run of the same name) is released
+  with a WARNING instead of being waited for. If the batch's engine call fails, each group is generated
+  alone; a prompt whose rollout or publish fails is nak'ed alone. The others are published and acked.
+- Verifiers run on the generator's `VerifierPool` (threads of their own, under
+  ``generator.verifier_timeout_s``): a hung verifier makes its sample an ``infra_error`` and holds no
+  thread that generation or a weight pull needs.
 - A batch with an aborted sample publishes nothing for that prompt and naks it (another generator
   takes it at once). Aborts come from the abort rule (`crosses_cap` in `pipeline/staleness.py`, when
   ``staleness.abort_in_flight``) or from shutdown.
@@ -54,13 +62,20 @@ from tokenizers import Tokenizer
 
 from actors.generator.engines.base import Engine, GenerateResult, SamplingParams
 from actors.generator.metrics import GeneratorMetrics, metered
-from actors.generator.weight_sync import WeightSync
+from actors.generator.weight_sync import WeightSync, unknown_version_message
 from pipeline.config import LeewayConfig
 from pipeline.prompt_queue import PromptLease, PromptQueue
 from pipeline.prompts import Prompt
-from pipeline.rollout import environment_factory, group_requests, prompt_token_ids, run_group, score_group
+from pipeline.rollout import (
+    UnrunnablePrompt,
+    checked_prompt_ids,
+    environment_factory,
+    group_requests,
+    run_group,
+    score_group,
+)
 from pipeline.staleness import crosses_cap, sync_floor
-from pipeline.tasks import Task
+from pipeline.tasks import Task, VerifierPool
 from pipeline.trajectory import Sample, TrajectoryGroup
 from pipeline.transport import TrajectoryPublisher
 
@@ -76,6 +91,12 @@ ABORT_CHECK_S = 0.05
 """How often a running batch checks the abort rule and shutdown."""
 MAX_BATCHES_PUBLISHING = 2
 """Batches whose groups are still being published while the engine already generates the next one."""
+UNKNOWN_VERSION_NAK_DELAY_S = 10.0
+"""Default `Generator.unknown_version_nak_delay_s`: a prompt admitted at a version the store does not have (or
+taken while the store cannot be read) comes back after this long, not in a tight loop."""
+
+Outcome = list[Sample] | BaseException
+"""What a batch's rollout yields per prompt: its group's samples, or the exception that failed it alone."""
 
 
 class Generator:
@@ -95,6 +116,7 @@ class Generator:
         weights: WeightSync,
         metrics: GeneratorMetrics,
         generator_id: str,
+        verifiers: VerifierPool,
     ) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -106,8 +128,10 @@ class Generator:
         self.weights = weights
         self.metrics = metrics
         self.generator_id = generator_id
+        self.verifiers = verifiers
         self.environment = environment_factory(task)
         self.shutdown_grace_s = SHUTDOWN_GRACE_S
+        self.unknown_version_nak_delay_s = UNKNOWN_VERSION_NAK_DELAY_S
         self._generate = metered(engine.generate, metrics)
         self._stop = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()
@@ -139,31 +163,35 @@ class Generator:
         await self._wait_for_publishing(0)
 
     async def run_batch(self, leases: list[PromptLease], *, background_publish: bool = False) -> None:
-        """One batch: sync weights to the batch's floor, generate and score, then publish+ack or nak each prompt.
+        """One batch: refuse what cannot run, sync weights to the batch's floor, generate and score, then
+        publish+ack or nak each prompt on its own.
 
         With `background_publish` the publish+ack phase runs as a task (tracked in `_publishing`) so the
         engine starts the next batch meanwhile; prompts stay heartbeated until their group is acked.
         """
-        prompts = [lease.prompt for lease in leases]
-        heartbeat = asyncio.create_task(self._heartbeat(leases))
+        held = list(leases)  # heartbeated; a prompt refused before the rollout leaves it
+        heartbeat = asyncio.create_task(self._heartbeat(held))
         self.metrics.rollouts_in_flight += len(leases)
         try:
-            if not await self._sync(prompts):
-                await _release(leases)
+            prompt_ids = await self._refuse_unrunnable(held)
+            if held and not await self._sync([lease.prompt for lease in held]):
+                await _release(held)
+                held.clear()
+            if not held:
                 self._batch_done(heartbeat, len(leases))
                 return
             start_s = time.time()
-            groups = await self._rollouts(prompts)
+            outcomes = await self._rollouts([lease.prompt for lease in held], prompt_ids)
             end_s = time.time()
-        except Exception:  # the batch boundary: nothing was acked, so every prompt goes back
-            log.exception("batch of %d prompts failed; returning them to the queue", len(leases))
-            await _release(leases)
+        except Exception:  # the batch boundary: nothing was acked, so every prompt still held goes back
+            log.exception("batch of %d prompts failed; returning them to the queue", len(held))
+            await _release(held)
             self._batch_done(heartbeat, len(leases))
             return
         except BaseException:
             self._batch_done(heartbeat, len(leases))
             raise
-        publish = self._publish_batch(leases, groups, start_s, end_s, heartbeat)
+        publish = self._publish_batch(list(held), outcomes, start_s, end_s, heartbeat, len(leases))
         if background_publish:
             task = asyncio.create_task(publish)
             self._publishing.add(task)
@@ -172,6 +200,64 @@ class Generator:
             await publish
 
     # ---- the steps of a batch -----------------------------------------------------------------------
+
+    async def _refuse_unrunnable(self, held: list[PromptLease]) -> list[list[int]]:
+        """Take out of `held` (in place) every prompt that cannot run; returns the token ids of those left.
+
+        A prompt no engine call can ever take (`checked_prompt_ids`: ids outside the vocabulary, no room in
+        the context) is dead-lettered with its reason; one admitted at a version the store does not have is
+        released (`_unknown_versions`). The rest of the batch goes on without them.
+        """
+        vocab_sizes = [v for v in (self.engine.vocab_size, _tokenizer_vocab_size(self.tokenizer)) if v]
+        runnable: list[tuple[PromptLease, list[int]]] = []
+        for lease in held:
+            try:
+                ids = checked_prompt_ids(
+                    lease.prompt,
+                    self.tokenizer,
+                    vocab_size=min(vocab_sizes) if vocab_sizes else None,
+                    max_context_tokens=self.engine.max_context_tokens,
+                )
+            except UnrunnablePrompt as exc:
+                log.warning("generator %s: %s; dead-lettering it (%s)", self.generator_id, exc, exc.reason)
+                await _reject(lease, exc.reason, exc.detail)
+                continue
+            runnable.append((lease, ids))
+        unknown = await self._unknown_versions([lease for lease, _ in runnable])
+        runnable = [(lease, ids) for lease, ids in runnable if lease not in unknown]
+        held[:] = [lease for lease, _ in runnable]
+        return [ids for _, ids in runnable]
+
+    async def _unknown_versions(self, held: list[PromptLease]) -> list[PromptLease]:
+        """Release and return the prompts admitted at a version the store's LATEST has not reached.
+
+        A trainer publishes a version (LATEST included) before it admits prompts at it, so such a prompt
+        was admitted by another run under the same name (a prompt stream kept, the store wiped): waiting
+        for its version would hold it forever. It is nak'ed after `unknown_version_nak_delay_s` (and, past
+        ``stream.prompt_max_deliver``, dead-lettered by the queue), with a WARNING that says what to do.
+        """
+        newest_admitted = max((lease.prompt.policy_version for lease in held), default=-1)
+        if newest_admitted <= self.weights.newest_known:
+            return []
+        try:
+            latest = await self.weights.poll_once()
+        except Exception:  # the store is away: do not sit on the prompts while it is
+            log.warning(
+                "reading the store's LATEST failed; returning %d prompts to the queue", len(held), exc_info=True
+            )
+            await _release(held, self.unknown_version_nak_delay_s)
+            return list(held)
+        have = max(self.weights.newest_known, -1 if latest is None else latest)
+        unknown = [lease for lease in held if lease.prompt.policy_version > have]
+        if unknown:
+            log.warning(
+                "%s; returning %d prompts (e.g. %s) to the queue",
+                unknown_version_message(self.cfg.run.name, "prompts admitted at", newest_admitted, latest),
+                len(unknown),
+                unknown[0].prompt.prompt_id,
+            )
+            await _release(unknown, self.unknown_version_nak_delay_s)
+        return unknown
 
     async def _sync(self, prompts: Sequence[Prompt]) -> bool:
         """Bring the engine to the batch's sync floor (`pipeline/staleness.py`); False if shutdown came first."""
@@ -182,13 +268,13 @@ class Generator:
         )
         return await self._until_stop(self.weights.ensure(floor))
 
-    async def _rollouts(self, prompts: list[Prompt]) -> list[list[Sample]]:
-        """Every group of the batch, generated and scored while `_watch_abort` may abort the engine."""
+    async def _rollouts(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> list[Outcome]:
+        """Every group of the batch, generated and scored while `_watch_abort` may abort the engine; a
+        prompt whose rollout failed gets its exception in place of its samples."""
         watch = asyncio.create_task(self._watch_abort(self.weights.engine_version))
         try:
             if self.environment is not None:
                 return await self._episodes(prompts)
-            prompt_ids = [prompt_token_ids(p, self.tokenizer) for p in prompts]
             results = await self._generate_groups(prompts, prompt_ids)
             return await self._score(prompts, prompt_ids, results)
         finally:
@@ -196,37 +282,58 @@ class Generator:
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
 
-    async def _generate_groups(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> list[list[GenerateResult]]:
-        """One engine call for all groups (concurrency x group_size requests), split back into groups."""
+    async def _generate_groups(
+        self, prompts: list[Prompt], prompt_ids: list[list[int]]
+    ) -> list[list[GenerateResult] | BaseException]:
+        """One engine call for all groups (concurrency x group_size requests), split back into groups.
+
+        If that call fails, each group is generated alone, so one prompt that breaks the engine fails alone.
+        """
         group_size = self.cfg.advantages.group_size
         requests = [
             request
             for prompt, ids in zip(prompts, prompt_ids, strict=True)
             for request in group_requests(ids, group_size, group_id=prompt.prompt_id)
         ]
-        results = await asyncio.to_thread(self._generate, requests, self.sampling)
+        try:
+            results = await asyncio.to_thread(self._generate, requests, self.sampling)
+        except Exception as exc:
+            if len(prompts) == 1:
+                return [exc]
+            log.warning("engine call for %d prompts failed; generating each alone", len(prompts), exc_info=True)
+            return [await self._generate_one(prompt, ids) for prompt, ids in zip(prompts, prompt_ids, strict=True)]
         return [results[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
 
+    async def _generate_one(self, prompt: Prompt, prompt_ids: list[int]) -> list[GenerateResult] | BaseException:
+        requests = group_requests(prompt_ids, self.cfg.advantages.group_size, group_id=prompt.prompt_id)
+        try:
+            return await asyncio.to_thread(self._generate, requests, self.sampling)
+        except Exception as exc:
+            return exc
+
     async def _score(
-        self, prompts: list[Prompt], prompt_ids: list[list[int]], results: list[list[GenerateResult]]
-    ) -> list[list[Sample]]:
-        """Each group scored by `score_group` (the task's verifier under `generator.verifier_timeout_s`)."""
-        scored = (
-            score_group(
+        self, prompts: list[Prompt], prompt_ids: list[list[int]], results: list[list[GenerateResult] | BaseException]
+    ) -> list[Outcome]:
+        """Each group scored by `score_group` (the task's verifier on the `VerifierPool`, under its timeout)."""
+
+        async def score(prompt: Prompt, ids: list[int], group: list[GenerateResult] | BaseException) -> list[Sample]:
+            if isinstance(group, BaseException):
+                raise group
+            return await score_group(
                 self.task,
                 prompt,
                 ids,
-                group_results,
+                group,
                 self.sampling,
                 tokenizer=self.tokenizer,
                 group_id=prompt.prompt_id,
-                verifier_timeout_s=self.cfg.generator.verifier_timeout_s,
+                verifiers=self.verifiers,
             )
-            for prompt, ids, group_results in zip(prompts, prompt_ids, results, strict=True)
-        )
-        return list(await asyncio.gather(*scored))
 
-    async def _episodes(self, prompts: list[Prompt]) -> list[list[Sample]]:
+        scored = (score(*args) for args in zip(prompts, prompt_ids, results, strict=True))
+        return list(await asyncio.gather(*scored, return_exceptions=True))
+
+    async def _episodes(self, prompts: list[Prompt]) -> list[Outcome]:
         """Multi-turn groups: `run_group` per prompt, its episodes calling the engine once per turn."""
         assert self.environment is not None
         groups = (
@@ -238,39 +345,49 @@ class Generator:
                 self.sampling,
                 self.environment,
                 tokenizer=self.tokenizer,
-                verifier_timeout_s=self.cfg.generator.verifier_timeout_s,
+                verifiers=self.verifiers,
                 group_id=prompt.prompt_id,
             )
             for prompt in prompts
         )
-        return list(await asyncio.gather(*groups))
+        return list(await asyncio.gather(*groups, return_exceptions=True))
 
     async def _publish_batch(
         self,
         leases: list[PromptLease],
-        groups: list[list[Sample]],
+        outcomes: list[Outcome],
         start_s: float,
         end_s: float,
         heartbeat: asyncio.Task[None],
+        num_in_flight: int,
     ) -> None:
-        """Publish+ack every group; a prompt whose group failed to publish goes back to the queue."""
+        """Publish+ack every group; a prompt whose rollout or publish failed goes back to the queue alone."""
         try:
-            outcomes = await asyncio.gather(
-                *(self._publish(lease, samples, start_s, end_s) for lease, samples in zip(leases, groups, strict=True)),
+            published = await asyncio.gather(
+                *(self._publish(lease, out, start_s, end_s) for lease, out in zip(leases, outcomes, strict=True)),
                 return_exceptions=True,
             )
-            failed = [lease for lease, r in zip(leases, outcomes, strict=True) if isinstance(r, BaseException)]
-            for lease, r in zip(leases, outcomes, strict=True):
-                if isinstance(r, BaseException):
+            failed = []
+            for lease, outcome, result in zip(leases, outcomes, published, strict=True):
+                error = outcome if isinstance(outcome, BaseException) else result
+                if isinstance(error, BaseException):
                     log.error(
-                        "group %s not published; its prompt goes back to the queue", lease.prompt.prompt_id, exc_info=r
+                        "group %s not published (its %s failed); its prompt goes back to the queue",
+                        lease.prompt.prompt_id,
+                        "rollout" if error is outcome else "publish",
+                        exc_info=error,
                     )
+                    failed.append(lease)
             await _release(failed)
         finally:
-            self._batch_done(heartbeat, len(leases))
+            self._batch_done(heartbeat, num_in_flight)
 
-    async def _publish(self, lease: PromptLease, samples: list[Sample], start_s: float, end_s: float) -> None:
-        """Publish the group, then ack its prompt; an aborted group is never published and its prompt nak'ed."""
+    async def _publish(self, lease: PromptLease, outcome: Outcome, start_s: float, end_s: float) -> None:
+        """Publish the group, then ack its prompt; an aborted group is never published and its prompt nak'ed.
+        A failed rollout publishes nothing (its caller naks the prompt)."""
+        if isinstance(outcome, BaseException):
+            return
+        samples = outcome
         if any(s.status == "aborted" for s in samples):
             self.metrics.group_aborted()
             await _release([lease])
@@ -351,7 +468,7 @@ class Generator:
         """`in_progress` on every held prompt each `generator.heartbeat_s` (a background loop we own)."""
         while True:
             await asyncio.sleep(self.cfg.generator.heartbeat_s)
-            for lease in leases:
+            for lease in list(leases):
                 try:
                     await lease.in_progress()
                 except Exception:
@@ -390,12 +507,26 @@ class Generator:
         )
 
 
-async def _release(leases: Sequence[PromptLease]) -> None:
-    """Nak prompts so another generator takes them at once; a failed nak just means ack-wait redelivery."""
+async def _release(leases: Sequence[PromptLease], delay_s: float | None = None) -> None:
+    """Nak prompts so another generator takes them (at once, or after `delay_s`); a failed nak just means
+    ack-wait redelivery."""
     for lease in leases:
         try:
-            await lease.release()
+            await lease.release(delay_s)
         except Exception:
             log.warning(
                 "nak of prompt %s failed; it comes back after the ack wait", lease.prompt.prompt_id, exc_info=True
             )
+
+
+async def _reject(lease: PromptLease, reason: str, detail: str) -> None:
+    """Dead-letter a prompt that can never run; if even that fails, it comes back after the ack wait."""
+    try:
+        await lease.reject(reason, detail)
+    except Exception:
+        log.warning("dead-lettering prompt %s failed", lease.prompt.prompt_id, exc_info=True)
+
+
+def _tokenizer_vocab_size(tokenizer: Tokenizer) -> int | None:
+    get = getattr(tokenizer, "get_vocab_size", None)
+    return int(get()) if callable(get) else None

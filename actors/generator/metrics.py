@@ -34,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.announce import GENERATOR_REPORT_INTERVAL_S
 from pipeline.rollout import Generate, GenerateRequest, GenerateResult, SamplingParams
 
 METRICS_SCHEMA_VERSION = 1
 """Bumped when a field of the report changes meaning or disappears."""
-REPORT_INTERVAL_S = 2.0
-"""How often a generator publishes a metrics report."""
+REPORT_INTERVAL_S = GENERATOR_REPORT_INTERVAL_S
+"""How often a generator publishes a metrics report (shared with the trainer, which expires old reports)."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ```
   leeway generator CONFIG ─► main (logging, torch threads, SIGINT/SIGTERM -> stop)
-      └─► serve ─► GeneratorRuntime.open: object store, task + tokenizer, engine, NATS (one connect,
+      └─► serve ─► GeneratorRuntime.open: object store, task + tokenizer, engine, verifier pool, NATS (one connect,
                    `actors.endpoints.connect_nats`), trajectory streams + prompt queue, WeightSync
                    │   background: WeightSync.run (KV watch + LATEST poll, pulls)
                    │   background: report_metrics (a JSON report every REPORT_INTERVAL_S)
@@ -43,7 +43,7 @@ from pipeline.announce import generator_metrics_subject, version_kv, watch_annou
 from pipeline.config import LeewayConfig
 from pipeline.names import RunNames
 from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue
-from pipeline.tasks import get_task
+from pipeline.tasks import VERIFIER_THREADS, VerifierPool, get_task
 from pipeline.transport import TrajectoryPublisher, ensure_trajectory_streams
 from storage.weights import WeightSubscriber
 
@@ -116,6 +116,8 @@ class GeneratorRuntime:
             queue = PromptQueue(js, names, cfg.stream)
             opened.push_async_callback(_close_logged, "the prompt queue", queue.close)
             kv = await version_kv(js, names) if cfg.weights.announce else None
+            verifiers = VerifierPool(timeout_s=cfg.generator.verifier_timeout_s, num_threads=VERIFIER_THREADS)
+            opened.callback(verifiers.close)
             metrics = GeneratorMetrics(generator_id)
             weights = _weight_sync(cfg, subscriber, engine, metrics, kv)
             generator = Generator(
@@ -129,6 +131,7 @@ class GeneratorRuntime:
                 weights=weights,
                 metrics=metrics,
                 generator_id=generator_id,
+                verifiers=verifiers,
             )
             background = [
                 asyncio.create_task(weights.run()),
@@ -148,6 +151,7 @@ def _weight_sync(
         poll_interval_s=cfg.generator.poll_interval_s,
         update_mode=cfg.generator.update_mode,
         announcements=None if kv is None else lambda: watch_announcements(kv),
+        run_name=cfg.run.name,
     )
 
 

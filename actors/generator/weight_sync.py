@@ -13,7 +13,11 @@
 ```
 
 - Two sources of news: the KV announcement wakes us within milliseconds; the LATEST poll every
-  ``generator.poll_interval_s`` works without it. Either only raises `newest_known`.
+  ``generator.poll_interval_s`` works without it. Either only raises `newest_known`, and only to a version
+  the store has: an announcement is a doorbell, checked against a fresh read of LATEST (the trainer writes
+  the KV key after LATEST). An announced version past LATEST (a KV bucket left from an earlier run of the
+  same name whose store was wiped) is ignored with a WARNING saying so and how to fix it, instead of
+  being waited for forever.
 - ``update_mode = in_flight``: a version learned while a rollout runs is pulled and applied at once;
   the engine swaps between two decode steps. ``between_rollouts``: the generator calls `catch_up`
   between batches only.
@@ -49,6 +53,18 @@ RETRY_S = 1.0
 """Pause after a failed poll or pull before the next attempt."""
 WAIT_LOG_INTERVAL_S = 30.0
 """While waiting for a first version (no trainer yet), log this often."""
+
+
+def unknown_version_message(run_name: str, what: str, version: int, latest: int | None) -> str:
+    """The WARNING for a version the NATS side names but the store does not have, with the fix."""
+    return (
+        f"run {run_name!r}: {what} version {version}, but the weight store's LATEST is "
+        f"{'missing' if latest is None else latest}: the store has no such version. The run's NATS streams "
+        f"or KV bucket are left from an earlier run with the same name (store wiped, NATS kept), or this "
+        f"generator's store.url is not the trainer's. Fix: stop the run's roles and purge its streams and KV "
+        f"bucket (`leeway purge CONFIG --yes`), or use a new run.name"
+    )
+
 
 UpdateMode = Literal["in_flight", "between_rollouts"]
 
@@ -107,6 +123,7 @@ class WeightSync:
         poll_interval_s: float,
         update_mode: UpdateMode,
         announcements: Callable[[], AsyncIterator[tuple[int, float]]] | None = None,
+        run_name: str = "",
     ) -> None:
         self._source = source
         self._engine = engine
@@ -114,6 +131,8 @@ class WeightSync:
         self._poll_interval_s = poll_interval_s
         self._update_mode = update_mode
         self._announcements = announcements
+        self._run_name = run_name
+        self._unknown_announced: set[int] = set()
         self.newest_known = -1
         self._learned_at_s: dict[int, float] = {}
         self._news = asyncio.Event()
@@ -166,12 +185,35 @@ class WeightSync:
         while True:
             try:
                 async for version, published_at_s in self._announcements():
-                    self.learn(version, published_at_s)
+                    await self.announced(version, published_at_s)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the doorbell is an optimisation: polling still works
                 log.exception("watching version announcements failed; retrying in %.1f s", RETRY_S)
             await asyncio.sleep(RETRY_S)
+
+    async def announced(self, version: int, published_at_s: float | None = None) -> None:
+        """A KV announcement: learn it once a fresh LATEST shows the store has it; else warn (once per version).
+
+        A failed LATEST read leaves the version to the poll loop."""
+        if version <= self.newest_known:
+            return
+        try:
+            latest = await asyncio.to_thread(self._source.latest)
+        except Exception:
+            log.warning("reading LATEST after announcement of version %d failed; the poll retries", version)
+            return
+        if latest is not None and latest >= version:
+            self.learn(latest, published_at_s if latest == version else None)
+            return
+        if latest is not None:
+            self.learn(latest)
+        if version not in self._unknown_announced:
+            self._unknown_announced.add(version)
+            log.warning(
+                "%s; ignoring the announcement",
+                unknown_version_message(self._run_name, "KV announces", version, latest),
+            )
 
     # ---- applying versions -----------------------------------------------------------------------
 

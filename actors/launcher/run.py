@@ -17,7 +17,15 @@ Invariants:
   process, which then stops the roles in order: generators first (their held prompts go back to the
   queue), then the trainer (it finishes or abandons its step and checkpoints), each with SIGTERM
   and, after `STOP_TIMEOUT_S` (or at once on a second Ctrl-C), SIGKILL to its whole group.
+- Nothing outlives this process, even when it is SIGKILLed: the roles get SIGTERM from the kernel when
+  it dies (Linux parent-death signal) and also watch its pid themselves (`LEEWAY_PARENT_PID`,
+  `infra.process.watch_parent`: SIGTERM, then SIGKILL after `ORPHAN_GRACE_S`); the servers of a
+  private stack get SIGKILL (`infra.process.tied_to_this_process`). Roles and the private stack are
+  spawned from the main thread, which lives until everything is stopped.
 - A stack started here is stopped here; a stack found running is left running.
+- `run.dir` gets a marker file (`RUN_MARKER`) when this module creates it; `--fresh` deletes only a
+  directory holding it, never the working directory, home or `/` (or a parent of them), and stops
+  the private stack recorded in it first.
 - The run ends when the trainer exits, when all of this run's generators have exited while no other
   generator reports (nothing could make progress), or on Ctrl-C / SIGTERM / SIGHUP (`interrupted`).
 """
@@ -43,7 +51,7 @@ from typing import Any
 from actors.endpoints import connect_nats, private_stack_dir, stack_bucket
 from actors.launcher.live_view import LiveView
 from actors.launcher.report import write_report
-from infra.process import StackError
+from infra.process import PARENT_PID_ENV, StackError, die_with_parent, tied_to_this_process
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
 from pipeline.names import RunNames
@@ -58,6 +66,8 @@ QUEUE_POLL_S = 1.0
 """How often the queue depths are read from NATS."""
 LOG_TAIL_LINES = 15
 """Lines of a failed role's log printed at the end."""
+RUN_MARKER = ".leeway-run"
+"""Written into every run directory `leeway run` creates; `--fresh` deletes only a directory holding it."""
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -72,6 +82,10 @@ def _say(text: str) -> None:
 
 class RunDirInUse(RuntimeError):
     """run.dir holds an earlier run; `--fresh` deletes it."""
+
+
+class RunDirRefused(RunDirInUse):
+    """`--fresh` will not delete run.dir: it is not a run directory Leeway created, or it is a protected one."""
 
 
 @dataclass
@@ -188,31 +202,88 @@ def split_threads(num_generators: int, cores: int | None = None) -> tuple[int, i
 def spawn_role(
     role: str, config_path: Path, overrides: list[str], log_path: Path, threads: int, name: str | None = None
 ) -> RoleProcess:
-    """Start `leeway <role> CONFIG` as its own session (process group), its threads pinned by env and config."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    """Start `leeway <role> CONFIG` as its own session (process group), its threads pinned by env and config.
+
+    The role dies with this process: SIGTERM from the kernel (Linux), and its own watchdog on our pid.
+    Call it from a thread that outlives the role (the parent-death signal fires when that thread exits).
+    """
+    env = dict(
+        os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **{PARENT_PID_ENV: str(os.getpid())}
+    )
     argv = [sys.executable, "-m", "actors.cli", role, str(config_path)]
     for item in overrides:
         argv += ["--set", item]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:  # the child keeps its own copy of the handle
         popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGTERM),
         )
     return RoleProcess(name or role, popen, log_path)
 
 
 def prepare_run_dir(cfg: LeewayConfig, fresh: bool) -> Path:
-    """The run directory, emptied first with `fresh`; an earlier run is never silently mixed in."""
+    """The run directory, emptied first with `fresh`; an earlier run is never silently mixed in.
+
+    A directory created here (or found empty) gets `RUN_MARKER`. Raises `RunDirInUse` when it holds an
+    earlier run and `fresh` is false, `RunDirRefused` when `fresh` may not delete it.
+    """
     run_dir = cfg.run.run_dir
-    if fresh and run_dir.exists():
-        shutil.rmtree(run_dir)
+    if fresh and (run_dir.exists() or run_dir.is_symlink()):
+        delete_run_dir(run_dir)
     elif (run_dir / "metrics.jsonl").exists():
         raise RunDirInUse(
             f"{run_dir} holds an earlier run (metrics.jsonl); pass --fresh to delete it, or choose "
             f"another directory with --set run.dir=... (and a new run.name if the servers are shared)"
         )
+    new = not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir()))
     run_dir.mkdir(parents=True, exist_ok=True)
+    if new:
+        (run_dir / RUN_MARKER).write_text("created by `leeway run`; `leeway run --fresh` may delete this directory\n")
     return run_dir
+
+
+def protected_reason(path: Path) -> str | None:
+    """Why `path` must never be deleted whole (the working directory, home, `/`, or a parent of them), or None."""
+    resolved = path.resolve()
+    if resolved == Path(resolved.anchor):
+        return "the filesystem root"
+    for what, guarded in (("the working directory", Path.cwd()), ("the home directory", Path.home())):
+        guarded = guarded.resolve()
+        if resolved == guarded:
+            return f"{what} ({guarded})"
+        if resolved in guarded.parents:
+            return f"a parent of {what} ({guarded})"
+    return None
+
+
+def delete_run_dir(run_dir: Path) -> None:
+    """`--fresh`: stop the private stack recorded in `run_dir`, then delete the directory.
+
+    Only a real directory holding `RUN_MARKER` is deleted, and never a protected one (`protected_reason`);
+    an empty directory without the marker is kept (there is nothing to delete). Raises `RunDirRefused`.
+    """
+    reason = protected_reason(run_dir)
+    if reason is not None:
+        raise RunDirRefused(
+            f"--fresh refuses to delete {run_dir}: it is {reason}; set run.dir to a directory of its own"
+        )
+    if run_dir.is_symlink() or not run_dir.is_dir():
+        raise RunDirRefused(f"--fresh refuses to delete {run_dir}: not a directory (a link or a file)")
+    if not (run_dir / RUN_MARKER).is_file():
+        if not any(run_dir.iterdir()):
+            return
+        raise RunDirRefused(
+            f"--fresh deletes only a run directory `leeway run` created (it holds {RUN_MARKER}); {run_dir} "
+            f"has none: delete it yourself, or choose another directory with --set run.dir=..."
+        )
+    stop_stack(run_dir / "stack", timeout_s=STACK_STOP_TIMEOUT_S)  # e.g. left running by a killed run
+    shutil.rmtree(run_dir)
 
 
 def generator_ids(num_generators: int) -> list[str]:
@@ -410,7 +481,8 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
         try:
             stack_started = private_stack_dir(cfg, run_dir)
             if stack_started is not None:  # set first: an interrupted start is stopped too
-                start_stack(stack_started, bucket=stack_bucket(cfg))
+                with tied_to_this_process():  # the servers die with this process, even on SIGKILL
+                    start_stack(stack_started, bucket=stack_bucket(cfg))
                 cfg.nats.stack_dir = str(stack_started)
             start_fleet(cfg, run_dir, num_generators, [], fleet)
             probe = QueueProbe(cfg).start()
@@ -477,6 +549,9 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     except RunDirInUse as exc:
         print(f"leeway run: {exc}", file=sys.stderr)
         return 2
+    except StackError as exc:
+        print(f"leeway run: --fresh could not stop the earlier run's stack: {exc}", file=sys.stderr)
+        return 1
     view = LiveView(cfg, num_generators, plain=getattr(args, "no_live", False))
     try:
         with view:

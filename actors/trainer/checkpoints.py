@@ -52,6 +52,13 @@ class TrainerState:
     resumed trainer re-reads from `consumed_seq + 1`. `handled_group_ids` are the most recent
     handled group ids (a superset of those handled since the previous checkpoint), so that a
     group delivered twice, or stored twice in the stream, is trained once.
+
+    Admission slots (`pipeline/staleness.py`): `admitted - trained_groups - discarded_groups -
+    dead_lettered_groups` groups are outstanding. `discarded_groups` counts the groups the trainer
+    dropped or refused itself; `dead_lettered_groups` the prompts and groups dead-lettered before
+    they reached it, read from the dead-letter stream up to `dead_letter_seq`
+    (`actors/trainer/slots.py`). `lost_to_retention` counts trajectory-stream sequences that
+    retention removed before the trainer read them (a resume past the stream's first sequence).
     """
 
     step: int = 0
@@ -62,6 +69,9 @@ class TrainerState:
     consumed_seq: int = 0
     handled_group_ids: list[str] = field(default_factory=list)
     dropped_by_cap_total: int = 0
+    dead_letter_seq: int = 0
+    dead_lettered_groups: int = 0
+    lost_to_retention: int = 0
     state_format: int = STATE_FORMAT
 
     def to_json(self) -> bytes:

@@ -2,11 +2,14 @@
 
 ```
    session.admit ──► prompts (work queue), as many as `admissible_prompts` allows: (S+K+1)·B groups in all
-                     (id "<task id>.<i>", policy_version = V; S = steps taken; a replay admits nothing)
-   session.fetch ──► collect_batch ── dedupe by group id ── cap at session.cap_version ── validity ── GRPO/RLOO
-   (live: a catch-up     │                                 └─ untrainable: dropped with a reason, counted
-    range after --resume,▼
-    then the durable   train_on_batch ── backend.train_step(loss_fn = corrected objective at V)
+                     (id "<task id>.<i>", policy_version = V; S = steps taken; a replay admits nothing;
+                     slots of dead-lettered prompts/groups come back first: `slots.py`)
+   session.fetch ──► collect_batch ── dedupe by group id ── door: ids < vocab, length <= context ── cap at
+   (live: a catch-up     │            session.cap_version ── validity ── GRPO/RLOO
+    range after --resume,│            └─ refused at the door: dead-lettered (live) or skipped (catch-up,
+    then the durable     │               replay); untrainable: dropped with a reason; both acked at once, counted
+                         ▼
+                       train_on_batch ── backend.train_step(loss_fn = corrected objective at V)
     consumer; replay:    ▼
     a recorded range)  session.publish ── live: WeightPublisher parts, manifest, LATEST ── KV announcement
                          ▼
@@ -22,15 +25,30 @@ from admitted prompts; while it waits it re-checks admission, so a dropped group
 at once. `trainer.queue_wait_timeout_s` without a trainable group ends the run with an error.
 
 Invariants and failure behaviour:
-- Groups are acked only after the version trained on them is published and announced, so a
-  trainer killed mid-step gets them again. Delivery is at-least-once; the record of handled group
-  ids (`RecentIds`, persisted in checkpoints) makes each group trained or dropped once.
+- Trainable groups are acked only after the version trained on them is published and announced,
+  so a trainer killed mid-step gets them again. Delivery is at-least-once; the record of handled
+  group ids (`RecentIds`, persisted in checkpoints) makes each group trained or dropped once.
+- A group that will not train (refused at the door, capped, filtered, invalid, or a duplicate of a
+  handled one) is acked (or dead-lettered) as soon as it is decided, so it is not redelivered while
+  a slow batch fills, and its admission slot comes back at once (`pending_dropped`). Its id joins
+  `handled` and the counters only at the commit of its step, with the trainable groups, so that a
+  checkpoint's `handled`, counters and watermark always describe the same committed steps. The
+  watermark stays right: `consumed_seq` is the highest sequence of a committed step, so an early
+  acked group of a step that never committed (killed, stopped, crashed) lies after it; a resume
+  re-reads it in the catch-up (the stream keeps acked messages) and decides it again, once. It was
+  never trained, so nothing is trained twice; within a session the open batch dedupes it by id.
+- An exception the loop cannot handle is logged and a final checkpoint is written before the
+  trainer exits non-zero (`main` returns 1), unless the exception came from inside the optimizer
+  step: then the weights are in an unknown state and the previous checkpoint stands. If the step
+  had been taken (the failure came while publishing), its groups are recorded as handled in that
+  checkpoint, since its weights hold their training; unacked, they come back and are deduped.
 - `--resume` (1) loads the newest complete checkpoint (none: the initial weights at step 0);
   (2) publishes its weights as a new full version after the newest published one (LATEST, or a
   manifest past it when a trainer died between writing the two), so versions never go backward;
   the manifest's `parent_version` is the version published before it; (3) moves the metrics of
   the lost steps to `metrics.rolled_back.jsonl`; (4) re-reads the stream from the checkpoint's
-  watermark (`consumed_seq + 1`) to its current end before returning to the durable consumer.
+  watermark (`consumed_seq + 1`) to its current end before returning to the durable consumer
+  (groups retention removed before that start are logged and counted, `groups/lost_to_retention`).
   The groups whose training was lost (acked after the checkpoint) are thus trained again, once.
   Their staleness is counted against the new version as usual (a resume makes them one version
   staler; the importance ratio is unaffected, it uses the recorded behaviour log-probs).
@@ -61,9 +79,17 @@ from actors.trainer.checkpoints import RecentIds, TrainerState
 from actors.trainer.metrics_log import MetricsLog
 from actors.trainer.objective import CorrectedObjective
 from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, Session, build_weight_publisher
-from pipeline.batching import GroupPolicy, PreparedGroup, TrainSequence, prepare_group
+from actors.trainer.slots import slots_to_return
+from pipeline.batching import GroupPolicy, ModelLimits, PreparedGroup, TrainSequence, check_model_limits, prepare_group
 from pipeline.config import LeewayConfig
-from pipeline.step_metrics import merge_loss_stats, reward_metrics, sample_counts, staleness_metrics, timing_split
+from pipeline.step_metrics import (
+    merge_loss_stats,
+    refusal_metrics,
+    reward_metrics,
+    sample_counts,
+    staleness_metrics,
+    timing_split,
+)
 from pipeline.tasks import get_task
 from pipeline.transport import Delivery, ReplaySelection
 
@@ -83,15 +109,21 @@ class Batch:
 
     trainable: list[PreparedGroup] = field(default_factory=list)
     consumed: list[PreparedGroup] = field(default_factory=list)
+    refused: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Group id -> (reason, detail) of the groups refused at the door (not in `consumed`)."""
     seqs: list[int] = field(default_factory=list)
-    """Stream sequences of every delivery, duplicates included (all are acked at commit)."""
+    """Stream sequences of every delivery, duplicates included (the rest are acked at commit)."""
     received_at_s: dict[str, float] = field(default_factory=dict)
     duplicates: int = 0
     wait_s: float = 0.0
 
     @property
     def num_dropped(self) -> int:
-        return len(self.consumed) - len(self.trainable)
+        """Groups of this batch that will not train (dropped or refused): their slots are free."""
+        return len(self.consumed) - len(self.trainable) + len(self.refused)
+
+    def handled_ids(self) -> list[str]:
+        return [p.group_id for p in self.consumed] + list(self.refused)
 
 
 class StopRequested(Exception):
@@ -123,38 +155,83 @@ class Trainer:
             estimator=cfg.advantages.estimator,
             std_normalize=cfg.advantages.std_normalize,
         )
+        self.limits: ModelLimits = backend.model_limits()
+        """What a group must fit to reach `train_step` (checked at the door, `_take`)."""
         self.metrics: MetricsLog | None = None
         """Opened once the session has started: a resume first rolls back the records of lost steps."""
         self.queue_depth: int | None = None
         self.started_at_s = time.time()
         self._last_wait_report_s = time.monotonic()
+        self._in_optimizer_step = False
+        """True while `train_step` runs: a failure then leaves the weights unknown (no final checkpoint)."""
+        self._uncommitted: Batch | None = None
+        """The batch whose optimizer step was taken but not yet committed (see `_checkpoint_after_failure`)."""
 
     # ------------------------------------------------------------------------------------------ loop
 
     async def run(self) -> int:
+        """The loop; returns 0 at max_steps, at a stop request or at the end of a replay. Any other
+        exception is logged, a final checkpoint written (`_checkpoint_after_failure`), then re-raised."""
         try:
             self.state = await self.session.start()
             self.handled = RecentIds(self.state.handled_group_ids)
             self.metrics = MetricsLog(self.cfg, self.session.metrics_path)
             try:
-                while self.state.step < self.cfg.trainer.max_steps and not self.stop.is_set():
-                    await self.session.admit(self.state)
-                    batch = await self.collect_batch()
-                    if batch is None:
-                        break
-                    version = self.session.current_version(self.state.version)
-                    result, compute_s = await self.train_on_batch(batch, version)
-                    publish_s = await self.publish_version()
-                    await self.commit(batch)
-                    self.write_metrics(batch, result, version, compute_s, publish_s)
-                    await self.session.checkpoint(self.state, self.handled, final=False)
+                await self._steps()
             except StopRequested:
                 log.info("stop requested: abandoning the current step; its groups are given back")
                 await self.session.give_back()
+            except Exception as exc:
+                log.error("trainer failed at step %d: %s: %s", self.state.step, type(exc).__name__, exc)
+                await self._checkpoint_after_failure()
+                raise
             await self.session.checkpoint(self.state, self.handled, final=True)
         finally:
             await self.close()
         return 0
+
+    async def _steps(self) -> None:
+        while self.state.step < self.cfg.trainer.max_steps and not self.stop.is_set():
+            await self.admit()
+            batch = await self.collect_batch()
+            if batch is None:
+                return
+            version = self.session.current_version(self.state.version)
+            result, compute_s = await self.train_on_batch(batch, version)
+            self._uncommitted = batch
+            publish_s = await self.publish_version()
+            await self.commit(batch)
+            self.write_metrics(batch, result, version, compute_s, publish_s)
+            await self.session.checkpoint(self.state, self.handled, final=False)
+
+    async def _checkpoint_after_failure(self) -> None:
+        """Write a final checkpoint if the state describes the weights (see the module docstring); never raises."""
+        if self._in_optimizer_step:
+            log.error("the failure came inside the optimizer step: weights unknown, the last checkpoint stands")
+            return
+        try:
+            if self._uncommitted is not None:  # the weights hold this step: record its groups as handled
+                self._record(self._uncommitted)
+            await self.session.give_back()
+            await self.session.checkpoint(self.state, self.handled, final=True)
+        except Exception:  # a boundary we own: the original error is the one to report
+            log.exception("final checkpoint after the failure could not be written")
+
+    async def admit(self, batch: Batch | None = None) -> None:
+        """Return the slots of prompts and groups dead-lettered elsewhere (`slots.py`), then admit prompts."""
+        entries = await self.session.new_dead_letters(self.state)
+        if entries:
+            in_batch = batch.received_at_s if batch is not None else {}
+            returned = slots_to_return(
+                entries, admitted=self.state.admitted, is_known=lambda g: g in self.handled or g in in_batch
+            )
+            self.handled.add_all(returned)
+            self.state.dead_lettered_groups += len(returned)
+            if returned:
+                log.info(
+                    "%d admission slots returned for dead-lettered prompts/groups: %s", len(returned), returned[:8]
+                )
+        await self.session.admit(self.state, pending_dropped=batch.num_dropped if batch is not None else 0)
 
     async def collect_batch(self) -> Batch | None:
         """Fill a batch of `trainer.batch_groups` trainable groups; None when a replay has run out."""
@@ -166,7 +243,7 @@ class Trainer:
             deliveries = await self.session.fetch(max_groups=need - len(batch.trainable), timeout_s=FETCH_TIMEOUT_S)
             trainable_before = len(batch.trainable)
             for delivery in deliveries:
-                self._take(delivery, batch)
+                await self._take(delivery, batch)
             now = time.monotonic()
             if len(batch.trainable) > trainable_before:
                 last_progress = now
@@ -182,7 +259,7 @@ class Trainer:
 
     async def _while_waiting(self, batch: Batch, idle_s: float) -> None:
         """No group arrived: refill admission, keep held groups from redelivery, say why we wait, give up late."""
-        await self.session.admit(self.state, pending_dropped=batch.num_dropped)
+        await self.admit(batch)
         now = time.monotonic()
         if now - self._last_wait_report_s > WAIT_LOG_EVERY_S:
             self._last_wait_report_s = now
@@ -199,14 +276,36 @@ class Trainer:
                 f"(trainer.queue_wait_timeout_s); are generators running for run {self.cfg.run.name!r}?"
             )
 
-    def _take(self, delivery: Delivery, batch: Batch) -> None:
-        """Dedupe, then cap / validity / advantages (`pipeline/batching.py`) for one delivered group."""
+    async def _take(self, delivery: Delivery, batch: Batch) -> None:
+        """Dedupe, the door, then cap / validity / advantages (`pipeline/batching.py`) for one delivered group.
+
+        A group that will not train is acked (refused: dead-lettered) now; see the module docstring."""
         group = delivery.group
         batch.seqs.append(delivery.seq)
-        if group.group_id in self.handled or group.group_id in batch.received_at_s:
-            batch.duplicates += 1  # at-least-once delivery: handled already; acked with this batch
+        if group.group_id in self.handled:
+            batch.duplicates += 1  # at-least-once delivery: decided in a committed step
+            await self.session.ack([delivery.seq])
+            return
+        if group.group_id in batch.received_at_s:
+            batch.duplicates += 1  # redelivered while this batch fills: treated as its first copy was
+            if group.group_id in batch.refused:
+                await self.session.refuse(delivery, *batch.refused[group.group_id])
+            elif all(p.group_id != group.group_id for p in batch.trainable):
+                await self.session.ack([delivery.seq])
             return
         batch.received_at_s[group.group_id] = time.time()
+        refusal = check_model_limits(group, self.limits)
+        if refusal is not None:
+            log.warning(
+                "refusing group %s (stream seq %d): %s: %s",
+                group.group_id,
+                delivery.seq,
+                refusal.reason,
+                refusal.detail,
+            )
+            batch.refused[group.group_id] = (refusal.reason, refusal.detail)
+            await self.session.refuse(delivery, refusal.reason, refusal.detail)
+            return
         version = self.session.cap_version(group, self.state.version)
         try:
             prepared = prepare_group(group, version=version, policy=self.group_policy)
@@ -216,6 +315,8 @@ class Trainer:
         batch.consumed.append(prepared)
         if prepared.trainable:
             batch.trainable.append(prepared)
+        else:
+            await self.session.ack([delivery.seq])
 
     async def train_on_batch(self, batch: Batch, version: int) -> tuple[StepResult, float]:
         """Recompute log-probs at `version` and take one optimizer step (several minibatches under decoupled_ppo)."""
@@ -231,7 +332,9 @@ class Trainer:
         if cfg.correction.method == "decoupled_ppo" and minibatches > 1:
             proximal = await asyncio.to_thread(self.backend.logprobs, train_batch)
             train_batch = TrainBatch(tuple(_with_proximal(s, p) for s, p in zip(sequences, proximal, strict=True)))
+        self._in_optimizer_step = True
         result = await asyncio.to_thread(self.backend.train_step, train_batch, objective, num_minibatches=minibatches)
+        self._in_optimizer_step = False
         return result, time.monotonic() - started
 
     async def publish_version(self) -> float:
@@ -242,14 +345,19 @@ class Trainer:
         return time.monotonic() - started
 
     async def commit(self, batch: Batch) -> None:
-        """The version is published: ack every delivery of the step, and record the groups as handled."""
+        """The version is published: ack every delivery of the step still held, and record the groups as handled."""
         await self.session.ack(batch.seqs)
+        self._record(batch)
+        self.queue_depth = await self.session.queue_depth()
+
+    def _record(self, batch: Batch) -> None:
+        """The step's groups are handled: ids, watermark and counters move together (once per batch)."""
         s = self.state
-        self.handled.add_all(p.group_id for p in batch.consumed)
+        self.handled.add_all(batch.handled_ids())
         s.consumed_seq = max([s.consumed_seq, *batch.seqs])
         s.trained_groups += len(batch.trainable)
         s.discarded_groups += batch.num_dropped
-        self.queue_depth = await self.session.queue_depth()
+        self._uncommitted = None
 
     # -------------------------------------------------------------------------------------- metrics
 
@@ -261,7 +369,7 @@ class Trainer:
         checked = [p for p in batch.consumed if p.drop_reason != DROP_INVALID]
         self.state.dropped_by_cap_total += counts["samples/dropped_by_cap"]
         step_s = batch.wait_s + compute_s + publish_s
-        reports = self.session.generator_reports
+        reports = self.session.generator_reports.current()
         record: dict[str, Any] = {
             "step": self.state.step,
             "version": self.session.current_version(self.state.version),
@@ -276,6 +384,9 @@ class Trainer:
             "groups/dropped": batch.num_dropped,
             "groups/duplicates": batch.duplicates,
             "groups/invalid": len(batch.consumed) - len(checked),
+            **refusal_metrics(batch.refused),
+            "groups/dead_lettered_elsewhere_total": self.state.dead_lettered_groups,
+            "groups/lost_to_retention": self.state.lost_to_retention,
             **staleness_metrics(checked, trained_at_version),
             **timing_split(batch.consumed, batch.received_at_s, time.time()),
             **merge_loss_stats(result.micro_stats),
@@ -289,7 +400,7 @@ class Trainer:
             "dropped_group_ids": {p.group_id: p.drop_reason for p in batch.consumed if not p.trainable},
             "queue/trajectories": self.queue_depth,
             "generators": dict(reports),
-            "generators/tokens_per_s": sum(float(r.get("tokens_per_s") or 0) for r in reports.values()),
+            "generators/tokens_per_s": sum(r.get("tokens_per_s") or 0.0 for r in reports.values()),
         }
         assert self.metrics is not None, "write_metrics before run() opened the metrics log"
         self.metrics.write(record)
@@ -362,4 +473,8 @@ def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | N
         trainer = await open_trainer(cfg, resume=resume, replay=replay, stop=stop)
         return await trainer.run()
 
-    return asyncio.run(_run())
+    try:
+        return asyncio.run(_run())
+    except Exception:  # the process boundary: the traceback goes to the log, the exit status says it failed
+        log.exception("trainer exiting with an error (a final checkpoint was written where the state allowed)")
+        return 1

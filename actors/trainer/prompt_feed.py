@@ -15,6 +15,12 @@ def admitted_prompt_id(prompt_id: str, index: int) -> str:
     return f"{prompt_id}.{index}"
 
 
+def admitted_index(admitted_id: str) -> int | None:
+    """The admission index `i` of an id made by `admitted_prompt_id`; None for an id not of that form."""
+    _, dot, index = admitted_id.rpartition(".")
+    return int(index) if dot and index.isdigit() and len(index) < 19 else None
+
+
 class PromptFeed:
     """The run's prompts in admission order: the task's deterministic stream (or `task.prompts_file`,
     cycled), the i-th renamed `admitted_prompt_id(id, i)`. Built at `start` = prompts already

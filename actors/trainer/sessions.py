@@ -11,6 +11,8 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
                       the durable `TrajectoryConsumer`
   cap counts against  the trainer's version V                        the newest version recorded so far
   admission           `admissible_prompts` (`pipeline/staleness.py`)  none
+                      + slots of dead letters (`slots.py`)
+  refused group       dead-lettered (`token_out_of_vocab`, ...)       skipped and counted
   publish             V+1 (parts, manifest, LATEST), then announced   nothing
   ack / nak           the durable consumer                           nothing (an `ack none` consumer)
   checkpoint          every `trainer.checkpoint_every` steps and at   none
@@ -18,7 +20,11 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
   metrics             <run.dir>/metrics.jsonl                         <run.dir>/replays/<time>/metrics.jsonl
 ```
 
-Each session owns its `RunLink` (NATS connection, object store) and closes it. The replay session's
+Each session owns its `RunLink` (NATS connection, object store) and closes it. The live session's
+writes that a passing outage should not end the run (weight publish, KV announcement, prompt
+admission) are retried with backoff and jitter (`pipeline/retry.py`); all three are idempotent.
+Both sessions compare the first stream sequence they mean to read with the stream's first one and
+say (WARNING, `groups/lost_to_retention`) how many groups retention removed before they were read. The replay session's
 version is the one the live trainer held at least when it consumed those groups, so the cap and the
 correction see the staleness the live run saw, or more (`staleness.cap_in_replay=false`: no cap).
 """
@@ -27,13 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import nats.errors
-import orjson
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -43,12 +48,16 @@ from transformers import PreTrainedModel
 from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
 from actors.trainer.backends import TrainingBackend
 from actors.trainer.checkpoints import RecentIds, TrainerState, load_latest_checkpoint, write_checkpoint
+from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
+from actors.trainer.slots import DeadLetterEntry, read_dead_letters_quietly
 from pipeline.announce import announce_version, generator_metrics_subject, version_kv
 from pipeline.config import LeewayConfig
 from pipeline.names import RunNames
 from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
+from pipeline.prompts import Prompt
+from pipeline.retry import PERMANENT_ERRORS, retry_async
 from pipeline.staleness import admissible_prompts
 from pipeline.tasks import Task
 from pipeline.trajectory import TrajectoryGroup
@@ -62,12 +71,16 @@ from pipeline.transport import (
 )
 from storage.manifest import config_hash
 from storage.objectstore import ObjectStore
-from storage.weights import TORCH_DTYPES, WeightPublisher, list_versions
+from storage.weights import TORCH_DTYPES, WeightPublisher, WeightStoreError, list_versions
 
 log = logging.getLogger("leeway.trainer")
 
 QUEUE_INFO_TIMEOUT_S = 2.0
 """Bound on the consumer-info request behind the `queue/trajectories` metric."""
+STREAM_INFO_TIMEOUT_S = 5.0
+"""Bound on the stream-info request behind the retention check at (re)start."""
+PUBLISH_PERMANENT_ERRORS = (*PERMANENT_ERRORS, WeightStoreError)
+"""A weight publish failing with these (a version conflict, a bad tensor) is not retried."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +106,8 @@ class Session(Protocol):
     metrics_path: Path
     staleness_cap: int | None
     """`staleness.max_staleness`, or None when a replay runs with the cap off."""
-    generator_reports: Mapping[str, Mapping[str, Any]]
-    """The newest metrics report of each generator (live only)."""
+    generator_reports: GeneratorReports
+    """The newest valid metrics report of each generator heard from recently (live only)."""
 
     async def start(self) -> TrainerState:
         """Fresh, resumed (a checkpoint's state) or replaying; the loop continues from the state returned."""
@@ -112,7 +125,15 @@ class Session(Protocol):
         """Admit the prompts the staleness rule allows; `pending_dropped`: dropped groups of the open batch."""
         ...
 
+    async def new_dead_letters(self, state: TrainerState) -> list[DeadLetterEntry]:
+        """Dead letters stored since `state.dead_letter_seq` (which moves past them); live only."""
+        ...
+
     async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]: ...
+
+    async def refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
+        """A group this model can never train: live, dead-letter it; from a catch-up or a replay, nothing."""
+        ...
 
     @property
     def exhausted(self) -> bool:
@@ -175,7 +196,7 @@ class LiveSession:
         self.resume = resume
         self.metrics_path = cfg.run.run_dir / "metrics.jsonl"
         self.staleness_cap: int | None = cfg.staleness.max_staleness
-        self.generator_reports: dict[str, dict[str, Any]] = {}
+        self.generator_reports = GeneratorReports()
         self.prompt_feed: PromptFeed | None = None
         """Built by `start`, at the count of prompts admitted so far."""
         self.catch_up: ReplayReader | None = None
@@ -251,7 +272,7 @@ class LiveSession:
         moved = roll_back_metrics(self.metrics_path, state.step)
         if moved:
             log.info("moved %d metrics records of steps after %d to metrics.rolled_back.jsonl", moved, state.step)
-        await self._catch_up_from(state.consumed_seq + 1)
+        await self._catch_up_from(state.consumed_seq + 1, state)
         return state
 
     async def _newest_published(self) -> int | None:
@@ -261,11 +282,15 @@ class LiveSession:
         newest = max([-1 if latest is None else latest, *listed])
         return None if newest < 0 else newest
 
-    async def _catch_up_from(self, seq: int) -> None:
-        """Read `seq`..the stream's current end again (acked after the checkpoint, training lost) first."""
-        info = await self.link.js.stream_info(self.names.trajectory_stream)
+    async def _catch_up_from(self, seq: int, state: TrainerState) -> None:
+        """Read `seq`..the stream's current end again (acked after the checkpoint, training lost) first.
+
+        Groups retention removed before `seq` could be read are counted in `state.lost_to_retention`."""
+        info = await asyncio.wait_for(self.link.js.stream_info(self.names.trajectory_stream), STREAM_INFO_TIMEOUT_S)
+        state.lost_to_retention += count_lost_to_retention(seq, info.state.first_seq, info.state.last_seq, "resume")
         if info.state.last_seq < seq:
             return
+        seq = max(seq, info.state.first_seq)
         selection = ReplaySelection(from_seq=seq, until_seq=info.state.last_seq)
         self.catch_up = await ReplayReader.open(self.link.js, self.names, self.cfg.stream, self.link.store, selection)
         log.info("catching up: re-reading trajectory stream seqs %d..%d", seq, info.state.last_seq)
@@ -279,9 +304,11 @@ class LiveSession:
         return trainer_version
 
     async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
-        """Publish as many prompts as `admissible_prompts` allows, tagged with the current version."""
+        """Publish as many prompts as `admissible_prompts` allows, tagged with the current version.
+
+        Dropped, refused and dead-lettered groups are no longer outstanding: their slots are free."""
         assert self.prompt_feed is not None, "admit before start"
-        dropped = state.discarded_groups + pending_dropped
+        dropped = state.discarded_groups + state.dead_lettered_groups + pending_dropped
         count = admissible_prompts(
             version=state.step,
             max_staleness=self.cfg.staleness.max_staleness,
@@ -291,9 +318,18 @@ class LiveSession:
         )
         if count <= 0:
             return
-        prompts = self.prompt_feed.take(count)
-        await self.prompt_queue.admit_many(queue_prompt(p, state.version) for p in prompts)
+        prompts = [queue_prompt(p, state.version) for p in self.prompt_feed.take(count)]
+        await retry_async(lambda: self._admit_all(prompts), what=f"admitting {len(prompts)} prompts")
         state.admitted += len(prompts)  # re-admitted duplicates (after a resume) count: they are outstanding
+
+    async def _admit_all(self, prompts: Sequence[Prompt]) -> None:
+        await self.prompt_queue.admit_many(prompts)  # a retry re-sends all: the queue dedupes by prompt id
+
+    async def new_dead_letters(self, state: TrainerState) -> list[DeadLetterEntry]:
+        entries, state.dead_letter_seq = await read_dead_letters_quietly(
+            self.link.js, self.names, after_seq=state.dead_letter_seq
+        )
+        return entries
 
     # ---- groups in
 
@@ -307,6 +343,10 @@ class LiveSession:
             await self.catch_up.close()
             self.catch_up = None
         return deliveries
+
+    async def refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
+        if delivery.msg is not None:  # catch-up deliveries were acked or dead-lettered before the resume
+            await self.consumer.dead_letter(delivery.seq, reason, detail)
 
     @property
     def exhausted(self) -> bool:
@@ -322,10 +362,17 @@ class LiveSession:
         await self._publish(state.version)
 
     async def _publish(self, version: int) -> None:
+        """Publish `version` (retried: a failed publish leaves the publisher at the previous version), then
+        announce it (retried: the same KV value again)."""
         tensors = self.backend.export_weights(TORCH_DTYPES[self.cfg.model.dtype])
-        manifest = await asyncio.to_thread(self.publisher.publish, version, tensors)
-        if self.kv is not None:
-            await announce_version(self.kv, version)
+        manifest = await retry_async(
+            lambda: asyncio.to_thread(self.publisher.publish, version, tensors),
+            what=f"publishing weights version {version}",
+            permanent=PUBLISH_PERMANENT_ERRORS,
+        )
+        kv = self.kv
+        if kv is not None:
+            await retry_async(lambda: announce_version(kv, version), what=f"announcing version {version}")
         log.debug("published version %d (%s, parent %s)", version, manifest.kind, manifest.parent_version)
 
     async def ack(self, seqs: Sequence[int]) -> None:
@@ -360,11 +407,7 @@ class LiveSession:
         )
 
     async def _on_generator_report(self, msg: Msg) -> None:
-        try:
-            report = orjson.loads(msg.data)
-            self.generator_reports[str(report["generator_id"])] = report
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            log.warning("ignoring a malformed generator report on %s", msg.subject)
+        self.generator_reports.receive(msg.data, msg.subject)  # validates; a bad report is logged and ignored
 
     async def close(self) -> None:
         if self.catch_up is not None:
@@ -402,7 +445,7 @@ class ReplaySession:
         self.reader = reader
         self.metrics_path = replay_metrics_path(cfg)
         self.staleness_cap: int | None = cfg.staleness.max_staleness if cfg.staleness.cap_in_replay else None
-        self.generator_reports: dict[str, dict[str, Any]] = {}
+        self.generator_reports = GeneratorReports()
         self.newest_version = 0
         """The newest policy version recorded in the groups replayed so far."""
 
@@ -413,7 +456,16 @@ class ReplaySession:
 
     async def start(self) -> TrainerState:
         log.info("replaying %s into training; metrics in %s", self.reader.selection, self.metrics_path)
-        return TrainerState()
+        state = TrainerState()
+        from_seq = self.reader.selection.from_seq
+        if from_seq is not None:
+            info = await asyncio.wait_for(
+                self.link.js.stream_info(self.link.names.trajectory_stream), STREAM_INFO_TIMEOUT_S
+            )
+            state.lost_to_retention = count_lost_to_retention(
+                from_seq, info.state.first_seq, info.state.last_seq, "replay"
+            )
+        return state
 
     def cap_version(self, group: TrajectoryGroup, trainer_version: int) -> int:
         self.newest_version = max(self.newest_version, group.group_max_version)
@@ -425,8 +477,14 @@ class ReplaySession:
     async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
         return None
 
+    async def new_dead_letters(self, state: TrainerState) -> list[DeadLetterEntry]:
+        return []
+
     async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]:
         return await self.reader.fetch(max_groups=max_groups, timeout_s=timeout_s)
+
+    async def refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
+        return None  # a replay dead-letters nothing: the loop skips and counts the group
 
     @property
     def exhausted(self) -> bool:
@@ -453,3 +511,20 @@ class ReplaySession:
     async def close(self) -> None:
         await self.reader.close()
         await self.link.nc.drain()
+
+
+def count_lost_to_retention(start_seq: int, first_seq: int, last_seq: int, what: str) -> int:
+    """Groups between `start_seq` and the stream's first sequence, removed by retention before they were
+    read; said at WARNING (`what` names the reader), so a gap is never silent."""
+    end = min(first_seq - 1, last_seq)
+    lost = max(0, end - start_seq + 1)
+    if lost:
+        log.warning(
+            "%s: trajectory stream seqs %d..%d (%d groups) were removed by retention (stream.max_age_s / "
+            "stream.max_bytes) before this trainer read them; they are lost to training",
+            what,
+            start_seq,
+            end,
+            lost,
+        )
+    return lost

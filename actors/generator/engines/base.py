@@ -50,6 +50,16 @@ class Engine(ABC):
     def version(self) -> int:
         """The policy version of the weights now applied (what the next decode step will use)."""
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids the model accepts are ``[0, vocab_size)``; None when unknown (ids are then not checked)."""
+        return None
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        """Prompt plus reply tokens the model can attend to; None when unbounded or unknown."""
+        return None
+
     @abstractmethod
     def load_state(self, named_tensors: NamedTensors, version: int) -> None:
         """Replace all weights (every parameter must be given), e.g. at start-up or from a full snapshot.

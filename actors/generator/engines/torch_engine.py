@@ -118,6 +118,14 @@ class TorchEngine(Engine):
         return self._version
 
     @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        return self._max_positions
+
+    @property
     def model(self) -> PreTrainedModel:
         """The wrapped model (read-only use: write weights through `update_weights`)."""
         return self._model

@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +161,12 @@ def _orjson_to_numpy(data: bytes) -> None:
 # --- a local nats-server (bench and tests) -----------------------------------------------------------------------
 
 
+def _new_nats_token() -> str:
+    from infra import nats_server
+
+    return nats_server.new_token()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,19 +181,26 @@ class LocalNats:
     port: int
     info: object = None
     proc: object = None
+    token: str = field(default_factory=lambda: _new_nats_token())
+    """Required by the server like the embedded stack's (loopback is shared); clients carry it in `url`."""
 
     @property
     def url(self) -> str:
         from infra import nats_server
 
-        return nats_server.url(self.port)
+        return nats_server.url_with_token(nats_server.url(self.port), self.token)
 
     def start(self) -> None:
         from infra import nats_server, process
 
         self.root.mkdir(parents=True, exist_ok=True)
         conf = self.root / "nats.conf"
-        conf.write_text(nats_server.render_config(port=self.port, store_dir=self.root / "store", sync_interval="2m"))
+        conf.write_text(
+            nats_server.render_config(
+                port=self.port, store_dir=self.root / "store", sync_interval="2m", token=self.token
+            )
+        )
+        conf.chmod(0o600)
         self.proc, self.info = process.spawn(
             "nats",
             nats_server.argv(nats_server.binary_path(), conf),

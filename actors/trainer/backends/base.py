@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.batching import TrainSequence
+from pipeline.batching import ModelLimits, TrainSequence
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,6 +188,11 @@ class TrainingBackend(ABC):
     @abstractmethod
     def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         """Restore what `state_tensors` and `state_meta` returned; raises ValueError on a mismatch."""
+
+    @abstractmethod
+    def model_limits(self) -> ModelLimits:
+        """The vocabulary size and context length of the model, from its config: the trainer refuses
+        groups that do not fit (`pipeline.batching.check_model_limits`) before they reach `train_step`."""
 
 
 def mean_or_nan(total: float, count: int) -> float:

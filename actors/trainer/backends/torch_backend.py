@@ -42,6 +42,7 @@ from actors.trainer.backends.base import (
     pack_by_token_budget,
     split_minibatches,
 )
+from pipeline.batching import ModelLimits
 from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
@@ -311,6 +312,15 @@ class TorchBackend(TrainingBackend):
             },
             "python_rng": {"version": py_version, "internal": list(py_internal), "gauss_next": py_gauss},
         }
+
+    def model_limits(self) -> ModelLimits:
+        """Vocabulary: the smaller of the config's and the embedding rows (a resized embedding wins).
+        Context: ``max_position_embeddings`` (GPT-2's ``n_positions`` answers to that name too)."""
+        config = self.model.config
+        rows = self.model.get_input_embeddings().num_embeddings
+        vocab = min(int(getattr(config, "vocab_size", rows) or rows), int(rows))
+        positions = getattr(config, "max_position_embeddings", None)
+        return ModelLimits(vocab_size=vocab, max_positions=int(positions) if positions else None)
 
     @torch.no_grad()
     def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:

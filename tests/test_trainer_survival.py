@@ -1,0 +1,282 @@
+"""The trainer survives what it can: untrusted generator reports, store and NATS blips (retries), a failure
+it cannot handle (final checkpoint), and groups retention removed before a resume (counted, not silent)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from test_trainer import _cfg, _group, _publish, _records
+
+from actors.endpoints import open_run_store, resolve_endpoints
+from actors.models import build_policy_model, load_tokenizer
+from actors.trainer.backends import build_backend
+from actors.trainer.checkpoints import complete_checkpoints, load_latest_checkpoint
+from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, parse_report
+from actors.trainer.loop import QueueWaitTimeout, Trainer, open_trainer
+from actors.trainer.sessions import LiveSession, RunLink, build_weight_publisher
+from infra.stack import StackState
+from pipeline.announce import generator_metrics_subject
+from pipeline.config import LeewayConfig
+from pipeline.names import RunNames
+from pipeline.retry import Backoff, retry_async
+from pipeline.tasks import get_task
+from pipeline.transport import connect
+from storage.manifest import manifest_key
+from storage.objectstore import ObjectStore
+
+EVENT_DEADLINE_S = 60.0
+"""Upper bound on waiting for an event that must happen."""
+
+
+def _report(generator_id: str, **fields: Any) -> bytes:
+    return orjson.dumps({"schema": 1, "kind": "generator", "generator_id": generator_id, **fields})
+
+
+# ---- generator reports: validated, expired ----------------------------------------------------------------
+
+
+def test_reports_with_bad_fields_are_refused_naming_the_field() -> None:
+    assert parse_report(_report("g1", tokens_per_s=12.5, staleness_mean=None))["tokens_per_s"] == 12.5
+    for data, field in [
+        (_report("g1", tokens_per_s="fast"), "'tokens_per_s'"),
+        (_report("g1", tokens_per_s=True), "'tokens_per_s'"),
+        (_report("g1", idle_fraction=[1]), "'idle_fraction'"),
+        (orjson.dumps({"tokens_per_s": 1.0}), "'generator_id'"),
+        (orjson.dumps([1, 2]), "not an object"),
+        (b"{not json", "not JSON"),
+        (_report("g1", padding=None, **{f"f{i}": 1 for i in range(100)}), "fields"),
+        (_report("g1", kind="x" * 100), "'kind'"),
+        (_report("g1", blob=None) + b" " * 20_000, "bytes"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            parse_report(data)
+
+
+def test_reports_expire_so_a_silent_generator_leaves_the_metrics() -> None:
+    now = [100.0]
+    reports = GeneratorReports(clock=lambda: now[0])
+    assert reports.receive(_report("old", tokens_per_s=10.0))
+    now[0] += REPORT_MAX_AGE_S / 2
+    assert reports.receive(_report("new", tokens_per_s=5.0))
+    assert not reports.receive(_report("bad", tokens_per_s="NaN-ish"))
+    assert set(reports.current()) == {"old", "new"} and reports.tokens_per_s() == 15.0
+    now[0] += REPORT_MAX_AGE_S / 2 + 1.0
+    assert set(reports.current()) == {"new"} and reports.tokens_per_s() == 5.0
+    assert reports.num_rejected == 1
+
+
+def test_a_malformed_generator_report_is_ignored_and_the_trainer_goes_on(stack: StackState, tmp_path: Path) -> None:
+    cfg = _cfg(stack, tmp_path, "trainer.max_steps=1")
+    names = RunNames.for_run(cfg.run.name)
+
+    async def scenario() -> int:
+        trainer = await open_trainer(cfg)
+        assert isinstance(trainer.session, LiveSession)
+        reports = trainer.session.generator_reports
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-reporter")
+        subject = generator_metrics_subject(names)
+        for bad in (_report("evil", tokens_per_s="fast"), b"[]", _report("huge", x=None) + b" " * 100_000):
+            await nc.publish(subject, bad)
+        await nc.publish(subject, _report("good", tokens_per_s=40.0, version=0))
+        await nc.flush()
+        deadline = asyncio.get_running_loop().time() + EVENT_DEADLINE_S
+        while reports.num_rejected < 3 or "good" not in reports.current():  # all four reports were read
+            assert asyncio.get_running_loop().time() < deadline, (reports.num_rejected, reports.current())
+            await asyncio.sleep(0.02)
+        await nc.drain()
+        await _publish(cfg, [_group("a"), _group("b")])
+        return await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    assert asyncio.run(scenario()) == 0
+    [record] = _records(cfg.run.run_dir / "metrics.jsonl")
+    assert set(record["generators"]) == {"good"} and record["generators/tokens_per_s"] == 40.0
+
+
+# ---- retries with backoff and jitter ---------------------------------------------------------------------
+
+
+def test_retry_backs_off_with_jitter_and_gives_up_after_the_bound() -> None:
+    calls: list[int] = []
+    waits: list[float] = []
+
+    async def sleep(delay_s: float) -> None:
+        waits.append(delay_s)
+
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("store away")
+        return "done"
+
+    backoff = Backoff(attempts=4, initial_s=1.0, max_s=1.5)
+    result = asyncio.run(retry_async(flaky, what="t", backoff=backoff, rng=random.Random(0), sleep=sleep))
+    assert result == "done" and len(calls) == 3
+    assert 0.5 <= waits[0] <= 1.0 and 0.75 <= waits[1] <= 1.5  # half to all of min(max_s, initial_s * 2^k)
+
+    async def always() -> None:
+        calls.append(1)
+        raise ConnectionError("down")
+
+    calls.clear()
+    with pytest.raises(ConnectionError):
+        asyncio.run(retry_async(always, what="t", backoff=backoff, sleep=sleep))
+    assert len(calls) == 4
+
+    async def bad_input() -> None:
+        calls.append(1)
+        raise ValueError("never retried")
+
+    calls.clear()
+    with pytest.raises(ValueError):
+        asyncio.run(retry_async(bad_input, what="t", backoff=backoff, sleep=sleep))
+    assert len(calls) == 1
+
+
+class _FailingStore(ObjectStore):
+    """The run's store, but `fail(method, key)` decides, write by write, to raise instead."""
+
+    def __init__(self, inner: ObjectStore, fail: Callable[[str, str], BaseException | None]) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.fail = fail
+
+    def _check(self, method: str, key: str) -> None:
+        exc = self.fail(method, key)
+        if exc is not None:
+            raise exc
+
+    def put(self, key: str, data: bytes) -> str:
+        self._check("put", key)
+        return self.inner.put(key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> str:
+        self._check("put_if_absent", key)
+        return self.inner.put_if_absent(key, data)
+
+    def put_if_match(self, key: str, data: bytes, etag: str) -> str:
+        self._check("put_if_match", key)
+        return self.inner.put_if_match(key, data, etag)
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        return self.inner.get_with_etag(key)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.inner.get_range(key, start, end)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.inner.list(prefix)
+
+
+async def _trainer_with_store(cfg: LeewayConfig, fail: Callable[[str, str], BaseException | None]) -> Trainer:
+    """`open_trainer`'s live path with the weight publisher writing through a `_FailingStore`."""
+    task = get_task(cfg.task.name, **cfg.task.args)
+    model = build_policy_model(cfg, load_tokenizer(cfg, task))
+    backend = build_backend(cfg, model)
+    link = await RunLink.open(cfg)
+    publisher = build_weight_publisher(cfg, _FailingStore(link.store, fail), model)
+    session = await LiveSession.open(cfg, link, backend, publisher, task, resume=False)
+    return Trainer(cfg, backend, session)
+
+
+def test_weight_publish_is_retried_through_a_store_outage(stack: StackState, tmp_path: Path) -> None:
+    cfg = _cfg(stack, tmp_path, "trainer.max_steps=2")
+    outages = {manifest_key(cfg.run.name, 1): 2}  # the manifest of version 1 fails twice, then goes through
+
+    def fail(method: str, key: str) -> BaseException | None:
+        if outages.get(key, 0) > 0:
+            outages[key] -= 1
+            return ConnectionError(f"store unreachable writing {key}")
+        return None
+
+    asyncio.run(_publish(cfg, [_group(g) for g in "abcd"]))
+
+    async def scenario() -> int:
+        trainer = await _trainer_with_store(cfg, fail)
+        return await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    assert asyncio.run(scenario()) == 0
+    assert [r["version"] for r in _records(cfg.run.run_dir / "metrics.jsonl")] == [1, 2]
+    assert outages == {manifest_key(cfg.run.name, 1): 0}
+
+
+# ---- a failure the loop cannot handle: final checkpoint, then the error --------------------------------------
+
+
+def test_a_failure_while_publishing_writes_a_checkpoint_that_holds_the_step(stack: StackState, tmp_path: Path) -> None:
+    cfg = _cfg(stack, tmp_path, "trainer.max_steps=5", "trainer.checkpoint_every=50", "staleness.max_staleness=4")
+
+    def fail(method: str, key: str) -> BaseException | None:  # permanent: not retried
+        return ValueError("manifest refused") if key == manifest_key(cfg.run.name, 2) else None
+
+    asyncio.run(_publish(cfg, [_group(g) for g in "abcdef"]))
+
+    async def scenario() -> None:
+        trainer = await _trainer_with_store(cfg, fail)
+        await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    with pytest.raises(ValueError, match="manifest refused"):
+        asyncio.run(scenario())
+    store = open_run_store(cfg)
+    assert complete_checkpoints(store, cfg.run.name) == [2]
+    loaded = load_latest_checkpoint(store, cfg.run.name)
+    assert loaded is not None
+    state = loaded[0]
+    # step 2 was trained: its groups are handled in the checkpoint, so a resume does not train them again
+    assert state.step == 2 and state.consumed_seq == 4 and {"c", "d"} <= set(state.handled_group_ids)
+
+
+def test_giving_up_on_the_queue_still_writes_a_final_checkpoint(stack: StackState, tmp_path: Path) -> None:
+    cfg = _cfg(stack, tmp_path, "trainer.max_steps=5", "trainer.checkpoint_every=50", "trainer.queue_wait_timeout_s=1")
+    asyncio.run(_publish(cfg, [_group("a"), _group("b")]))
+
+    async def scenario() -> None:
+        trainer = await open_trainer(cfg)
+        await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    with pytest.raises(QueueWaitTimeout):
+        asyncio.run(scenario())
+    assert complete_checkpoints(open_run_store(cfg), cfg.run.name) == [1]
+
+
+# ---- retention: groups removed before a resume read them are counted --------------------------------------
+
+
+def test_resume_says_how_many_groups_retention_removed(
+    stack: StackState, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _cfg(stack, tmp_path, "trainer.max_steps=1", "staleness.max_staleness=100")
+    names = RunNames.for_run(cfg.run.name)
+    asyncio.run(_publish(cfg, [_group("a"), _group("b")]))
+
+    async def run(config: LeewayConfig, *, resume: bool) -> int:
+        trainer = await open_trainer(config, resume=resume)
+        return await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    assert asyncio.run(run(cfg, resume=False)) == 0  # step 1, checkpointed at the end (consumed_seq 2)
+    asyncio.run(_publish(cfg, [_group(g) for g in "cdef"]))  # seqs 3..6
+
+    async def purge_below(seq: int) -> None:  # what max_age / max_bytes retention does to the oldest
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-retention")
+        await nc.jetstream().purge_stream(names.trajectory_stream, seq=seq)
+        await nc.drain()
+
+    asyncio.run(purge_below(5))  # c, d (seqs 3, 4) are gone before the resumed trainer reads them
+    resumed = LeewayConfig.model_validate({**cfg.model_dump(), "trainer": {**cfg.trainer.model_dump(), "max_steps": 2}})
+    with caplog.at_level("WARNING", logger="leeway.trainer"):
+        assert asyncio.run(run(resumed, resume=True)) == 0
+    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["e", "f"]]
+    assert records[-1]["groups/lost_to_retention"] == 2
+    assert any("seqs 3..4 (2 groups) were removed by retention" in m for m in caplog.messages)
