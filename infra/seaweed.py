@@ -1,12 +1,17 @@
-"""SeaweedFS (`weed server -s3`) for the embedded stack: binary, command line, S3 identity, probe.
+"""SeaweedFS for the embedded stack: binary, command lines, S3 identity, security config, probes.
 
-One process runs a master, a volume server, a filer and the S3 gateway. Every port it would open is
-chosen explicitly: each service's gRPC port otherwise defaults to its HTTP port + 10000, and the
-S3 gateway would also open an Iceberg catalog (8181) and a Lance listener (9101) on fixed ports,
-so two stacks on one machine would collide. Telemetry to seaweedfs.com is switched off.
+Two processes: `weed master` alone, and `weed server -master=false` running the volume server, the
+filer and the S3 gateway against it. The master runs apart because its only HTTP guard, `-whiteList`,
+applies to every component of one `weed server` (it would refuse the S3 gateway's uploads too); alone
+it gets a white list no client can match, so its HTTP port refuses every guarded call (`/dir/assign`,
+`/dir/status`, `/vol/grow`, `/vol/vacuum`, `/col/delete`, ...). The other components talk to it over
+gRPC only. Every port is chosen explicitly: each service's gRPC port otherwise defaults to its HTTP
+port + 10000, and the S3 gateway would also open an Iceberg catalog (8181) and a Lance listener
+(9101) on fixed ports, so two stacks on one machine would collide. Telemetry to seaweedfs.com is off.
 
-Data lives under `<stack>/seaweed/` (master metadata in `master/`, volumes and the filer's leveldb
-in `data/`), fixed across restarts even though the ports change.
+Data lives under `<stack>/seaweed/` (master metadata and
+the filer's leveldb in `master/filerldb2/`, volumes in `data/`), fixed across restarts even though the
+ports change; a directory written by the earlier single `weed server` layout starts as is.
 
 Writes need a token: `<stack>/seaweed/config/security.toml` (0600, random keys on every start, read
 through `-config_dir`, so no `security.toml` in the working directory or `~/.seaweedfs` is used) sets
@@ -23,6 +28,8 @@ not configurable for every service in 4.48 and outlive even a clean stop, so the
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import json
 import os
 import secrets
@@ -34,6 +41,10 @@ from pathlib import Path
 import boto3
 from botocore.client import BaseClient
 from botocore.config import Config
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from infra.process import locate_binary
 
@@ -61,7 +72,33 @@ JWT_EXPIRES_S = 10
 _UNIX_SOCKET_SERVICES = ("master_grpc", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
 """Services whose port names a Unix socket `seaweedfs-<service>-<port>.sock` (dash for underscore)."""
 
-PORT_NAMES = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+MASTER_PORT_NAMES = ("master", "master_grpc")
+"""Ports of the `weed master` process."""
+
+SERVER_PORT_NAMES = ("volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+"""Ports of the `weed server -master=false` process (volume server, filer, S3 gateway)."""
+
+PORT_NAMES = MASTER_PORT_NAMES + SERVER_PORT_NAMES
+
+MASTER_WHITE_LIST = "255.255.255.255"
+"""The master's `-whiteList`: the limited broadcast address, never the source of a TCP connection, so
+no HTTP client is on the list and every guarded master call answers 401 (the volume server, filer and
+S3 gateway reach the master over gRPC, which the list does not cover)."""
+
+TLS_DIR = "tls"
+"""Folder of `config_dir` holding the gRPC CA certificate and each component's certificate and key."""
+
+TLS_COMPONENTS = ("master", "volume", "filer", "s3", "client")
+"""The `[grpc.<component>]` sections of `security.toml`; `client` is what every component dials with."""
+
+TLS_VALIDITY = datetime.timedelta(days=3650)
+"""Lifetime of the stack's certificates. They are replaced on every start, so expiry never matters."""
+
+TLS_CLOCK_SKEW = datetime.timedelta(minutes=5)
+"""How far before now a certificate's validity starts, for clocks that disagree slightly."""
+
+PROBE_KEY = "_leeway-stack-probe"
+"""Object written, read back and deleted in the stack's bucket to prove the S3 path works end to end."""
 
 
 @dataclass(frozen=True)
@@ -91,13 +128,103 @@ class SigningKeys:
         return "SigningKeys(***)"
 
 
-def security_config(keys: SigningKeys) -> str:
-    """`security.toml`: volume writes signed by the master, filer writes and reads signed by the S3 gateway.
+@dataclass(frozen=True)
+class TlsFiles:
+    """Paths of the gRPC mutual-TLS material: the CA certificate and one (cert, key) per `TLS_COMPONENTS`."""
+
+    ca: Path
+    pairs: dict[str, tuple[Path, Path]]
+
+
+def write_tls_files(config_dir: Path) -> TlsFiles:
+    """A fresh CA and a certificate per component for 127.0.0.1, written 0600 under `<config_dir>/tls/`.
+
+    Every gRPC port then demands a client certificate signed by this CA. The CA's private key is
+    never written: it signs these certificates and is dropped, so nobody can make another one; the
+    next start makes a new CA (as it makes new JWT keys).
+    """
+    folder = config_dir / TLS_DIR
+    folder.mkdir(mode=0o700, exist_ok=True)
+    folder.chmod(0o700)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"leeway stack CA {secrets.token_hex(4)}")])
+    ca_cert = (
+        _cert_builder(ca_name, ca_name, ca_key.public_key(), now)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path = folder / "ca.crt"
+    write_private(ca_path, ca_cert.public_bytes(serialization.Encoding.PEM).decode())
+    pairs = {}
+    for component in TLS_COMPONENTS:
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"leeway-{component}")])
+        cert = (
+            _cert_builder(name, ca_name, key.public_key(), now)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                ),
+                critical=False,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .sign(ca_key, hashes.SHA256())
+        )
+        cert_path, key_path = folder / f"{component}.crt", folder / f"{component}.key"
+        write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM).decode())
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        write_private(key_path, key_pem.decode())
+        pairs[component] = (cert_path, key_path)
+    return TlsFiles(ca=ca_path, pairs=pairs)
+
+
+def _cert_builder(
+    subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey, now: datetime.datetime
+) -> x509.CertificateBuilder:
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - TLS_CLOCK_SKEW)
+        .not_valid_after(now + TLS_VALIDITY)
+    )
+
+
+def security_config(keys: SigningKeys, tls: TlsFiles) -> str:
+    """`security.toml`: volume writes signed by the master, filer writes and reads signed by the S3 gateway,
+    and mutual TLS on every gRPC port (`[grpc]`: the stack's CA; one section per component).
 
     `jwt.signing.read` stays empty: SeaweedFS signs volume reads only for clients that ask the master
     for a read token, and the filer (behind the S3 gateway) does not, so a read key would break S3 GETs.
     """
-    return (
+    grpc = f"[grpc]\nca = {_toml_string(str(tls.ca))}\n\n" + "".join(
+        f"[grpc.{component}]\ncert = {_toml_string(str(cert))}\nkey = {_toml_string(str(key))}\n\n"
+        for component, (cert, key) in tls.pairs.items()
+    )
+    return grpc + (
         "[jwt.signing]\n"
         f"key = {_toml_string(keys.volume_write)}\n"
         f"expires_after_seconds = {JWT_EXPIRES_S}\n\n"
@@ -117,8 +244,12 @@ def _toml_string(value: str) -> str:
 
 
 def remove_unix_sockets(ports: dict[str, int]) -> None:
-    """Delete the Unix sockets a stopped `weed server` left behind for these ports. Call only after it exited."""
-    names = [f"seaweedfs-{service.replace('_', '-')}-{ports[service]}.sock" for service in _UNIX_SOCKET_SERVICES]
+    """Delete the Unix sockets a stopped weed process left behind for these ports. Call only after it exited."""
+    names = [
+        f"seaweedfs-{service.replace('_', '-')}-{ports[service]}.sock"
+        for service in _UNIX_SOCKET_SERVICES
+        if service in ports
+    ]
     for folder in {Path(tempfile.gettempdir()), Path("/tmp")}:
         for name in names:
             with contextlib.suppress(OSError):
@@ -150,26 +281,50 @@ def write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def argv(binary: Path, *, data_root: Path, config_dir: Path, s3_config_path: Path, ports: dict[str, int]) -> list[str]:
-    """`weed server` with master, volume, filer and S3, all on 127.0.0.1 and the given ports.
+def master_argv(binary: Path, *, data_root: Path, config_dir: Path, ports: dict[str, int]) -> list[str]:
+    """`weed master` on 127.0.0.1, single-master (`-peers=none`: no Raft quorum wait), its HTTP closed to all.
+
+    `config_dir` holds `security.toml` (see `security_config`): the master signs volume write tokens
+    with its key. Metadata stays in `<data_root>/master`, where `weed server` kept it.
+    """
+    _check_ports(ports, MASTER_PORT_NAMES)
+    return [
+        str(binary),
+        f"-config_dir={config_dir}",
+        "master",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-port={ports['master']}",
+        f"-port.grpc={ports['master_grpc']}",
+        f"-mdir={data_root / 'master'}",
+        "-peers=none",
+        "-telemetry=false",
+        f"-volumeSizeLimitMB={VOLUME_SIZE_LIMIT_MB}",
+        f"-whiteList={MASTER_WHITE_LIST}",
+    ]
+
+
+def server_argv(
+    binary: Path, *, data_root: Path, config_dir: Path, s3_config_path: Path, ports: dict[str, int]
+) -> list[str]:
+    """`weed server -master=false`: volume server, filer and S3 on 127.0.0.1, attached to the master's gRPC port.
 
     `config_dir` holds `security.toml` (see `security_config`); weed looks there before the working
-    directory.
+    directory. The master is named `host:httpPort.grpcPort` because its gRPC port is not HTTP + 10000.
     """
-    missing = set(PORT_NAMES) - set(ports)
-    assert not missing, f"seaweed ports missing: {sorted(missing)}"
+    _check_ports(ports, PORT_NAMES)
     return [
         str(binary),
         f"-config_dir={config_dir}",
         "server",
+        "-master=false",
+        f"-master.peers=127.0.0.1:{ports['master']}.{ports['master_grpc']}",
         "-ip=127.0.0.1",
         "-ip.bind=127.0.0.1",
         f"-dir={data_root / 'data'}",
+        # Not used by a master here, but where `weed server` puts the filer's store (`filerldb2/`),
+        # as it did when this process ran the master too: objects written then stay found.
         f"-master.dir={data_root / 'master'}",
-        f"-master.port={ports['master']}",
-        f"-master.port.grpc={ports['master_grpc']}",
-        "-master.telemetry=false",
-        f"-master.volumeSizeLimitMB={VOLUME_SIZE_LIMIT_MB}",
         f"-volume.port={ports['volume']}",
         f"-volume.port.grpc={ports['volume_grpc']}",
         "-volume.max=0",  # as many volume slots as free disk allows
@@ -184,6 +339,11 @@ def argv(binary: Path, *, data_root: Path, config_dir: Path, s3_config_path: Pat
         "-s3.port.lance=0",
         f"-s3.config={s3_config_path}",
     ]
+
+
+def _check_ports(ports: dict[str, int], names: tuple[str, ...]) -> None:
+    missing = set(names) - set(ports)
+    assert not missing, f"seaweed ports missing: {sorted(missing)}"
 
 
 def endpoint(s3_port: int) -> str:
@@ -211,37 +371,51 @@ def probe_client(endpoint_url: str, credentials: Credentials) -> BaseClient:
     return client(endpoint_url, credentials, config=fast)
 
 
-def count_volumes(data_root: Path) -> int:
-    """Volumes stored under `<data_root>/data` (one `.dat` file each); the master must know them all to be ready."""
-    return sum(1 for _ in (data_root / "data").glob("*.dat"))
+def probe(s3: BaseClient, volume_port: int) -> str | None:
+    """None once S3 answers an authenticated ListBuckets and the volume server reports itself healthy.
 
-
-def probe(s3: BaseClient, master_port: int, expected_volumes: int) -> str | None:
-    """None once S3 answers an authenticated ListBuckets *and* the master knows the volume server and its volumes.
-
-    The second half matters on restart: the S3 gateway answers before the volume server's first
-    heartbeat is accepted (it is refused while the master is still electing itself, and retried
-    seconds later), and until then every GET of an existing object fails with InternalError.
+    Cheap and read-only (for `status` and reuse); a start also waits for `probe_round_trip`.
     """
     try:
         s3.list_buckets()
     except Exception as exc:  # a probe: any failure means "not ready yet", reported to the caller
         return f"S3 {type(exc).__name__}: {exc}"
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{master_port}/dir/status", timeout=PROBE_TIMEOUT_S) as resp:
-            topology = json.load(resp)["Topology"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{volume_port}/healthz", timeout=PROBE_TIMEOUT_S):
+            pass
+    except Exception as exc:  # a probe, as above
+        return f"volume server {type(exc).__name__}: {exc}"
+    return None
+
+
+def probe_master(master_port: int) -> str | None:
+    """None once the master's (unguarded, read-only) `/cluster/status` says it is the leader."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{master_port}/cluster/status", timeout=PROBE_TIMEOUT_S) as resp:
+            status = json.load(resp)
     except Exception as exc:  # a probe, as above
         return f"master {type(exc).__name__}: {exc}"
-    nodes = [
-        node
-        for dc in topology.get("DataCenters") or ()
-        for rack in dc.get("Racks") or ()
-        for node in rack.get("DataNodes") or ()
-    ]
-    num_volumes = sum(int(node.get("Volumes", 0)) for node in nodes)
-    if not nodes or num_volumes < expected_volumes:
-        return f"master knows {len(nodes)} volume servers and {num_volumes}/{expected_volumes} volumes"
-    return None
+    return None if status.get("IsLeader") is True else f"master is not the leader yet: {status}"
+
+
+def probe_round_trip(s3: BaseClient, bucket: str) -> str | None:
+    """None once an object put into `bucket` reads back the same and is deleted again.
+
+    The master's HTTP status pages are closed (see `MASTER_WHITE_LIST`), so this is how a start knows
+    the volume server has registered with the master: the put needs the master to assign a file id
+    on a known volume server, the get needs the filer to have learnt where the volumes are. Both
+    happen with the volume server's first heartbeat, which carries all its volumes, so objects
+    written before a restart are readable too. Until then a GET of an existing object fails with
+    InternalError although the S3 gateway answers.
+    """
+    body = secrets.token_bytes(16)
+    try:
+        s3.put_object(Bucket=bucket, Key=PROBE_KEY, Body=body)
+        read = s3.get_object(Bucket=bucket, Key=PROBE_KEY)["Body"].read()
+        s3.delete_object(Bucket=bucket, Key=PROBE_KEY)
+    except Exception as exc:  # a probe, as above
+        return f"S3 round trip {type(exc).__name__}: {exc}"
+    return None if read == body else "S3 round trip read back other bytes"
 
 
 def ensure_bucket(s3: BaseClient, bucket: str) -> None:

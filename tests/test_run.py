@@ -675,7 +675,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path, cleanup: list[subprocess.Popen[
     assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode() + _log_tails(run_dir)
     seen.update(_children_of(proc.pid))
     state = load_state(run_dir / "stack")
-    assert state is not None and len(state.processes) == 2, "a private stack in <run.dir>/stack"
+    assert state is not None and len(state.processes) == 3, "a private stack in <run.dir>/stack"
     stack_pids = {p.pid: start_ticks(p.pid) for p in state.processes}
     roles = set(seen) - set(stack_pids)
     assert set(stack_pids) <= set(seen) and len(roles) == 3, f"stack + trainer + 2 generators expected, saw {seen}"

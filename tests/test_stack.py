@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -92,6 +93,31 @@ def _http(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int
             return resp.status, resp.read(), dict(resp.headers)
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read(), dict(exc.headers)
+
+
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+"""The client's HTTP/2 connection preface and an empty SETTINGS frame: what a gRPC client sends first."""
+
+
+def _grpc_hello(port: int, cert: tuple[Path, Path] | None) -> bytes:
+    """Open TLS to a gRPC port (with `cert` as the client certificate, or none) and return the server's first bytes."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # the server's certificate is not what is under test
+    context.set_alpn_protocols(["h2"])
+    if cert is not None:
+        context.load_cert_chain(*cert)
+    with socket.create_connection(("127.0.0.1", port), timeout=HTTP_TIMEOUT_S) as raw:
+        with context.wrap_socket(raw) as tls:
+            tls.sendall(_HTTP2_PREFACE)
+            return tls.recv(64)
+
+
+def _plain_hello(port: int) -> bytes:
+    """Send a gRPC client's first bytes without TLS and return what the server answers (b'' when it hangs up)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=HTTP_TIMEOUT_S) as raw:
+        raw.sendall(_HTTP2_PREFACE)
+        return raw.recv(64)
 
 
 def _leeway(*args: str) -> subprocess.CompletedProcess[str]:
@@ -202,13 +228,59 @@ def test_seaweed_ports_refuse_unsigned_writes_while_s3_works(stack: StackState) 
     assert _http(f"{filer}/buckets/{stack.bucket}/t/forged", "PUT", b"forged")[0] == 401
     assert _http(f"{filer}/buckets/{stack.bucket}/t/signed", "DELETE")[0] == 401
     assert _http(f"{filer}/buckets/{stack.bucket}/t/signed")[0] == 401
-    # The volume server: a file id from the master is useless without the master's signed token.
-    code, body, _ = _http(f"http://127.0.0.1:{ports['master']}/dir/assign")
+    # The volume server: no upload or delete on an existing volume without the master's signed token.
+    code, body, _ = _http(f"{volume}/status")
     assert code == 200, body
-    fid = json.loads(body)["fid"]
-    assert _http(f"{volume}/{fid}", "PUT", b"forged")[0] == 401
-    assert _http(f"{volume}/{fid}", "DELETE")[0] == 401
+    vid = json.loads(body)["Volumes"][0]["Id"]
+    assert _http(f"{volume}/{vid},01637037d6", "PUT", b"forged")[0] == 401
+    assert _http(f"{volume}/{vid},01637037d6", "DELETE")[0] == 401
     assert s3_client(stack).get_object(Bucket=stack.bucket, Key="t/signed")["Body"].read() == b"via the S3 gateway"
+
+
+def test_seaweed_master_http_refuses_tokens_and_admin_calls_while_s3_works(stack: StackState) -> None:
+    s3_client(stack).put_object(Bucket=stack.bucket, Key="t/kept", Body=b"still here")
+    master = stack.process("seaweed_master")
+    assert master is not None and master.pid != stack.process("seaweed").pid  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{master.ports['master']}"
+
+    # No signed write token for anyone, no topology, and none of the admin calls that can wipe data.
+    for path in (
+        "/dir/assign",
+        "/dir/status",
+        "/vol/status",
+        "/vol/grow?count=1",
+        "/vol/vacuum",
+        f"/col/delete?collection={stack.bucket}",
+    ):
+        code, body, _ = _http(url + path)
+        assert code == 401, (path, code, body)
+    code, body, _ = _http(f"{url}/col/delete?collection={stack.bucket}", "POST")
+    assert code == 401, body
+
+    s3 = s3_client(stack)
+    assert s3.get_object(Bucket=stack.bucket, Key="t/kept")["Body"].read() == b"still here"
+    s3.put_object(Bucket=stack.bucket, Key="t/after", Body=b"uploads still work")
+    assert s3.get_object(Bucket=stack.bucket, Key="t/after")["Body"].read() == b"uploads still work"
+    assert stack_status(stack.dir)["seaweed_master"]["healthy"] is True
+
+
+def test_seaweed_grpc_ports_refuse_clients_without_the_stack_certificate(stack: StackState) -> None:
+    tls = Path(stack.dir) / "seaweed/config/tls"
+    client_cert = (tls / "client.crt", tls / "client.key")
+    security = (Path(stack.dir) / "seaweed/config/security.toml").read_text()
+    assert "[grpc.client]" in security and str(tls / "ca.crt") in security
+    ports = stack.process("seaweed").ports  # type: ignore[union-attr]
+    for name in ("master_grpc", "volume_grpc", "filer_grpc", "s3_grpc"):
+        with pytest.raises(ssl.SSLError, match="CERTIFICATE_REQUIRED"):
+            _grpc_hello(ports[name], cert=None)
+        assert _plain_hello(ports[name]) == b"", name  # no plaintext gRPC either
+        hello = _grpc_hello(ports[name], cert=client_cert)  # the stack's own certificate is let in
+        assert hello[3:4] == b"\x04", (name, hello)  # an HTTP/2 SETTINGS frame: gRPC answers
+    for path in tls.iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    assert not any("PRIVATE KEY" in path.read_text() for path in tls.glob("ca*"))  # the CA key is never kept
+    s3_client(stack).put_object(Bucket=stack.bucket, Key="t/tls", Body=b"over mutual TLS")
+    assert s3_client(stack).get_object(Bucket=stack.bucket, Key="t/tls")["Body"].read() == b"over mutual TLS"
 
 
 def test_up_on_a_healthy_stack_returns_it_instead_of_starting_another(stack: StackState) -> None:
@@ -225,7 +297,7 @@ def test_restart_keeps_objects_and_messages_and_stop_leaves_no_process(stack: St
     stop_stack(tmp_path, timeout_s=STOP_TIMEOUT_S)
     assert all(_gone(info) for info in first.processes)
     assert load_state(tmp_path).processes == ()  # type: ignore[union-attr]
-    assert stack_status(tmp_path)["nats"]["running"] is False
+    assert not any(stack_status(tmp_path)[name]["running"] for name in ("nats", "seaweed_master", "seaweed"))
     stop_stack(tmp_path)  # idempotent
 
     second = start_stack(tmp_path)
@@ -247,6 +319,7 @@ def test_taken_port_fails_with_the_server_log(tmp_path: Path) -> None:
     assert "nats" in str(raised.value) and "nats.log" in str(raised.value)
     assert _processes_using(tmp_path) == []
     assert stack_status(tmp_path)["seaweed"]["running"] is False
+    assert stack_status(tmp_path)["seaweed_master"]["running"] is False
 
 
 def test_bad_binary_path_is_named_in_the_error(tmp_path: Path) -> None:
