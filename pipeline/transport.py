@@ -58,6 +58,7 @@ from nats.js.api import (
 
 from pipeline.codec import CodecError, decode_group, encode_group
 from pipeline.names import RunNames
+from pipeline.retry import Backoff, retry_async
 from pipeline.trajectory import SCHEMA_VERSION, TrajectoryGroup, TrajectoryValidationError
 from storage.objectstore import PreconditionFailed, validate_key
 
@@ -960,14 +961,18 @@ class ReplayReader:
 
     async def _fetch_claim(self, key: str, size: int, sha256: str) -> bytes:
         """`fetch_claim` with a few backed-off retries (no redelivery here); then a counted skip."""
-        for attempt in range(REPLAY_CLAIM_ATTEMPTS):
-            try:
-                return await asyncio.to_thread(fetch_claim, self._store, key, size, sha256)
-            except ClaimUnavailable as exc:
-                if attempt + 1 == REPLAY_CLAIM_ATTEMPTS:
-                    raise DeadLetterError("claim_check_unavailable", f"{exc} ({attempt + 1} attempts)") from exc
-                await asyncio.sleep(REPLAY_CLAIM_BACKOFF_S * 2**attempt)
-        raise AssertionError("unreachable")
+        backoff = Backoff(
+            attempts=REPLAY_CLAIM_ATTEMPTS, initial_s=REPLAY_CLAIM_BACKOFF_S, max_s=REPLAY_CLAIM_BACKOFF_S * 4
+        )
+        try:
+            return await retry_async(
+                lambda: asyncio.to_thread(fetch_claim, self._store, key, size, sha256),
+                what=f"replay: reading claim object {key!r}",
+                backoff=backoff,
+                permanent=(DeadLetterError,),
+            )
+        except ClaimUnavailable as exc:
+            raise DeadLetterError("claim_check_unavailable", f"{exc} ({REPLAY_CLAIM_ATTEMPTS} attempts)") from exc
 
     async def _finish(self) -> None:
         self.done = True

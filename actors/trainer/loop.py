@@ -242,8 +242,13 @@ class Trainer:
                 raise StopRequested
             deliveries = await self.session.fetch(max_groups=need - len(batch.trainable), timeout_s=FETCH_TIMEOUT_S)
             trainable_before = len(batch.trainable)
+            decided: list[int] = []  # groups that will not train: acked once per fetch, in parallel
             for delivery in deliveries:
-                await self._take(delivery, batch)
+                seq = await self._take(delivery, batch)
+                if seq is not None:
+                    decided.append(seq)
+            if decided:
+                await self.session.ack(decided)
             now = time.monotonic()
             if len(batch.trainable) > trainable_before:
                 last_progress = now
@@ -276,23 +281,23 @@ class Trainer:
                 f"(trainer.queue_wait_timeout_s); are generators running for run {self.cfg.run.name!r}?"
             )
 
-    async def _take(self, delivery: Delivery, batch: Batch) -> None:
+    async def _take(self, delivery: Delivery, batch: Batch) -> int | None:
         """Dedupe, the door, then cap / validity / advantages (`pipeline/batching.py`) for one delivered group.
 
-        A group that will not train is acked (refused: dead-lettered) now; see the module docstring."""
+        Returns the stream sequence to ack now when the group will not train (the caller acks a fetch's
+        worth at once); a refused group is dead-lettered here. See the module docstring."""
         group = delivery.group
         batch.seqs.append(delivery.seq)
         if group.group_id in self.handled:
             batch.duplicates += 1  # at-least-once delivery: decided in a committed step
-            await self.session.ack([delivery.seq])
-            return
+            return delivery.seq
         if group.group_id in batch.received_at_s:
             batch.duplicates += 1  # redelivered while this batch fills: treated as its first copy was
             if group.group_id in batch.refused:
                 await self.session.refuse(delivery, *batch.refused[group.group_id])
-            elif all(p.group_id != group.group_id for p in batch.trainable):
-                await self.session.ack([delivery.seq])
-            return
+                return None
+            trains = any(p.group_id == group.group_id for p in batch.trainable)
+            return None if trains else delivery.seq
         batch.received_at_s[group.group_id] = time.time()
         refusal = check_model_limits(group, self.limits)
         if refusal is not None:
@@ -305,7 +310,7 @@ class Trainer:
             )
             batch.refused[group.group_id] = (refusal.reason, refusal.detail)
             await self.session.refuse(delivery, refusal.reason, refusal.detail)
-            return
+            return None
         version = self.session.cap_version(group, self.state.version)
         try:
             prepared = prepare_group(group, version=version, policy=self.group_policy)
@@ -315,8 +320,8 @@ class Trainer:
         batch.consumed.append(prepared)
         if prepared.trainable:
             batch.trainable.append(prepared)
-        else:
-            await self.session.ack([delivery.seq])
+            return None
+        return delivery.seq
 
     async def train_on_batch(self, batch: Batch, version: int) -> tuple[StepResult, float]:
         """Recompute log-probs at `version` and take one optimizer step (several minibatches under decoupled_ppo)."""
