@@ -14,9 +14,12 @@ A spec is either
   with the same head size, MLP width, untied embeddings and context, but *learned absolute* position
   embeddings and every dropout at 0 (the trainer backend rejects dropout). Absolute positions make
   position-indexed tasks such as reversing digits learnable by RL in a few hundred steps; the CPU demo
-  uses this preset.
+  uses this preset, or
+- a named benchmark preset from `NAMED_PRESETS` (``llama-1.4b``): a randomly initialised Llama of a
+  real size, so GPU benchmarks of the engine and the trainer measure a realistic shape with nothing
+  downloaded. Its vocabulary is fixed (a tokenizer with more ids is refused).
 
-The presets are sized for the CPU demo, which trains on 2 cores.
+The tiny presets are sized for the CPU demo, which trains on 2 cores.
 """
 
 from __future__ import annotations
@@ -53,12 +56,26 @@ BOS_TOKENS = ("<bos>", "<s>")
 PAD_TOKENS = ("<pad>", "<|pad|>")
 
 _PRESET_RE = re.compile(r"^tiny-(?P<family>llama|gpt2)-(?P<layers>\d+)x(?P<hidden>\d+)$")
-PRESET_FORMS = "'tiny-llama-<layers>x<hidden>' or 'tiny-gpt2-<layers>x<hidden>'"
+NAMED_PRESETS: dict[str, dict[str, int]] = {
+    "llama-1.4b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "intermediate_size": 5632,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+    },
+}
+"""Named Llama shapes (untied embeddings, random init) for the GPU benchmarks; see the module docstring."""
+
+PRESET_FORMS = "'tiny-llama-<layers>x<hidden>', 'tiny-gpt2-<layers>x<hidden>' or one of " + ", ".join(
+    repr(name) for name in NAMED_PRESETS
+)
 
 
 def is_preset(spec: str) -> bool:
-    """True when ``spec`` names a tiny preset rather than a checkpoint directory."""
-    return _PRESET_RE.match(spec) is not None
+    """True when ``spec`` names a preset (tiny or named) rather than a checkpoint directory."""
+    return spec in NAMED_PRESETS or _PRESET_RE.match(spec) is not None
 
 
 def preset_config(
@@ -69,7 +86,23 @@ def preset_config(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
 ) -> PretrainedConfig:
-    """The config of a tiny preset (`LlamaConfig` or `GPT2Config`); raises ValueError for a name that is not one."""
+    """The config of a preset (`LlamaConfig` or `GPT2Config`); raises ValueError for a name that is not one.
+
+    A named preset keeps its own vocabulary, which must hold ``vocab_size`` ids."""
+    if spec in NAMED_PRESETS:
+        shape = NAMED_PRESETS[spec]
+        if vocab_size > shape["vocab_size"]:
+            raise ValueError(
+                f"model spec {spec!r} has {shape['vocab_size']} token ids, fewer than vocab_size={vocab_size}"
+            )
+        return LlamaConfig(
+            **shape,
+            num_key_value_heads=shape["num_attention_heads"],
+            tie_word_embeddings=False,
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+        )
     match = _PRESET_RE.match(spec)
     if match is None:
         raise ValueError(f"model spec {spec!r} is not a preset of the form {PRESET_FORMS}")
@@ -144,7 +177,7 @@ def build_model(
             raise ValueError(f"model {spec!r} has {rows} embedding rows, fewer than vocab_size={vocab_size}")
     else:
         raise ValueError(
-            f"model spec {spec!r} is neither a tiny preset ({PRESET_FORMS}) nor an existing local checkpoint directory"
+            f"model spec {spec!r} is neither a preset ({PRESET_FORMS}) nor an existing local checkpoint directory"
         )
     return model.eval()
 
