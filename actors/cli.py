@@ -112,6 +112,13 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     if args.replay and args.from_seq is None and args.since is None and args.min_version is None:
         raise SystemExit("leeway trainer: --replay needs --from-seq N, --since TIME or --min-version V")
     cfg = load_cli_config(args)
+    nproc = args.nproc if args.nproc is not None else cfg.trainer.nproc
+    if nproc < 1:
+        raise SystemExit(f"leeway trainer: --nproc {nproc} must be >= 1")
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:  # ranks see WORLD_SIZE and run the trainer itself
+        from actors.trainer.distributed import launch_ranks
+
+        return launch_ranks([sys.executable, "-m", "actors.cli", *args.argv], nproc)
     from actors.tools.replay import selection_from_args
     from actors.trainer.loop import main as trainer_main
 
@@ -138,6 +145,13 @@ def cmd_purge(args: argparse.Namespace) -> int:
     from actors.tools.purge import main as purge_main
 
     return purge_main(cfg, args)
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    cfg = load_cli_config(args)
+    from actors.fleet.commands import main as fleet_main
+
+    return fleet_main(cfg, args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -221,6 +235,13 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     _add_config_args(trainer)
     trainer.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     trainer.add_argument("--replay", action="store_true", help="train on a recorded range (needs a selection)")
+    trainer.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="start this many FSDP2 data-parallel ranks on this machine (default: trainer.nproc); a process "
+        "started with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set (torchrun, a fleet) joins that group instead",
+    )
     add_selection_arguments(trainer, required=False)
     trainer.set_defaults(handler=cmd_trainer)
 
@@ -257,12 +278,44 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     purge.add_argument("--yes", action="store_true", help="really delete (without it: print the plan, exit 1)")
     purge.set_defaults(handler=cmd_purge)
 
+    fleet = sub.add_parser(
+        "fleet",
+        help="place a run's trainer and generators on a Ray cluster; scale, inspect and stop them",
+        description="Ray places and restarts the roles (each in its own process, as `leeway trainer` and "
+        "`leeway generator`); data goes only through NATS and S3. Every node must reach nats.url and "
+        "store.endpoint (a single-node cluster may use the embedded stack).",
+    )
+    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True, metavar="ACTION")
+    fleet_actions = {
+        "up": "start the trainer ranks and generators; returns once every role started",
+        "scale": "add or drain generators while the run goes on",
+        "status": "each role: node, policy version, last report, restarts",
+        "down": "stop every role of the run (and the local cluster and stack `up` started), nothing else",
+    }
+    for action, text in fleet_actions.items():
+        fleet_parser = fleet_sub.add_parser(action, help=text, description=text)
+        _add_config_args(fleet_parser)
+        fleet_parser.add_argument(
+            "--address", default=None, help="Ray cluster host:port (default: fleet.address, RAY_ADDRESS, or local)"
+        )
+        if action == "up":
+            fleet_parser.add_argument("--generators", type=int, default=1, help="generators to start (default 1)")
+            fleet_parser.add_argument("--trainer-ranks", type=int, default=1, help="trainer ranks (default 1)")
+            fleet_parser.add_argument("--wait", action="store_true", help="block until the trainer ends")
+        if action == "scale":
+            fleet_parser.add_argument("--generators", type=int, required=True, help="generators to run from now on")
+        if action == "status":
+            fleet_parser.add_argument("--json", action="store_true", help="one JSON object")
+        fleet_parser.set_defaults(handler=cmd_fleet)
+
     bench = sub.add_parser("bench", help="benchmarks that print JSON with ratios against same-run baselines")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, text in [
         ("weights", "weight deltas: size vs entropy bound and baselines, codec speed, publish-to-applied"),
         ("transport", "Arrow vs orjson codec and JetStream throughput on loopback"),
         ("e2e", "the demo task synchronous vs asynchronous: time to target reward"),
+        ("engine", "the Leeway engine vs HF generate (dynamic cache; static cache on CUDA): tokens/s, TTFT"),
+        ("trainer", "the training backend vs a plain HF loop on the same batch: tokens/s, MFU (CPU: tiny defaults)"),
     ]:
         bench_parser = bench_sub.add_parser(name, help=text, description=text)
         bench_parser.add_argument("--json", action="store_true", help="one JSON line (default: indented JSON)")
@@ -294,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(bench_name=argv[1] if len(argv) >= 2 and argv[0] == "bench" else None)
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # `leeway trainer --nproc N` starts N copies of its own command line
     _watch_launcher()
     from pipeline.config import ConfigError
 

@@ -34,7 +34,6 @@ class ConfigError(ValueError):
 
 UNBUILT_VALUES: dict[tuple[str, Any], str] = {
     ("engine.kind", "sglang"): "the engine that exists is 'torch' (set engine.device: cuda for a GPU)",
-    ("trainer.backend", "megatron"): "the backend that exists is 'torch' (set trainer.device: cuda for a GPU)",
 }
 """(dotted key, value) that selects a planned part that has not landed -> what exists instead."""
 
@@ -129,6 +128,13 @@ class EngineConfig(Section):
     """Torch device for the torch engine (`cpu`, `cuda`, `cuda:1`)."""
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for a generator process."""
+    max_slots: int = Field(64, ge=1)
+    """Sequences the torch engine decodes at once (KV-cache slots); more requests wait for a free slot."""
+    max_len: int | None = Field(None, ge=2)
+    """Prompt + reply tokens per sequence; the KV cache holds max_slots x max_len positions. None: the
+    model's max_position_embeddings, at most 4096. A longer prompt finishes with reason prompt_too_long."""
+    cuda_graphs: bool = True
+    """Capture the torch engine's decode step in CUDA graphs (CUDA devices only; CPU decodes eagerly)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters for every rollout."""
 
@@ -169,16 +175,35 @@ class TrainerConfig(Section):
     """Optimizer sub-steps per version (decoupled_ppo uses several)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the backend."""
+    packing: bool = True
+    """Concatenate whole sequences into one row per micro-batch (document mask, no padding); false: right-pad."""
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
+    """liger-kernel RoPE/RMSNorm/SwiGLU (the `gpu` extra). auto: on for CUDA when installed; on: required."""
+    lm_head_chunk_tokens: int | None = Field(None, ge=0)
+    """Chunked LM head: log-probs from this many tokens' logits at a time. None: 4096 on CUDA, off on CPU; 0: off."""
     checkpoint_every: int = Field(50, ge=1)
     """Write a resumable checkpoint every this many versions."""
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for the trainer process."""
     device: str = "cpu"
     """Torch device of the torch backend (`cpu`, `cuda`, `cuda:1`)."""
-    backend: Literal["torch"] = "torch"
-    """Training backend: `torch` (fp32 master weights, AdamW, CPU or one GPU), the only one built so far."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend: `torch` (HF model, AdamW, FSDP2 over ranks) or `megatron` (megatron-core, the `megatron` extra)."""
     queue_wait_timeout_s: float = Field(600.0, gt=0)
     """Give up (and say why) when no trainable group arrives for this long."""
+    nproc: int = Field(1, ge=1)
+    """Trainer ranks `leeway trainer` (and `leeway run`) start on this machine (`--nproc` overrides); 1: one process."""
+    dist_timeout_s: float = Field(300.0, gt=0)
+    """Collective timeout of the trainer ranks, on top of queue_wait_timeout_s (rank 0 may wait that long for groups)."""
+
+
+class MegatronConfig(Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks that split each layer (megatron-core TP); must divide the KV heads. Data parallel = world / (TP x PP)."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Ranks that split the layers into stages (must divide the layers; untied embeddings when > 1)."""
+    use_transformer_engine: Literal["auto"] | bool = "auto"
+    """Transformer Engine layer spec: auto = on a CUDA device where TE is installed; false = megatron-core's local spec."""
 
 
 class StalenessConfig(Section):
@@ -280,6 +305,15 @@ class LoggingConfig(Section):
     """Also log to this W&B project (needs wandb and its credentials in the environment)."""
 
 
+class FleetConfig(Section):
+    address: str | None = None
+    """Ray cluster (host:port) of `leeway fleet`; `--address` beats it. None: RAY_ADDRESS, else a local cluster."""
+    max_restarts: int = Field(3, ge=0)
+    """How often Ray restarts a role whose process died (a generator; the trainer with trainer_restart: resume)."""
+    trainer_restart: Literal["stop", "resume"] = "stop"
+    """When the trainer dies: stop the fleet's generators, or restart it with `--resume` (up to max_restarts)."""
+
+
 class LeewayConfig(Section):
     """The whole resolved config of one run."""
 
@@ -290,6 +324,7 @@ class LeewayConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     advantages: AdvantagesConfig = Field(default_factory=AdvantagesConfig)
@@ -297,6 +332,7 @@ class LeewayConfig(Section):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
 
     @property
     def uses_embedded_stack(self) -> bool:

@@ -21,6 +21,9 @@ Status of a sample:
 - ``infra_error``: the verifier or environment raised or timed out: reward None, ``reward_source = none``;
   the trainer masks it out of the loss and the group baseline.
 - ``aborted``: the engine aborted the generation: reward None, never scored.
+- A reply the engine refused because its context (prompt, or earlier turns) left no room under the engine's
+  maximum length (finish reason ``prompt_too_long``) makes the sample an ``infra_error``: reward None, never
+  scored, so the trainer never trains on it; the other samples of the group are unaffected.
 
 The engine records (`SamplingParams`, `GenerateRequest`, `GenerateResult`) are defined here, at the
 rollout's edge, so that ``pipeline/`` needs no import from ``actors/``; the engine itself
@@ -401,6 +404,9 @@ class _Scorer:
         finish_reason = turns[-1].finish_reason or "abort"
         if finish_reason == "abort":
             return self.sample(index, turns, reward=None, status="aborted", gen_s=gen_s)
+        if finish_reason == "prompt_too_long":
+            info = {"error": "prompt_too_long: the context left no room for a reply under the engine's max_len"}
+            return self.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s, info=info)
         completion = [t for t in turns if t.kind != "prompt"]
         ids = np.concatenate([_strip_stop(t, self.sampling) for t in completion])
         text = "".join(_decode(self.tokenizer, _strip_stop(t, self.sampling)) for t in completion)

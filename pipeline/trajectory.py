@@ -53,9 +53,10 @@ RewardSource = Literal["verifier", "none"]
 """Who wrote the reward. Anything but a verifier's reward is masked out of loss and baseline."""
 REWARD_SOURCES: tuple[str, ...] = get_args(RewardSource)
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "prompt_too_long"]
 """``stop``: a stop token was sampled (and is the last returned token); ``length``: the new-token
-budget or the model's context ran out; ``abort``: the engine's abort cut the request."""
+budget or the model's context ran out; ``abort``: the engine's abort cut the request;
+``prompt_too_long``: the prompt left no room for one new token in the engine's maximum length (no tokens)."""
 
 
 class TrajectoryValidationError(ValueError):

@@ -5,6 +5,10 @@
     <run>/weights/v00000040/part-00000-<publish>.safetensors   full snapshot shards
     <run>/weights/LATEST                                  {"version": 42, ...}; moves forward by CAS
 
+A sharded publish (several trainer ranks, each storing the tensors it owns) names its parts
+`part-s001-00000-<publish>.lwd` (rank, then index) and lists every rank's parts in the one
+manifest, which is otherwise the same: subscribers cannot tell the two apart.
+
 Part keys carry the first 12 hex digits of the publisher's `publish_id`, so two publishers racing
 for one version never overwrite each other's parts: whichever manifest wins names only its own.
 
@@ -91,8 +95,10 @@ def latest_key(run: str) -> str:
     return f"{run}/weights/LATEST"
 
 
-def part_key(run: str, version: int, index: int, publish_id: str, suffix: str) -> str:
-    return f"{version_prefix(run, version)}part-{index:05d}-{publish_id[:12]}.{suffix}"
+def part_key(run: str, version: int, index: int, publish_id: str, suffix: str, shard: int | None = None) -> str:
+    """A part's key; `shard` (a trainer rank of a sharded publish) keeps ranks' part numbers apart."""
+    number = f"{index:05d}" if shard is None else f"s{shard:03d}-{index:05d}"
+    return f"{version_prefix(run, version)}part-{number}-{publish_id[:12]}.{suffix}"
 
 
 def parse_version_dir(name: str) -> int | None:

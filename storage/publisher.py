@@ -14,8 +14,9 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import safetensors.torch
@@ -39,7 +40,7 @@ from storage.weights_base import MiB, VersionConflict, advance_latest, byte_view
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["SEGMENT_ELEMS", "WeightPublisher"]
+__all__ = ["SEGMENT_ELEMS", "StagedParts", "WeightPublisher"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,23 @@ def _stage_tensor(src: torch.Tensor, dst: torch.Tensor, base: torch.Tensor | Non
         if dst is not src:
             dst_bits[start:end] = src_bits[start:end]
     return digest.hexdigest(), blobs
+
+
+@dataclass(frozen=True)
+class StagedParts:
+    """One publisher's stored, uncommitted share of a version: its tensors' specs and parts.
+
+    In a sharded publish every trainer rank writes the tensors it owns; rank 0 commits one manifest
+    naming every rank's parts (`WeightPublisher.commit`), then each rank `adopt`s its share (the base
+    of its next delta), or `discard`s it if the commit failed.
+    """
+
+    version: int
+    publish_id: str
+    full: bool
+    tensors: tuple[TensorSpec, ...]
+    parts: tuple[PartSpec, ...]
+    buffers: Mapping[str, torch.Tensor]
 
 
 class WeightPublisher:
@@ -144,12 +162,41 @@ class WeightPublisher:
         trainer reusing a number: pick `latest_version() + 1` instead). On any failure the publisher
         still holds the previous version, so publishing again can send a delta.
         """
+        full = self.needs_full(version, {n: tuple(t.shape) for n, t in named_tensors.items()})
+        staged = self.write_parts(version, named_tensors, publish_id=uuid.uuid4().hex, full=full)
+        manifest = self.commit(staged, [staged])
+        self.adopt(staged)
+        self.advance(manifest)
+        return manifest
+
+    # ---- the steps of a publish, also driven one by one by a sharded publish (one publisher per rank)
+
+    def needs_full(self, version: int, shapes: Mapping[str, tuple[int, ...]]) -> bool:
+        """Whether `version` of these tensors must be a full snapshot (ranks of a sharded publish OR theirs)."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
+        if version == 0 or version % self.full_every == 0 or self._prev is None:
+            return True
+        if self._prev_version != version - 1 or self._prev.keys() != shapes.keys():
+            return True
+        return any(tuple(self._prev[n].shape) != shape for n, shape in shapes.items())
+
+    def write_parts(
+        self,
+        version: int,
+        named_tensors: Mapping[str, torch.Tensor],
+        *,
+        publish_id: str,
+        full: bool,
+        shard: int | None = None,
+    ) -> StagedParts:
+        """Encode and store the parts of these tensors (all of them, or one rank's share); nothing is
+        committed. `adopt` the result after the manifest is committed, or `discard` it."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        if not full and self._prev is None:
+            raise ValueError(f"version {version}: a delta needs a previous version in this publisher")
         sources = {name: self._source(t) for name, t in named_tensors.items()}
-        publish_id = uuid.uuid4().hex
-        full = self._needs_full(version, {n: s for n, (s, _) in sources.items()})
-        parent = self._prev_version if self._prev_version is not None else self.latest_version()
         staged = {name: src if owned else self._buffer(name, src) for name, (src, owned) in sources.items()}
         base = None if full else self._prev
         names = list(sources)
@@ -159,9 +206,19 @@ class WeightPublisher:
 
         results = dict(zip(names, self._pool.map(stage, names), strict=True))
         if full:
-            parts = self._write_full(version, staged, publish_id)
+            parts = self._write_full(version, staged, publish_id, shard)
         else:
-            parts = self._write_delta(version, staged, {n: r[1] for n, r in results.items()}, publish_id)
+            parts = self._write_delta(version, staged, {n: r[1] for n, r in results.items()}, publish_id, shard)
+        specs = tuple(TensorSpec(name, self.dtype_name, tuple(t.shape), results[name][0]) for name, t in staged.items())
+        return StagedParts(version, publish_id, full, specs, tuple(parts), staged)
+
+    def commit(self, mine: StagedParts, every: Sequence[StagedParts]) -> Manifest:
+        """Write the one manifest naming the parts of `every` rank (create-only); `mine` is this
+        publisher's share, whose bookkeeping (base, anchor) the manifest takes. Raises `VersionConflict`."""
+        version, full = mine.version, mine.full
+        parent = self._prev_version if self._prev_version is not None else self.latest_version()
+        if not full and self._prev_version not in self._manifests:
+            raise ValueError(f"version {version}: a delta's base {self._prev_version} was not committed here")
         manifest = Manifest(
             run=self.run,
             version=version,
@@ -170,21 +227,29 @@ class WeightPublisher:
             parent_version=parent if parent is not None and parent < version else None,
             anchor_version=version if full else self._manifests[self._prev_version].anchor_version,  # type: ignore[index]
             model_config_hash=self.model_config_hash,
-            publish_id=publish_id,
+            publish_id=mine.publish_id,
             published_at=self.clock(),
-            tensors=tuple(
-                TensorSpec(name, self.dtype_name, tuple(t.shape), results[name][0]) for name, t in staged.items()
-            ),
-            parts=tuple(parts),
+            tensors=tuple(t for s in every for t in s.tensors),
+            parts=tuple(p for s in every for p in s.parts),
             codec=FULL_CODEC if full else DELTA_CODEC,
         )
         self._commit_manifest(manifest)
         self._manifests[version] = manifest
-        self._spare, self._prev, self._prev_version = self._prev or {}, staged, version
-        advance_latest(self.store, self.run, version, publish_id)
-        if self.prune_after_publish and version % self.prune_every == 0:
-            self._prune_quietly()
         return manifest
+
+    def adopt(self, staged: StagedParts) -> None:
+        """The version is committed: its tensors become the base of the next delta."""
+        self._spare, self._prev, self._prev_version = self._prev or {}, dict(staged.buffers), staged.version
+
+    def discard(self, staged: StagedParts) -> None:
+        """The version was not committed: delete this share's parts (best effort)."""
+        self._discard([p.key for p in staged.parts])
+
+    def advance(self, manifest: Manifest) -> None:
+        """Move `LATEST` to the committed version, then apply retention every few versions."""
+        advance_latest(self.store, self.run, manifest.version, manifest.publish_id)
+        if self.prune_after_publish and manifest.version % self.prune_every == 0:
+            self._prune_quietly()
 
     def _source(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The tensor as a contiguous CPU tensor of the served dtype, and whether that is a private copy."""
@@ -224,20 +289,17 @@ class WeightPublisher:
         except Exception:  # a boundary we own: retention must not fail a publish that already happened
             log.exception("weights retention for run %s failed; will retry after the next publish", self.run)
 
-    def _needs_full(self, version: int, tensors: dict[str, torch.Tensor]) -> bool:
-        if version == 0 or version % self.full_every == 0 or self._prev is None:
-            return True
-        if self._prev_version != version - 1 or self._prev.keys() != tensors.keys():
-            return True
-        return any(self._prev[n].shape != t.shape for n, t in tensors.items())
-
     def _upload(self, keyed: list[tuple[str, bytes]]) -> None:
-        """Upload parts in parallel; on failure delete what went up (best effort) and re-raise."""
-        try:
-            list(self._pool.map(lambda kv: self.store.put(*kv), keyed))
-        except BaseException:
+        """Upload parts in parallel; on failure delete what went up (best effort) and re-raise.
+
+        Every upload is waited for before deleting, so none lands after the delete (an orphan a
+        sharded publish would otherwise leave next to a failed round)."""
+        futures = [self._pool.submit(self.store.put, key, data) for key, data in keyed]
+        wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
             self._discard([k for k, _ in keyed])
-            raise
+            raise errors[0]  # type: ignore[misc]
 
     def _discard(self, keys: list[str]) -> None:
         try:
@@ -245,24 +307,31 @@ class WeightPublisher:
         except Exception:  # the parts are unreferenced garbage; retention removes them later
             log.warning("could not delete %d unreferenced weight parts", len(keys), exc_info=True)
 
-    def _write_full(self, version: int, tensors: dict[str, torch.Tensor], publish_id: str) -> list[PartSpec]:
+    def _write_full(
+        self, version: int, tensors: dict[str, torch.Tensor], publish_id: str, shard: int | None
+    ) -> list[PartSpec]:
         names = list(tensors)
         groups = _pack([(n, tensors[n].numel() * tensors[n].element_size()) for n in names], self.part_bytes)
         meta = {"run": self.run, "version": str(version), "publish_id": publish_id}
 
-        def shard(index_group: tuple[int, list[int]]) -> tuple[PartSpec, bytes]:
+        def encode_part(index_group: tuple[int, list[int]]) -> tuple[PartSpec, bytes]:
             index, group = index_group
             data = safetensors.torch.save({names[i]: tensors[names[i]] for i in group}, metadata=meta)
-            key = part_key(self.run, version, index, publish_id, "safetensors")
+            key = part_key(self.run, version, index, publish_id, "safetensors", shard)
             spec = PartSpec(key, len(data), hashlib.sha256(data).hexdigest(), tuple(names[i] for i in group))
             return spec, data
 
-        built = list(self._pool.map(shard, enumerate(groups)))
+        built = list(self._pool.map(encode_part, enumerate(groups)))
         self._upload([(spec.key, data) for spec, data in built])
         return [spec for spec, _ in built]
 
     def _write_delta(
-        self, version: int, tensors: dict[str, torch.Tensor], blobs_of: dict[str, list[bytes]], publish_id: str
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        blobs_of: dict[str, list[bytes]],
+        publish_id: str,
+        shard: int | None,
     ) -> list[PartSpec]:
         segments = [(name, start, end) for name, t in tensors.items() for start, end in _segments(t.numel())]
         blobs = [blob for name in tensors for blob in blobs_of[name]]
@@ -277,7 +346,7 @@ class WeightPublisher:
                 entries.append((name, start, end, offset, len(blobs[i])))
                 offset += len(blobs[i])
             data = b"".join(blobs[i] for i in group)
-            key = part_key(self.run, version, index, publish_id, "lwd")
+            key = part_key(self.run, version, index, publish_id, "lwd", shard)
             names = tuple(dict.fromkeys(e[0] for e in entries))
             parts.append(PartSpec(key, len(data), hashlib.sha256(data).hexdigest(), names, tuple(entries)))
             keyed.append((key, data))

@@ -25,9 +25,15 @@ COMMANDS = (
     ("generator",),
     ("replay",),
     ("purge",),
+    ("fleet", "up"),
+    ("fleet", "scale"),
+    ("fleet", "status"),
+    ("fleet", "down"),
     ("bench", "weights"),
     ("bench", "transport"),
     ("bench", "e2e"),
+    ("bench", "engine"),
+    ("bench", "trainer"),
 )
 """Every leaf command of the parser (a test checks this list against `build_parser`)."""
 

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 from actors.endpoints import connect_nats, open_run_store
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine, sampling_logprobs
-from actors.generator.metrics import GeneratorMetrics, metered
+from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
 from actors.generator.runtime import GeneratorRuntime, sampling_params
 from actors.models import build_model
 from pipeline.announce import announce_version, generator_metrics_subject, version_kv
@@ -98,6 +99,29 @@ def test_metered_generate_counts_tokens_and_ends_busy_time_even_when_the_engine_
     now[0] = 8.0
     report = metrics.report(version=0, newest_known=0)
     assert metrics.tokens_generated == 10 and report["idle_fraction"] == pytest.approx(0.5)
+
+
+def test_metered_submit_keeps_the_engine_busy_until_the_last_request_of_a_call_finishes() -> None:
+    """Streaming: results arrive one by one; the call counts as busy (and its tokens count) until the last."""
+    now = [0.0]
+    metrics = GeneratorMetrics("g", clock=lambda: now[0])
+    futures: list[Future[GenerateResult]] = []
+
+    def submit(requests: Sequence[GenerateRequest], params: SamplingParams) -> list[Future[GenerateResult]]:
+        futures.extend(Future() for _ in requests)
+        return list(futures)
+
+    counted = metered_submit(submit, metrics)
+    pending = counted([GenerateRequest([1]), GenerateRequest([2])], SamplingParams(max_new_tokens=5))
+    ids = np.arange(3, dtype=np.int32)
+    now[0] = 1.0
+    pending[0].set_result(GenerateResult(ids, np.zeros(3, np.float32), np.zeros(3, np.int32), "stop"))
+    assert metrics.tokens_generated == 0  # the call is still running
+    now[0] = 3.0
+    pending[1].set_result(GenerateResult(ids[:2], np.zeros(2, np.float32), np.zeros(2, np.int32), "length"))
+    now[0] = 6.0
+    report = metrics.report(version=0, newest_known=0)
+    assert metrics.tokens_generated == 5 and report["idle_fraction"] == pytest.approx(0.5)
 
 
 # ---- the fake trainer ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -91,10 +91,10 @@ class _FailsOnMarker(TorchEngine):
         super().__init__(model, pad_token_id=PAD_ID, seed=7, version=-1)
         self.marker = list(marker)
 
-    def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
+    def submit(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[Future[GenerateResult]]:
         if any(list(r.input_ids[: len(self.marker)]) == self.marker for r in requests):
             raise RuntimeError("engine broke on the marked prompt")
-        return super().generate(requests, params)
+        return super().submit(requests, params)
 
 
 def test_a_prompt_whose_rollout_fails_is_naked_alone_while_the_rest_of_its_batch_is_published(stack) -> None:

@@ -94,9 +94,9 @@ def test_tokens_outside_the_top_k_are_never_sampled() -> None:
 
 def test_stop_token_ends_its_row_and_is_returned_last() -> None:
     engine = TorchEngine(_model(), pad_token_id=PAD, seed=7)
-    stop = tuple(range(4, 14))  # the digits: most rows stop within a few tokens
+    stop = tuple(range(4, 9))  # half the digits: most rows stop within a few tokens, some run out of budget
     results = engine.generate(
-        [GenerateRequest(p) for p in PROMPTS * 4], SamplingParams(max_new_tokens=6, stop_token_ids=stop)
+        [GenerateRequest(p) for p in PROMPTS * 8], SamplingParams(max_new_tokens=6, stop_token_ids=stop)
     )
     reasons = {r.finish_reason for r in results}
     assert reasons == {"stop", "length"}

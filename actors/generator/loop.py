@@ -4,10 +4,10 @@
   prompt queue (JetStream work queue)                                      trajectory stream (JetStream)
       │ take(<= concurrency), short timeout                                          ▲
       ▼                                                                              │ publish (Nats-Msg-Id =
-  Generator.run ─► run_batch: refuse ─► sync ─► generate ──────► score ────────── group id = prompt id)
-      │            unrunnable   (sync_floor)  one engine call for  score_group per   │ then, only after
-      │            (dead-letter  waits on     all prompts x        prompt (Verifier- ▼ the publish ack:
-      │            or nak)       WeightSync   group_size (thread)  Pool, timeout)    lease.done()  (ack)
+  Generator.run ─► run_batch: refuse ─► sync ─► submit ────────► score ────────── group id = prompt id)
+      │            unrunnable   (sync_floor)  all prompts x        score_group per   │ then, only after
+      │            (dead-letter  waits on     group_size to the    group as soon as  ▼ the publish ack:
+      │            or nak)       WeightSync   engine at once       its G are done    lease.done()  (ack)
       │                                  │ in_progress() every heartbeat_s
       │                                  └── aborted (cap crossed / shutdown) ──────► lease.release() (nak)
       ▼
@@ -34,10 +34,17 @@ Invariants and failure behaviour:
   leaves the prompt to be redelivered after ``stream.prompt_ack_wait_s``, and no partial group exists
   (a group is one message).
 - One prompt fails alone. Before the engine call, a prompt no engine call can take (`checked_prompt_ids`:
-  ids outside the vocabulary, no room in the context) is dead-lettered with its reason, and one admitted
-  at a version the store's LATEST has not reached (left from an earlier run of the same name) is released
-  with a WARNING instead of being waited for. If the batch's engine call fails, each group is generated
-  alone; a prompt whose rollout or publish fails is nak'ed alone. The others are published and acked.
+  ids outside the vocabulary, no room in the engine's ``max_len``) is dead-lettered with its reason, and one
+  admitted at a version the store's LATEST has not reached (left from an earlier run of the same name) is
+  released with a WARNING instead of being waited for. If the engine refuses the batch or fails a group's
+  requests, that group is generated again in an engine call of its own; a prompt whose rollout or publish
+  fails is nak'ed alone. The others are published and acked.
+- The engine streams: a group is scored as soon as its G samples are done (`Engine.submit` futures), while
+  the engine keeps decoding the rest; a continuously batching engine fills a finished sample's slot with a
+  waiting request at its next step. In ``in_flight`` mode each prompt is a batch of its own, taken as soon
+  as one of the ``generator.concurrency`` places frees, so the engine is handed a finished group's
+  successor at once; the abort rule and shutdown abort only that batch's requests (`Engine.abort` by
+  request id). ``between_rollouts`` keeps one batch of up to ``concurrency`` prompts at a time.
 - Verifiers run on the generator's `VerifierPool` (threads of their own, under
   ``generator.verifier_timeout_s``): a hung verifier makes its sample an ``infra_error`` and holds no
   thread that generation or a weight pull needs.
@@ -55,13 +62,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from actors.generator.engines.base import Engine, GenerateResult, SamplingParams
-from actors.generator.metrics import GeneratorMetrics, metered
+from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
 from actors.generator.weight_sync import WeightSync, unknown_version_message
 from pipeline.config import LeewayConfig
 from pipeline.prompt_queue import PromptLease, PromptQueue
@@ -90,7 +98,9 @@ SHUTDOWN_GRACE_S = 5.0
 ABORT_CHECK_S = 0.05
 """How often a running batch checks the abort rule and shutdown."""
 MAX_BATCHES_PUBLISHING = 2
-"""Batches whose groups are still being published while the engine already generates the next one."""
+"""Batches whose groups are still being published while the engine already generates the next one (in
+``in_flight`` mode, where each prompt is a batch of its own: up to `generator.concurrency` groups publish
+while as many generate)."""
 UNKNOWN_VERSION_NAK_DELAY_S = 10.0
 """Default `Generator.unknown_version_nak_delay_s`: a prompt admitted at a version the store does not have (or
 taken while the store cannot be read) comes back after this long, not in a tight loop."""
@@ -133,6 +143,7 @@ class Generator:
         self.shutdown_grace_s = SHUTDOWN_GRACE_S
         self.unknown_version_nak_delay_s = UNKNOWN_VERSION_NAK_DELAY_S
         self._generate = metered(engine.generate, metrics)
+        self._submit = metered_submit(engine.submit, metrics)
         self._stop = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()
 
@@ -151,8 +162,16 @@ class Generator:
         if not await self._until_stop(self.weights.ensure(0, on_wait=self._log_waiting)):
             return
         log.info("generator %s: serving version %d", self.generator_id, self.weights.engine_version)
+        if self.cfg.generator.update_mode == "in_flight":
+            await self._stream_prompts()
+        else:
+            await self._batch_after_batch()
+        await self._wait_for_publishing(0)
+
+    async def _batch_after_batch(self) -> None:
+        """``between_rollouts``: one batch at a time, so weights change only between two batches."""
         while not self.stopping:
-            leases = await self._take()
+            leases = await self._take(self.cfg.generator.concurrency)
             if not leases:
                 continue
             if self.stopping:
@@ -160,7 +179,39 @@ class Generator:
                 break
             await self._wait_for_publishing(MAX_BATCHES_PUBLISHING - 1)
             await self.run_batch(leases, background_publish=True)
-        await self._wait_for_publishing(0)
+
+    async def _stream_prompts(self) -> None:
+        """``in_flight``: every prompt is a batch of its own, started as soon as one of the
+        `generator.concurrency` places is free, so the engine (which batches all requests in flight
+        together) gets a finished group's successor at once instead of waiting for the whole batch."""
+        running: set[asyncio.Task[None]] = set()
+        generating = [0]
+
+        async def one(lease: PromptLease) -> None:
+            generating[0] += 1
+            try:
+                await self.run_batch([lease], background_publish=True)
+            finally:
+                generating[0] -= 1
+
+        while not self.stopping:
+            free = self.cfg.generator.concurrency - generating[0]
+            if free <= 0:
+                await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            leases = await self._take(free)
+            if not leases:
+                continue
+            if self.stopping:
+                await _release(leases)
+                break
+            await self._wait_for_publishing(self.cfg.generator.concurrency)
+            for lease in leases:
+                task = asyncio.create_task(one(lease))
+                running.add(task)
+                task.add_done_callback(running.discard)
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
 
     async def run_batch(self, leases: list[PromptLease], *, background_publish: bool = False) -> None:
         """One batch: refuse what cannot run, sync weights to the batch's floor, generate and score, then
@@ -271,23 +322,24 @@ class Generator:
     async def _rollouts(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> list[Outcome]:
         """Every group of the batch, generated and scored while `_watch_abort` may abort the engine; a
         prompt whose rollout failed gets its exception in place of its samples."""
-        watch = asyncio.create_task(self._watch_abort(self.weights.engine_version))
+        group_size = self.cfg.advantages.group_size
+        request_ids = [f"{p.prompt_id}-{i}" for p in prompts for i in range(group_size)]
+        watch = asyncio.create_task(self._watch_abort(self.weights.engine_version, request_ids))
         try:
             if self.environment is not None:
                 return await self._episodes(prompts)
-            results = await self._generate_groups(prompts, prompt_ids)
-            return await self._score(prompts, prompt_ids, results)
+            return await self._stream_groups(prompts, prompt_ids)
         finally:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
 
-    async def _generate_groups(
-        self, prompts: list[Prompt], prompt_ids: list[list[int]]
-    ) -> list[list[GenerateResult] | BaseException]:
-        """One engine call for all groups (concurrency x group_size requests), split back into groups.
+    async def _stream_groups(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> list[Outcome]:
+        """All groups' requests (concurrency x group_size) go to the engine at once; each group is scored as
+        soon as its G samples are done, while the engine still decodes the others.
 
-        If that call fails, each group is generated alone, so one prompt that breaks the engine fails alone.
+        If the engine refuses or fails a group's requests, that group is generated again alone (one at a
+        time), so one prompt that breaks the engine fails alone.
         """
         group_size = self.cfg.advantages.group_size
         requests = [
@@ -295,43 +347,55 @@ class Generator:
             for prompt, ids in zip(prompts, prompt_ids, strict=True)
             for request in group_requests(ids, group_size, group_id=prompt.prompt_id)
         ]
+        futures: list[Future[GenerateResult]] | None
         try:
-            results = await asyncio.to_thread(self._generate, requests, self.sampling)
+            futures = self._submit(requests, self.sampling)
         except Exception as exc:
             if len(prompts) == 1:
                 return [exc]
-            log.warning("engine call for %d prompts failed; generating each alone", len(prompts), exc_info=True)
-            return [await self._generate_one(prompt, ids) for prompt, ids in zip(prompts, prompt_ids, strict=True)]
-        return [results[k * group_size : (k + 1) * group_size] for k in range(len(prompts))]
+            log.warning("engine refused a batch of %d prompts; generating each alone", len(prompts), exc_info=True)
+            futures = None
+        alone = asyncio.Lock()
 
-    async def _generate_one(self, prompt: Prompt, prompt_ids: list[int]) -> list[GenerateResult] | BaseException:
-        requests = group_requests(prompt_ids, self.cfg.advantages.group_size, group_id=prompt.prompt_id)
-        try:
-            return await asyncio.to_thread(self._generate, requests, self.sampling)
-        except Exception as exc:
-            return exc
-
-    async def _score(
-        self, prompts: list[Prompt], prompt_ids: list[list[int]], results: list[list[GenerateResult] | BaseException]
-    ) -> list[Outcome]:
-        """Each group scored by `score_group` (the task's verifier on the `VerifierPool`, under its timeout)."""
-
-        async def score(prompt: Prompt, ids: list[int], group: list[GenerateResult] | BaseException) -> list[Sample]:
-            if isinstance(group, BaseException):
-                raise group
+        async def group(k: int) -> list[Sample]:
+            prompt, ids = prompts[k], prompt_ids[k]
+            results: list[GenerateResult] | BaseException
+            if futures is None:
+                results = await self._generate_alone(alone, prompt, ids)
+            else:
+                try:
+                    own = futures[k * group_size : (k + 1) * group_size]
+                    results = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in own)))
+                except Exception as exc:
+                    if len(prompts) == 1:
+                        raise
+                    log.warning("engine failed group %s; generating it alone", prompt.prompt_id, exc_info=exc)
+                    results = await self._generate_alone(alone, prompt, ids)
+            if isinstance(results, BaseException):
+                raise results
             return await score_group(
                 self.task,
                 prompt,
                 ids,
-                group,
+                results,
                 self.sampling,
                 tokenizer=self.tokenizer,
                 group_id=prompt.prompt_id,
                 verifiers=self.verifiers,
             )
 
-        scored = (score(*args) for args in zip(prompts, prompt_ids, results, strict=True))
-        return list(await asyncio.gather(*scored, return_exceptions=True))
+        return list(await asyncio.gather(*(group(k) for k in range(len(prompts))), return_exceptions=True))
+
+    async def _generate_alone(
+        self, alone: asyncio.Lock, prompt: Prompt, prompt_ids: list[int]
+    ) -> list[GenerateResult] | BaseException:
+        """One group in an engine call of its own (one such call at a time: `alone`)."""
+        requests = group_requests(prompt_ids, self.cfg.advantages.group_size, group_id=prompt.prompt_id)
+        async with alone:
+            try:
+                return await asyncio.to_thread(self._generate, requests, self.sampling)
+            except Exception as exc:
+                return exc
 
     async def _episodes(self, prompts: list[Prompt]) -> list[Outcome]:
         """Multi-turn groups: `run_group` per prompt, its episodes calling the engine once per turn."""
@@ -417,10 +481,10 @@ class Generator:
 
     # ---- around a batch -----------------------------------------------------------------------------
 
-    async def _take(self) -> list[PromptLease]:
-        """Up to `generator.concurrency` prompts; [] when none came or the server is away."""
+    async def _take(self, limit: int) -> list[PromptLease]:
+        """Up to `limit` prompts; [] when none came or the server is away."""
         try:
-            return await self.queue.take(self.cfg.generator.concurrency, timeout_s=TAKE_TIMEOUT_S)
+            return await self.queue.take(limit, timeout_s=TAKE_TIMEOUT_S)
         except asyncio.TimeoutError:  # nats-py can raise a bare one from a fetch that found nothing
             return []
         except Exception:  # NATS away: the connection reconnects on its own; try again shortly
@@ -428,9 +492,10 @@ class Generator:
             await asyncio.sleep(TAKE_RETRY_S)
             return []
 
-    async def _watch_abort(self, start_version: int) -> None:
-        """Abort the engine's running calls when the batch crosses the cap (abort rule) or shutdown's grace
-        runs out. Keeps aborting until cancelled, so a multi-turn episode cannot start a new turn."""
+    async def _watch_abort(self, start_version: int, request_ids: list[str]) -> None:
+        """Abort the batch's engine requests when the batch crosses the cap (abort rule) or shutdown's grace
+        runs out. Keeps aborting until cancelled, so a multi-turn episode cannot start a new turn. Other
+        batches' requests (`request_ids` are the batch's: ``<prompt id>-<i>``) are not touched."""
         shutdown_deadline: float | None = None
         aborting = False
         while True:
@@ -448,7 +513,7 @@ class Generator:
             if not aborting and self._crossed_cap(start_version):
                 aborting = True
             if aborting:
-                self.engine.abort()
+                self.engine.abort(request_ids)
             await asyncio.sleep(ABORT_CHECK_S)
 
     def _crossed_cap(self, start_version: int) -> bool:

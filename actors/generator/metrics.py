@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,9 @@ import numpy as np
 
 from pipeline.announce import GENERATOR_REPORT_INTERVAL_S
 from pipeline.rollout import Generate, GenerateRequest, GenerateResult, SamplingParams
+
+Submit = Callable[[Sequence[GenerateRequest], SamplingParams], list[Future[GenerateResult]]]
+"""`Engine.submit`: queue requests, one future per request, resolved as each finishes."""
 
 METRICS_SCHEMA_VERSION = 1
 """Bumped when a field of the report changes meaning or disappears."""
@@ -204,6 +208,39 @@ def metered(generate: Generate, metrics: GeneratorMetrics) -> Generate:
             return results
         finally:
             metrics.generate_finished(num_tokens)
+
+    return call
+
+
+def metered_submit(submit: Submit, metrics: GeneratorMetrics) -> Submit:
+    """`Engine.submit` counted like `metered`: the engine is busy from the call until the last of its requests
+    finished (its futures resolve on the engine's thread), and their tokens are counted then."""
+
+    def call(requests: Sequence[GenerateRequest], params: SamplingParams) -> list[Future[GenerateResult]]:
+        metrics.generate_started()
+        try:
+            futures = submit(requests, params)
+        except BaseException:
+            metrics.generate_finished(0)
+            raise
+        if not futures:
+            metrics.generate_finished(0)
+            return futures
+        lock = threading.Lock()
+        remaining, tokens = [len(futures)], [0]
+
+        def done(future: Future[GenerateResult]) -> None:
+            with lock:
+                remaining[0] -= 1
+                if not future.cancelled() and future.exception() is None:
+                    tokens[0] += len(future.result().token_ids)
+                last = remaining[0] == 0
+            if last:
+                metrics.generate_finished(tokens[0])
+
+        for future in futures:
+            future.add_done_callback(done)
+        return futures
 
     return call
 

@@ -70,7 +70,15 @@ def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str) -> 
     """The configured engine, with the model's random init in place until version 0 is pulled (version -1)."""
     model = build_policy_model(cfg, tokenizer, dtype=getattr(torch, cfg.model.dtype)).to(cfg.engine.device)
     seed = (cfg.run.seed * 1_000_003 + zlib.crc32(generator_id.encode())) % 2**62
-    return TorchEngine(model, pad_token_id=pad_token_id(tokenizer), seed=seed, version=-1)
+    return TorchEngine(
+        model,
+        pad_token_id=pad_token_id(tokenizer),
+        seed=seed,
+        version=-1,
+        max_slots=cfg.engine.max_slots,
+        max_len=cfg.engine.max_len,
+        cuda_graphs=cfg.engine.cuda_graphs,
+    )
 
 
 def default_generator_id(cfg: LeewayConfig) -> str:

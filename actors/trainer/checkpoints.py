@@ -4,6 +4,18 @@
     <run>/checkpoints/v00000040/trainer_state.json     step, version, stream watermark, recent group ids
     <run>/checkpoints/v00000040/manifest.json          written last (create-only): the checkpoint exists
 
+Several trainer ranks (`actors/trainer/rank_group.py`) write one directory per rank and a JSON index::
+
+    <run>/checkpoints/v00000040/rank-00001/model.safetensors, optimizer.safetensors, rng.safetensors,
+                                           meta.json          this rank's rows of every sharded tensor
+    <run>/checkpoints/v00000040/index.json   world_size; per sharded tensor: rows, [rank, first row, rows]
+    <run>/checkpoints/v00000040/trainer_state.json, manifest.json   (rank 0, after every rank's files)
+
+`load_checkpoint` assembles whole tensors from either layout, so a checkpoint of any world size
+loads into any other (each rank then keeps its rows; `TorchBackend.load_state`). Tensors that are
+not sharded (RNG states, AdamW's step) and the meta come from the same rank when it existed, else
+from rank 0.
+
 Invariants and failure behaviour:
 - A checkpoint counts only once its manifest is written; files without a manifest are ignored.
 - Older checkpoints are pruned only after the new manifest is written, so a trainer killed mid-write
@@ -26,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
+import torch
 from torch import Tensor
 
 from actors.trainer.backends.checkpoint import decode_checkpoint, encode_checkpoint
@@ -131,6 +144,14 @@ def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+INDEX_FILE = "index.json"
+INDEX_FORMAT = 1
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank-{rank:05d}/"
+
+
 def write_checkpoint(
     store: ObjectStore, run: str, state: TrainerState, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
 ) -> str:
@@ -184,14 +205,61 @@ def prune_checkpoints(store: ObjectStore, run: str, keep: int = KEEP_CHECKPOINTS
     return sorted(doomed)
 
 
+def write_rank_files(
+    store: ObjectStore, run: str, version: int, rank: int, files: Mapping[str, bytes]
+) -> dict[str, str]:
+    """One rank's encoded files (`encode_checkpoint`) under its directory; returns {path: digest} for the manifest."""
+    prefix = checkpoint_prefix(run, version) + rank_dir(rank)
+    for name, data in files.items():
+        store.put(prefix + name, data)
+    return {rank_dir(rank) + name: _digest(data) for name, data in files.items()}
+
+
+def commit_sharded_checkpoint(
+    store: ObjectStore,
+    run: str,
+    state: TrainerState,
+    rank_files: list[Mapping[str, str]],
+    rank_shards: list[Mapping[str, list[int]]],
+) -> str:
+    """After every rank wrote its files: the index, the trainer state, then the manifest (create-only), then prune.
+
+    `rank_shards[r]` is rank r's ``{tensor key: [rows, first row, rows here]}`` (`TorchBackend.state_meta`)."""
+    prefix = checkpoint_prefix(run, state.version)
+    tensors: dict[str, dict[str, Any]] = {}
+    for rank, shards in enumerate(rank_shards):
+        for key, (rows, start, count) in shards.items():
+            tensors.setdefault(key, {"rows": rows, "shards": []})["shards"].append([rank, start, count])
+    index = orjson.dumps({"index_format": INDEX_FORMAT, "world_size": len(rank_files), "tensors": tensors})
+    files = {name: digest for digests in rank_files for name, digest in digests.items()}
+    for name, data in ((INDEX_FILE, index), (STATE_FILE, state.to_json())):
+        store.put(prefix + name, data)
+        files[name] = _digest(data)
+    manifest = {"run": run, "version": state.version, "step": state.step, "world_size": len(rank_files), "files": files}
+    try:
+        store.put_if_absent(prefix + MANIFEST_FILE, orjson.dumps(manifest))
+    except PreconditionFailed:
+        raise ValueError(f"checkpoint {prefix} already has a manifest; versions must not be reused") from None
+    prune_checkpoints(store, run, keep=KEEP_CHECKPOINTS)
+    return prefix
+
+
 def load_latest_checkpoint(
-    store: ObjectStore, run: str
+    store: ObjectStore, run: str, rank: int = 0
 ) -> tuple[TrainerState, dict[str, Tensor], dict[str, Any]] | None:
     """The newest complete checkpoint (state, tensors, meta), verified against its manifest; None if none."""
     complete = complete_checkpoints(store, run)
     if not complete:
         return None
-    prefix = checkpoint_prefix(run, complete[-1])
+    return load_checkpoint(store, run, complete[-1], rank=rank)
+
+
+def load_checkpoint(
+    store: ObjectStore, run: str, version: int, *, rank: int = 0
+) -> tuple[TrainerState, dict[str, Tensor], dict[str, Any]]:
+    """Checkpoint `version` as (state, whole tensors, meta) for trainer rank `rank`, of either layout
+    (see the module docstring); every file is checked against the manifest's hash."""
+    prefix = checkpoint_prefix(run, version)
     manifest = orjson.loads(store.get(prefix + MANIFEST_FILE))
     files: dict[str, bytes] = {}
     for name, digest in manifest["files"].items():
@@ -203,5 +271,35 @@ def load_latest_checkpoint(
             raise ValueError(f"checkpoint {prefix}: file {name} does not match its manifest hash")
         files[name] = data
     state = TrainerState.from_json(files.pop(STATE_FILE), prefix + STATE_FILE)
-    tensors, meta = decode_checkpoint(files)
-    return state, tensors, meta
+    if INDEX_FILE not in files:
+        tensors, meta = decode_checkpoint(files)
+        return state, tensors, meta
+    return state, *_assemble(prefix, files, rank)
+
+
+def _assemble(prefix: str, files: Mapping[str, bytes], rank: int) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Whole tensors from every rank's rows (`index.json`); the rest from rank `rank` if it existed, else 0."""
+    try:
+        index = orjson.loads(files[INDEX_FILE])
+        world = int(index["world_size"])
+        sharded: dict[str, Any] = index["tensors"]
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint {prefix}{INDEX_FILE}: unreadable index: {exc}") from exc
+    decoded = []
+    for r in range(world):
+        named = {k.removeprefix(rank_dir(r)): v for k, v in files.items() if k.startswith(rank_dir(r))}
+        if not named:
+            raise ValueError(f"checkpoint {prefix}: no files of rank {r} (index says world_size {world})")
+        decoded.append(decode_checkpoint(named))
+    own = rank if rank < world else 0
+    tensors, meta = dict(decoded[own][0]), decoded[own][1]
+    for key, entry in sharded.items():
+        pieces = sorted(entry["shards"], key=lambda s: s[1])
+        parts = [decoded[r][0][key] for r, _, count in pieces if count > 0]
+        whole = torch.cat(parts, dim=0) if parts else decoded[own][0][key]
+        if whole.shape[0] != entry["rows"]:
+            raise ValueError(
+                f"checkpoint {prefix}: {key} assembles to {whole.shape[0]} rows, index says {entry['rows']}"
+            )
+        tensors[key] = whole
+    return tensors, meta

@@ -18,7 +18,10 @@
 
 The session (`actors/trainer/sessions.py`) is a `LiveSession` for `leeway trainer [--resume]` and a
 `ReplaySession` for `--replay`; its module docstring says what each does at every arrow. The staleness
-rule behind admission and the cap is written once, in `pipeline/staleness.py`.
+rule behind admission and the cap is written once, in `pipeline/staleness.py`. With several
+trainer ranks (`leeway trainer --nproc N`, or RANK/WORLD_SIZE in the environment) this loop runs on
+rank 0 only; its backend is a `LeaderBackend` and the session publishes, checkpoints and resumes
+through the `RankGroup`, whose commands the other ranks follow (`actors/trainer/rank_group.py`).
 
 The loop waits on one thing only: trajectory groups (`collect_batch`), which generators produce
 from admitted prompts; while it waits it re-checks admission, so a dropped group's slot is refilled
@@ -73,11 +76,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from actors.endpoints import open_run_store, resolve_endpoints
 from actors.models import build_policy_model, load_tokenizer
 from actors.trainer.backends import StepResult, TrainBatch, TrainingBackend, build_backend
+from actors.trainer.backends.data_parallel import is_data_parallel
 from actors.trainer.checkpoints import RecentIds, TrainerState
+from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
 from actors.trainer.metrics_log import MetricsLog
 from actors.trainer.objective import CorrectedObjective
+from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
 from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, Session, build_weight_publisher
 from actors.trainer.slots import slots_to_return
 from pipeline.batching import GroupPolicy, ModelLimits, PreparedGroup, TrainSequence, check_model_limits, prepare_group
@@ -249,6 +256,9 @@ class Trainer:
                     decided.append(seq)
             if decided:
                 await self.session.ack(decided)
+                # Groups that will not train (filtered, capped, invalid) return their admission slots now, not
+                # after the queue runs dry: when most groups are filtered, that is what keeps generators fed.
+                await self.admit(batch)
             now = time.monotonic()
             if len(batch.trainable) > trainable_before:
                 last_progress = now
@@ -424,7 +434,10 @@ class Trainer:
     async def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        await self.session.close()
+        try:
+            await self.session.close()
+        finally:
+            self.backend.close()  # several ranks: the others stop now (after the final checkpoint)
 
 
 async def open_trainer(
@@ -439,21 +452,43 @@ async def open_trainer(
     model = build_policy_model(cfg, load_tokenizer(cfg, task))
     backend = build_backend(cfg, model)
     link = await RunLink.open(cfg)
+    group: RankGroup | None = None
     try:
         session: Session
         if replay is not None:
+            if is_data_parallel():
+                group = RankGroup(cfg, backend, link.store, None)
+                backend = LeaderBackend(group)
             session = await ReplaySession.open(cfg, link, replay)
         else:
             publisher = build_weight_publisher(cfg, link.store, model)
             try:
-                session = await LiveSession.open(cfg, link, backend, publisher, task, resume=resume)
+                if is_data_parallel():  # rank 0 of several: the others follow its commands
+                    group = RankGroup(cfg, backend, link.store, publisher)
+                    backend = LeaderBackend(group)
+                session = await LiveSession.open(cfg, link, backend, publisher, task, resume=resume, ranks=group)
             except BaseException:
                 publisher.close()
                 raise
     except BaseException:
         await link.nc.close()
+        if group is not None:
+            group.stop()
         raise
     return Trainer(cfg, backend, session, stop=stop)
+
+
+def _follow(cfg: LeewayConfig) -> int:
+    """Ranks 1..N-1: the same model and backend as rank 0, a store and publisher for their shares, no NATS."""
+    task = get_task(cfg.task.name, **cfg.task.args)
+    model = build_policy_model(cfg, load_tokenizer(cfg, task))
+    backend = build_backend(cfg, model)
+    store = open_run_store(cfg, resolve_endpoints(cfg))
+    publisher = build_weight_publisher(cfg, store, model)
+    try:
+        return follow(RankGroup(cfg, backend, store, publisher))
+    finally:
+        publisher.close()
 
 
 def _with_proximal(seq: TrainSequence, proximal: np.ndarray) -> TrainSequence:
@@ -465,10 +500,30 @@ def _num(value: float | None) -> float:
 
 
 def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | None = None) -> int:
-    """`leeway trainer CONFIG [--resume] [--replay SELECTION]` (the CLI parses the flags)."""
-    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    """`leeway trainer CONFIG [--resume] [--replay SELECTION]` (the CLI parses the flags), as one process or
+    as one rank of several (RANK/WORLD_SIZE/... in the environment, `actors/trainer/distributed.py`)."""
+    rank_env = RankEnv.from_environ()
+    where = f" rank{rank_env.rank}" if rank_env.distributed else ""
+    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s %(name)s{where} %(levelname)s %(message)s")
     torch.set_num_threads(cfg.trainer.torch_threads)
-    torch.manual_seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
+    if rank_env.distributed:
+        timeout_s = cfg.trainer.dist_timeout_s + cfg.trainer.queue_wait_timeout_s  # rank 0 may wait for groups
+        join_rank_group(rank_env, cfg.trainer.device, timeout_s)
+    try:
+        if not rank_env.is_leader:
+            try:
+                return _follow(cfg)
+            except Exception:  # the process boundary: the launcher names this rank and stops the others
+                log.exception("trainer rank %d exiting with an error", rank_env.rank)
+                return 1
+        return _lead(cfg, resume=resume, replay=replay)
+    finally:
+        leave_rank_group()
+
+
+def _lead(cfg: LeewayConfig, *, resume: bool, replay: ReplaySelection | None) -> int:
+    """The trainer loop (of rank 0 when there are several ranks)."""
 
     async def _run() -> int:
         stop = asyncio.Event()

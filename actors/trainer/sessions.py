@@ -36,7 +36,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
@@ -72,6 +72,9 @@ from pipeline.transport import (
 from storage.manifest import config_hash
 from storage.objectstore import ObjectStore
 from storage.weights import TORCH_DTYPES, WeightPublisher, WeightStoreError, list_versions
+
+if TYPE_CHECKING:
+    from actors.trainer.rank_group import RankGroup
 
 log = logging.getLogger("leeway.trainer")
 
@@ -183,8 +186,11 @@ class LiveSession:
         kv: KeyValue | None,
         *,
         resume: bool,
+        ranks: RankGroup | None = None,
     ) -> None:
         self.cfg = cfg
+        self.ranks = ranks
+        """Several trainer ranks: publish, checkpoint and resume are rounds of the whole group."""
         self.link = link
         self.names = link.names
         self.backend = backend
@@ -213,6 +219,7 @@ class LiveSession:
         task: Task,
         *,
         resume: bool,
+        ranks: RankGroup | None = None,
     ) -> LiveSession:
         """Make sure the streams, the trainer's consumer and the prompt queue exist, bind them, listen to generators."""
         js, names = link.js, link.names
@@ -222,7 +229,7 @@ class LiveSession:
         consumer = await TrajectoryConsumer.bind(js, names, cfg.stream, link.store)
         kv = await version_kv(js, names) if cfg.weights.announce else None
         queue = PromptQueue(js, names, cfg.stream)
-        session = cls(cfg, link, backend, publisher, task, consumer, queue, kv, resume=resume)
+        session = cls(cfg, link, backend, publisher, task, consumer, queue, kv, resume=resume, ranks=ranks)
         await link.nc.subscribe(generator_metrics_subject(names), cb=session._on_generator_report)
         return session
 
@@ -245,7 +252,7 @@ class LiveSession:
 
     async def _resume(self) -> TrainerState:
         """Restore the newest checkpoint, republish it as newest+1, roll back lost metrics, catch up."""
-        loaded = await asyncio.to_thread(load_latest_checkpoint, self.link.store, self.names.run)
+        loaded = await asyncio.to_thread(self._load_latest_checkpoint)
         latest = await self._newest_published()
         if loaded is None and latest is None:
             log.warning("--resume: run %s has neither checkpoint nor weights; starting fresh", self.names.run)
@@ -256,8 +263,7 @@ class LiveSession:
                 "--resume: run %s has no complete checkpoint; restarting from the initial weights", self.names.run
             )
         else:
-            state, tensors, meta = loaded
-            self.backend.load_state(tensors, meta)
+            state = loaded
         restored = state.version
         state.version = max(latest if latest is not None else -1, restored) + 1
         await self._publish(state.version)
@@ -273,6 +279,17 @@ class LiveSession:
         if moved:
             log.info("moved %d metrics records of steps after %d to metrics.rolled_back.jsonl", moved, state.step)
         await self._catch_up_from(state.consumed_seq + 1, state)
+        return state
+
+    def _load_latest_checkpoint(self) -> TrainerState | None:
+        """Restore the newest complete checkpoint into the backend (every rank's) and return its state."""
+        if self.ranks is not None:
+            return self.ranks.load_latest()
+        loaded = load_latest_checkpoint(self.link.store, self.names.run)
+        if loaded is None:
+            return None
+        state, tensors, meta = loaded
+        self.backend.load_state(tensors, meta)
         return state
 
     async def _newest_published(self) -> int | None:
@@ -364,9 +381,14 @@ class LiveSession:
     async def _publish(self, version: int) -> None:
         """Publish `version` (retried: a failed publish leaves the publisher at the previous version), then
         announce it (retried: the same KV value again)."""
-        tensors = self.backend.export_weights(TORCH_DTYPES[self.cfg.model.dtype])
+        ranks = self.ranks
+        if ranks is not None:  # every rank stores its parts; rank 0 commits
+            publish = lambda: asyncio.to_thread(ranks.publish, version)  # noqa: E731
+        else:
+            tensors = self.backend.export_weights(TORCH_DTYPES[self.cfg.model.dtype])
+            publish = lambda: asyncio.to_thread(self.publisher.publish, version, tensors)  # noqa: E731
         manifest = await retry_async(
-            lambda: asyncio.to_thread(self.publisher.publish, version, tensors),
+            publish,
             what=f"publishing weights version {version}",
             permanent=PUBLISH_PERMANENT_ERRORS,
         )
@@ -399,8 +421,11 @@ class LiveSession:
         if not final and state.step % self.cfg.trainer.checkpoint_every:
             return
         state.handled_group_ids = handled.to_list()
-        tensors, meta = self.backend.state_tensors(), self.backend.state_meta()
-        await asyncio.to_thread(write_checkpoint, self.link.store, self.names.run, state, tensors, meta)
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.checkpoint, state)
+        else:
+            tensors, meta = self.backend.state_tensors(), self.backend.state_meta()
+            await asyncio.to_thread(write_checkpoint, self.link.store, self.names.run, state, tensors, meta)
         self.last_checkpoint_step = state.step
         log.info(
             "checkpoint written at step %d (version %d, stream seq %d)", state.step, state.version, state.consumed_seq

@@ -8,9 +8,14 @@ re-tokenized between the sampler and the trainer. Every generated token comes ba
   ``log mu`` of the importance ratio;
 - ``versions[i]``: the policy version of the weights that computed the logits it was sampled from.
 
+Requests stream: `Engine.submit` queues requests and returns one future per request, resolved when that
+request finishes (a continuously batching engine finishes short ones first and fills their places with
+waiting requests); `Engine.generate` is the blocking form, results in request order.
+
 Weight updates are in-flight: `update_weights` may be called from another thread while `generate`
 runs; the new weights take effect between two decode steps, the KV cache computed by the old
-weights is kept, and the tokens after the swap carry the new version.
+weights is kept, and the tokens after the swap carry the new version. `update_weights` returns only after the
+tensors were copied, so its caller may mutate them afterwards (the weight subscriber does, on its next pull).
 
 The shape is chosen so an SGLang engine can implement it later: `generate` maps onto ``/generate``
 with ``input_ids`` and ``return_logprob`` (behaviour log-probs need ``return_sampling_mask`` /
@@ -26,8 +31,10 @@ are re-exported here. A rollout needs only the bound `Engine.generate`: `pipelin
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -74,7 +81,26 @@ class Engine(ABC):
     def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
         """Continue every request; results are in request order."""
 
+    def submit(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[Future[GenerateResult]]:
+        """Queue requests; each future resolves with its request's result as soon as that request finishes.
+        Raises (and queues nothing) when a request is invalid. This default runs one blocking `generate` call
+        on a worker thread, so every future resolves at its end; engines that batch continuously override it."""
+        futures: list[Future[GenerateResult]] = [Future() for _ in requests]
+
+        def run() -> None:
+            try:
+                results = self.generate(requests, params)
+            except BaseException as exc:
+                for future in futures:
+                    future.set_exception(exc)
+                return
+            for future, result in zip(futures, results, strict=True):
+                future.set_result(result)
+
+        threading.Thread(target=run, name="engine-generate", daemon=True).start()
+        return futures
+
     @abstractmethod
-    def abort(self) -> None:
-        """Make every `generate` call in progress return soon, its unfinished results with reason
-        ``abort`` and the tokens produced so far. Calls started afterwards are not affected."""
+    def abort(self, request_ids: Collection[str] | None = None) -> None:
+        """Make every request in progress (or only those with these ids) finish soon with reason ``abort``
+        and the tokens produced so far. Requests submitted afterwards are not affected."""

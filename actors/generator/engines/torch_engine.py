@@ -1,37 +1,50 @@
-"""A plain-PyTorch inference engine over a Hugging Face causal LM: batched decoding with a KV cache.
+"""A plain-PyTorch inference engine over a Hugging Face causal LM: continuous batching over a slot KV cache.
 
-Used by the CPU demo and the tests; SGLang takes its place on GPUs behind the same `Engine` interface.
+Requests stream in (`TorchEngine.submit`, or the blocking `generate` built on it) and are served by one
+decode loop (on an engine thread, or in a `generate` caller's thread when none runs); each request owns
+a *slot* of a preallocated KV cache (`actors/generator/engines/slot_runner.py`) from admission to its
+finish:
 
-One `generate` call decodes all its requests as one batch:
-
-    prefill: left-padded prompts, attention mask, position ids = (mask.cumsum - 1)  -> logits of token 0
-    step i:  [hook(i)] -> lock model -> apply pending weights -> forward last token -> unlock
-             -> sample token i of every unfinished row from the filtered distribution
+    step i:  abort check -> [hook(i)] -> lock model -> apply pending weights (version V)
+             -> decode: one token for every running slot            (one batched forward; a CUDA graph on GPU)
+             -> admit waiting requests into free slots, prefill them (one forward per step; a prompt shared
+                by G requests is prefilled once and its K/V copied to the G slots)
+             -> unlock -> sample every row at once (`actors/generator/engines/sampling.py`)
+             -> rows that stopped or ran out of budget finish: their result is delivered, their slot is free
+                for the next step's admissions.
 
 Invariants
 - The log-prob recorded for a token is ``sampling_logprobs(logits, params)[token]``: its log-prob
   under the exact distribution it was drawn from (temperature, then top-k, then top-p over the
   renormalised top-k distribution, renormalised again). Greedy decoding (temperature 0) records 0.
 - The version recorded for a token is the version of the weights applied when the logits it was
-  sampled from were computed. Weights change only between two forward passes (under the model lock),
-  and the KV cache of earlier positions is kept, so after a swap at step ``k`` the cache holds
-  positions ``< prompt_len + k - 1`` from the old weights and everything later from the new ones.
-- Rows that finish early keep being fed a pad token until the whole batch is done; their outputs
-  after the finish are ignored and never returned.
-- Each request samples from its own ``torch.Generator`` (seeded by the request or by the engine's
-  generator), so a request's tokens do not depend on what else is in the batch.
+  sampled from were computed. Weights change only between two steps (under the model lock), and the
+  KV cache of earlier positions is kept, so after a swap at step ``k`` a running row's cache holds its
+  earlier positions from the old weights and everything later from the new ones.
+- `update_weights` returns only after its tensors have been copied into the model (a version applied by
+  the decode loop signals its waiter after the copy), so a caller may mutate its tensors afterwards.
+- A request's tokens depend only on its prompt, its seed and the weights: token ``t`` is drawn by
+  inverse-CDF sampling with a uniform that hashes (request seed, t), whatever the batch or the slot.
+- `abort` finishes every request submitted before it (running or waiting; or only those with the given
+  request ids) with reason ``abort`` and the tokens produced so far; requests submitted afterwards are
+  not affected.
+- A prompt that leaves no room for one new token in ``max_len`` finishes at once with reason
+  ``prompt_too_long`` and no tokens; the other requests of the call are unaffected.
 """
 
 from __future__ import annotations
 
-import inspect
+import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from actors.generator.engines.base import (
     Engine,
@@ -41,45 +54,73 @@ from actors.generator.engines.base import (
     NamedTensors,
     SamplingParams,
 )
+from actors.generator.engines.sampling import sample_rows, sampling_logprobs, seed_key
+from actors.generator.engines.slot_runner import SlotRunner, build_slot_runner
+
+__all__ = ["TorchEngine", "sampling_logprobs"]
+
+log = logging.getLogger(__name__)
 
 APPLY_POLL_S = 0.01
-"""How long `update_weights` waits for the model lock before checking whether a running decode loop
-applied its tensors already (the loop re-takes the lock at once, so the waiter cannot rely on winning it)."""
+"""How long `update_weights` waits for the model lock before checking whether the decode loop applied its
+tensors already (the loop re-takes the lock at once, so the waiter cannot rely on winning it)."""
+DEFAULT_MAX_SLOTS = 64
+"""Default number of sequences decoded at once (KV-cache slots)."""
+DEFAULT_MAX_LEN = 4096
+"""Default prompt-plus-reply limit: the model's context, but at most this (the KV cache is allocated up front,
+``max_slots x max_len`` positions, so a 32k-context checkpoint would otherwise reserve many GiB)."""
 
 
-def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Log-probs of the distribution tokens are drawn from, ``-inf`` outside its support.
+@dataclass(eq=False)
+class _Request:
+    """A submitted request, waiting for a slot or running in one."""
 
-    ``logits``: ``[..., vocab]``. Order: divide by temperature; keep the ``top_k`` largest (ties with the
-    k-th value are kept too); keep the smallest prefix of the sorted renormalised distribution whose mass
-    reaches ``top_p`` (the most likely token is always kept); renormalise. The trainer applies the same
-    function to its recomputed logits so that ``log pi`` and ``log mu`` are comparable.
-    """
-    logits = logits.float()
-    if params.temperature == 0:
-        greedy = logits.argmax(dim=-1, keepdim=True)
-        return torch.full_like(logits, float("-inf")).scatter(-1, greedy, 0.0)
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop = mass_before >= params.top_p
-        drop[..., 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits.log_softmax(dim=-1)
+    request: GenerateRequest
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    budget: int
+    epoch: int
+    future: Future[GenerateResult]
+    submitted_s: float
+    key: int = 0
+    """`seed_key` of the seed: what the sampling noise of each position hashes."""
+    slot: int = -1
+    aborted: bool = False
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def result(self, reason: FinishReason) -> GenerateResult:
+        return GenerateResult(
+            token_ids=np.asarray(self.tokens, dtype=np.int32),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int32),
+            finish_reason=reason,
+            request_id=self.request.request_id,
+            gen_s=time.perf_counter() - self.submitted_s,
+        )
+
+
+@dataclass(eq=False)
+class _Update:
+    """One `update_weights` call: done is set after its tensors were copied (or the copy failed)."""
+
+    tensors: dict[str, torch.Tensor]
+    version: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class TorchEngine(Engine):
-    """`Engine` over an in-process HF causal LM.
+    """`Engine` over an in-process HF causal LM (see the module docstring).
 
-    ``on_decode_step(i)`` is called before the forward pass that produces the logits of generated token
-    ``i`` (``i = 0`` is the prefill), outside the model lock, so it may call `update_weights`; tests use it
-    to swap weights at an exact step. Torch thread counts are left as the caller configured them.
+    ``max_slots`` sequences run at once, each at most ``max_len`` tokens (prompt + reply; default: the model's
+    ``max_position_embeddings``, at most `DEFAULT_MAX_LEN`). ``cuda_graphs``: capture the decode step on CUDA. ``fast_forward=False``
+    forces the generic (slow) HF path, e.g. to test it. ``on_decode_step(i)`` is called on the decode loop's
+    thread before step ``i`` of a busy period (``i = 0``: the step that prefills the first requests), outside the
+    model lock, so it may call `update_weights` or `abort`; tests use it to act at an exact step. Torch
+    thread counts are left as the caller configured them.
     """
 
     def __init__(
@@ -90,6 +131,10 @@ class TorchEngine(Engine):
         seed: int = 0,
         version: int = 0,
         on_decode_step: Callable[[int], None] | None = None,
+        max_slots: int = DEFAULT_MAX_SLOTS,
+        max_len: int | None = None,
+        cuda_graphs: bool = True,
+        fast_forward: bool = True,
     ) -> None:
         self._model = model.eval()
         self._device = next(model.parameters()).device
@@ -97,21 +142,32 @@ class TorchEngine(Engine):
         self._vocab_size = int(model.get_input_embeddings().weight.shape[0])
         if not 0 <= pad_token_id < self._vocab_size:
             raise ValueError(f"pad_token_id={pad_token_id} is outside the vocabulary [0, {self._vocab_size})")
-        self._pad_token_id = pad_token_id
-        self._max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
-        forward_params = inspect.signature(model.forward).parameters
-        # transformers 5 names the cache argument `cache`; 4.x calls it `past_key_values`.
-        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
-        self._logits_kwarg = "logits_to_keep" if "logits_to_keep" in forward_params else None
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        positions: int | None = getattr(model.config, "max_position_embeddings", None)
+        max_len = max_len or min(positions or DEFAULT_MAX_LEN, DEFAULT_MAX_LEN)
+        if positions is not None and max_len > positions:
+            if hasattr(model.config, "n_positions"):  # learned absolute positions: there is no embedding past them
+                raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings={positions}")
+            log.warning(
+                "max_len=%d exceeds the model's max_position_embeddings=%d (rotary positions)", max_len, positions
+            )
+        self._max_len = max_len
+        self._runner: SlotRunner = build_slot_runner(
+            model, max_slots, max_len, cuda_graphs=cuda_graphs, fast=fast_forward
+        )
         self._version = version
         self._rng = torch.Generator().manual_seed(seed)
-        self._rng_lock = threading.Lock()
         self._model_lock = threading.Lock()
         self._pending_lock = threading.Lock()
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_version: int | None = None
-        self._abort_events: set[threading.Event] = set()
+        self._pending: list[_Update] = []
         self._on_decode_step = on_decode_step
+        # The scheduler's state, guarded by _lock: waiting requests, slots, the abort epoch, the loop thread.
+        self._lock = threading.Lock()
+        self._waiting: deque[_Request] = deque()
+        self._slots: list[_Request | None] = [None] * max_slots
+        self._epoch = 0
+        self._loop: threading.Thread | None = None
 
     @property
     def version(self) -> int:
@@ -122,13 +178,22 @@ class TorchEngine(Engine):
         return self._vocab_size
 
     @property
-    def max_context_tokens(self) -> int | None:
-        return self._max_positions
+    def max_context_tokens(self) -> int:
+        return self._max_len
+
+    @property
+    def max_slots(self) -> int:
+        return self._runner.num_slots
 
     @property
     def model(self) -> PreTrainedModel:
         """The wrapped model (read-only use: write weights through `update_weights`)."""
         return self._model
+
+    @property
+    def runner(self) -> SlotRunner:
+        """The forward-pass runner (tests check which one a model got)."""
+        return self._runner
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -140,19 +205,17 @@ class TorchEngine(Engine):
 
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         self._validate(named_tensors, version)
+        update = _Update(dict(named_tensors), version)
         with self._pending_lock:
-            self._pending.update(named_tensors)
-            self._pending_version = version
-        while True:
+            self._pending.append(update)
+        while not update.done.is_set():
             if self._model_lock.acquire(timeout=APPLY_POLL_S):
                 try:
                     self._apply_pending_locked()
                 finally:
                     self._model_lock.release()
-                return
-            with self._pending_lock:
-                if self._pending_version is None:  # a running decode loop applied it
-                    return
+        if update.error is not None:
+            raise update.error
 
     def _validate(self, named_tensors: NamedTensors, version: int) -> None:
         if version < self._version:
@@ -168,166 +231,215 @@ class TorchEngine(Engine):
                 )
 
     def _apply_pending_locked(self) -> None:
-        """Copy pending tensors into the model; caller holds the model lock, so no forward is running."""
+        """Copy pending updates into the model in order; the caller holds the model lock, so no forward runs.
+
+        Each update's waiter is released only after the copy finished (on CUDA: after the device finished
+        it), so it may reuse or mutate its tensors as soon as `update_weights` returns."""
         with self._pending_lock:
-            pending, version = self._pending, self._pending_version
-            self._pending, self._pending_version = {}, None
-        if version is None:
-            return
-        with torch.no_grad():
-            for name, tensor in pending.items():
-                self._tensors[name].copy_(tensor)
-        self._version = version
+            updates, self._pending = self._pending, []
+        try:
+            with torch.no_grad():
+                for update in updates:
+                    for name, tensor in update.tensors.items():
+                        self._copy_tensor(self._tensors[name], tensor)
+                    self._version = update.version
+                if self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)
+        except BaseException as exc:
+            for update in updates:
+                update.error = exc
+            raise
+        finally:
+            for update in updates:
+                update.done.set()
 
-    # ---- generation ----------------------------------------------------------------------------
+    def _copy_tensor(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """One tensor of an update into the model (a method, so a test can slow it down)."""
+        target.copy_(source)
 
-    def abort(self) -> None:
-        for event in list(self._abort_events):
-            event.set()
+    # ---- requests ------------------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[Future[GenerateResult]]:
+        """Queue requests for the decode loop (started on an engine thread if none runs); each future resolves
+        when its request finishes.
+
+        Raises ValueError (and queues nothing) when a prompt holds ids outside the vocabulary."""
+        futures = self._enqueue(requests, params)
+        with self._lock:
+            if self._waiting and self._loop is None:
+                self._loop = threading.Thread(target=self._run_loop, name="torch-engine", daemon=True)
+                self._loop.start()
+        return futures
 
     def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
-        if not requests:
-            return []
-        aborted = threading.Event()
-        self._abort_events.add(aborted)
+        """`submit` and wait. When no decode loop runs, the calling thread runs it (until no request is left,
+        its own or others'), which saves the hand-over to an engine thread on every call."""
+        futures = self._enqueue(requests, params)
+        with self._lock:
+            drive = bool(self._waiting) and self._loop is None
+            if drive:
+                self._loop = threading.current_thread()
+        if drive:
+            self._run_loop()
+        return [future.result() for future in futures]
+
+    def _enqueue(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[Future[GenerateResult]]:
+        now = time.perf_counter()
+        prompts = [self._checked_prompt(r) for r in requests]
+        futures: list[Future[GenerateResult]] = []
+        refused: list[_Request] = []
+        with self._lock:
+            drawn = torch.randint(0, 2**62, (len(requests),), generator=self._rng).tolist()
+            for request, prompt, fallback_seed in zip(requests, prompts, drawn, strict=True):
+                seed = request.seed if request.seed is not None else fallback_seed
+                budget = min(request.max_new_tokens or params.max_new_tokens, self._max_len - len(prompt))
+                entry = _Request(request, prompt, params, seed, budget, self._epoch, Future(), now, seed_key(seed))
+                entry.future.set_running_or_notify_cancel()
+                futures.append(entry.future)
+                if budget < 1:
+                    refused.append(entry)
+                else:
+                    self._waiting.append(entry)
+        _deliver([(entry, "prompt_too_long") for entry in refused])
+        return futures
+
+    def abort(self, request_ids: Collection[str] | None = None) -> None:
+        with self._lock:
+            if request_ids is None:
+                self._epoch += 1
+                return
+            ids = set(request_ids)
+            for entry in [*self._waiting, *self._slots]:
+                if entry is not None and entry.request.request_id in ids:
+                    entry.aborted = True
+
+    def _checked_prompt(self, request: GenerateRequest) -> list[int]:
         try:
-            return self._generate(list(requests), params, aborted)
-        finally:
-            self._abort_events.discard(aborted)
-
-    def _generate(
-        self, requests: list[GenerateRequest], params: SamplingParams, aborted: threading.Event
-    ) -> list[GenerateResult]:
-        start = time.perf_counter()
-        prompts = [self._prompt_tensor(r) for r in requests]
-        budgets = [self._budget(r, len(p), params) for r, p in zip(requests, prompts, strict=True)]
-        generators = [self._row_generator(r) for r in requests]
-        stop_ids = set(params.stop_token_ids)
-        rows = _Rows(len(requests))
-        for row, budget in enumerate(budgets):
-            if budget < 1:
-                rows.finish(row, "length")
-
-        input_ids, mask, positions = self._left_pad(prompts)
-        cache = DynamicCache(config=self._model.config)
-        step = 0
-        while not rows.all_done():
-            if aborted.is_set():
-                rows.finish_all("abort")
-                break
-            if self._on_decode_step is not None:
-                self._on_decode_step(step)
-            logits, version = self._forward(input_ids, mask, positions, cache)
-            logprobs = sampling_logprobs(logits, params)
-            next_ids = torch.full((len(requests), 1), self._pad_token_id, dtype=torch.long, device=self._device)
-            for row in rows.active():
-                token = _sample(logprobs[row], generators[row])
-                rows.append(row, token, float(logprobs[row, token]), version)
-                next_ids[row, 0] = token
-                if token in stop_ids:
-                    rows.finish(row, "stop")
-                elif rows.num_tokens(row) >= budgets[row]:
-                    rows.finish(row, "length")
-            input_ids = next_ids
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            step += 1
-        gen_s = time.perf_counter() - start
-        return [rows.result(row, requests[row].request_id, gen_s) for row in range(len(requests))]
-
-    def _prompt_tensor(self, request: GenerateRequest) -> torch.Tensor:
-        ids = torch.as_tensor(np.asarray(request.input_ids, dtype=np.int64), device=self._device)
-        if ids.ndim != 1 or int(ids.min()) < 0 or int(ids.max()) >= self._vocab_size:
+            ids = [int(t) for t in request.input_ids]
+        except TypeError:  # a nested list or array: not a flat list of ids
+            ids = [-1]
+        if min(ids) < 0 or max(ids) >= self._vocab_size:
             raise ValueError(
                 f"request {request.request_id!r}: input_ids must be a flat list of ids in [0, {self._vocab_size})"
             )
         return ids
 
-    def _budget(self, request: GenerateRequest, prompt_len: int, params: SamplingParams) -> int:
-        """New tokens this row may produce: its own or the params' budget, cut to the model's context."""
-        budget = request.max_new_tokens or params.max_new_tokens
-        if self._max_positions is not None:
-            budget = min(budget, self._max_positions - prompt_len)
-        return budget
+    # ---- the decode loop -----------------------------------------------------------------------
 
-    def _row_generator(self, request: GenerateRequest) -> torch.Generator:
-        if request.seed is None:
-            with self._rng_lock:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        else:
-            seed = request.seed
-        return torch.Generator(device=self._device).manual_seed(seed)
+    def _run_loop(self) -> None:
+        """Steps until no request is waiting or running, on the engine thread or a `generate` caller's thread
+        (whichever claimed `_loop`); a later submit or generate starts it again."""
+        step = 0
+        while True:
+            finished: list[tuple[_Request, FinishReason]] = []
+            with self._lock:
+                finished += self._take_aborted()
+                idle = not self._waiting and not any(self._slots)
+                if idle:
+                    self._loop = None
+            _deliver(finished)  # outside the lock: a future's callbacks may submit again
+            if idle:
+                return
+            if self._on_decode_step is not None:
+                self._on_decode_step(step)
+            try:
+                _deliver(self._step())
+            except Exception as exc:  # the engine broke: every request it holds fails with the error
+                self._fail_all(exc)
+            except BaseException as exc:
+                self._fail_all(exc)
+                with self._lock:
+                    self._loop = None
+                raise
+            step += 1
 
-    def _left_pad(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self._pad_token_id, dtype=torch.long, device=self._device)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=self._device)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = prompt
-            mask[row, width - len(prompt) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        return input_ids, mask, positions
+    def _take_aborted(self) -> list[tuple[_Request, FinishReason]]:
+        """Requests submitted before the latest `abort`; caller holds the scheduler lock."""
+        out: list[tuple[_Request, FinishReason]] = []
+        for slot, entry in enumerate(self._slots):
+            if entry is not None and (entry.aborted or entry.epoch < self._epoch):
+                self._slots[slot] = None
+                out.append((entry, "abort"))
+        keep = deque(entry for entry in self._waiting if not (entry.aborted or entry.epoch < self._epoch))
+        out += [(entry, "abort") for entry in self._waiting if entry.aborted or entry.epoch < self._epoch]
+        self._waiting = keep
+        return out
 
-    def _forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
-    ) -> tuple[torch.Tensor, int]:
-        """Logits of the last position, and the version of the weights that computed them."""
-        kwargs: dict[str, object] = {self._cache_kwarg: cache}
-        if self._logits_kwarg is not None:
-            kwargs[self._logits_kwarg] = 1
+    def _step(self) -> list[tuple[_Request, FinishReason]]:
+        """One decode step of the running rows and the prefill of newly admitted ones; returns who finished."""
         with self._model_lock:
             self._apply_pending_locked()
             version = self._version
-            with torch.inference_mode():
-                out = self._model(
-                    input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs
+            with self._lock:
+                running = [entry for entry in self._slots if entry is not None]
+                admitted = self._admit()
+            logits = []
+            if running:
+                logits.append(
+                    self._runner.decode(
+                        [e.slot for e in running],
+                        [e.tokens[-1] for e in running],
+                        [len(e.prompt) + len(e.tokens) - 1 for e in running],
+                    )
                 )
-        return out.logits[:, -1, :].float(), version
-
-
-def _sample(logprobs: torch.Tensor, generator: torch.Generator) -> int:
-    """Draw one token id from a row of `sampling_logprobs` (never a token outside its support)."""
-    return int(torch.multinomial(logprobs.exp(), 1, generator=generator))
-
-
-class _Rows:
-    """Per-row accumulation of tokens, log-probs and versions while a batch decodes."""
-
-    def __init__(self, num_rows: int) -> None:
-        self._tokens: list[list[int]] = [[] for _ in range(num_rows)]
-        self._logprobs: list[list[float]] = [[] for _ in range(num_rows)]
-        self._versions: list[list[int]] = [[] for _ in range(num_rows)]
-        self._finish: list[FinishReason | None] = [None] * num_rows
-
-    def active(self) -> list[int]:
-        return [row for row, reason in enumerate(self._finish) if reason is None]
-
-    def all_done(self) -> bool:
-        return all(reason is not None for reason in self._finish)
-
-    def num_tokens(self, row: int) -> int:
-        return len(self._tokens[row])
-
-    def append(self, row: int, token: int, logprob: float, version: int) -> None:
-        self._tokens[row].append(token)
-        self._logprobs[row].append(logprob)
-        self._versions[row].append(version)
-
-    def finish(self, row: int, reason: FinishReason) -> None:
-        self._finish[row] = reason
-
-    def finish_all(self, reason: FinishReason) -> None:
-        for row in self.active():
-            self._finish[row] = reason
-
-    def result(self, row: int, request_id: str, gen_s: float) -> GenerateResult:
-        reason = self._finish[row]
-        assert reason is not None, "result() before the row finished"
-        return GenerateResult(
-            token_ids=np.asarray(self._tokens[row], dtype=np.int32),
-            logprobs=np.asarray(self._logprobs[row], dtype=np.float32),
-            versions=np.asarray(self._versions[row], dtype=np.int32),
-            finish_reason=reason,
-            request_id=request_id,
-            gen_s=gen_s,
+            if admitted:
+                groups: dict[tuple[int, ...], list[_Request]] = {}
+                for entry in admitted:
+                    groups.setdefault(tuple(entry.prompt), []).append(entry)
+                prompt_logits = self._runner.prefill(
+                    [list(p) for p in groups], [[e.slot for e in group] for group in groups.values()]
+                )
+                index = torch.tensor(
+                    [g for g, group in enumerate(groups.values()) for _ in group], device=prompt_logits.device
+                )
+                logits.append(prompt_logits[index])
+                admitted = [entry for group in groups.values() for entry in group]
+        rows = running + admitted
+        tokens, logprobs = sample_rows(
+            torch.cat(logits),
+            [e.params for e in rows],
+            [e.key for e in rows],
+            [len(e.tokens) for e in rows],
         )
+        finished: list[tuple[_Request, FinishReason]] = []
+        for entry, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+            entry.tokens.append(token)
+            entry.logprobs.append(logprob)
+            entry.versions.append(version)
+            if token in entry.params.stop_token_ids:
+                finished.append((entry, "stop"))
+            elif len(entry.tokens) >= entry.budget:
+                finished.append((entry, "length"))
+        with self._lock:
+            for entry, _ in finished:
+                if self._slots[entry.slot] is entry:
+                    self._slots[entry.slot] = None
+        return finished
+
+    def _admit(self) -> list[_Request]:
+        """Waiting requests into the lowest free slots (keeps the running slots packed); caller holds the lock."""
+        admitted = []
+        for slot, entry in enumerate(self._slots):
+            if not self._waiting:
+                break
+            if entry is None:
+                new = self._waiting.popleft()
+                new.slot = slot
+                self._slots[slot] = new
+                admitted.append(new)
+        return admitted
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            entries = [e for e in self._slots if e is not None] + list(self._waiting)
+            self._slots = [None] * len(self._slots)
+            self._waiting.clear()
+        for entry in entries:
+            if not entry.future.done():
+                entry.future.set_exception(exc)
+
+
+def _deliver(finished: list[tuple[_Request, FinishReason]]) -> None:
+    for entry, reason in finished:
+        if not entry.future.done():
+            entry.future.set_result(entry.result(reason))

@@ -5,6 +5,13 @@ only the staleness cap differs: `max_staleness: 0` (every rollout uses the train
 weights, so generation waits for each new version) against `max_staleness: 2` (the default
 correction). Each run gets its own embedded stack and run directory, so they cannot interfere.
 The headline is a ratio measured in the same invocation (`speedup`), not an absolute time.
+
+Per run it also reports how well the pipeline keeps its slowest role fed: ``bottleneck`` (``trainer`` or
+``generators``, whichever is busier) and ``bottleneck_busy_fraction``, that role's busy share of the wall
+time over the trainer's steps (`bottleneck_busy_fraction`, from `trainer_busy_fraction` and
+`generator_busy_fraction`), and the same up to the step that reached the target (``_to_target``: past it
+most groups agree, are filtered, and the trainer waits longer for trainable ones). An asynchronous run
+should hold it near 1; a synchronous one cannot.
 """
 
 from __future__ import annotations
@@ -69,6 +76,12 @@ def summarize_run(records: list[dict[str, Any]], target: float) -> dict[str, Any
     staleness = [float(r["staleness/mean"]) for r in records if r.get("staleness/mean") is not None]
     to_target = steps_to_target(records, target)
     at_target = next((r for r in records if r["step"] == to_target), None) if to_target else None
+    trainer_busy, generator_busy = trainer_busy_fraction(records), generator_busy_fraction(records)
+    bottleneck, bottleneck_busy = bottleneck_busy_fraction(trainer_busy, generator_busy)
+    until_target = [r for r in records if to_target and r["step"] <= to_target]
+    _, bottleneck_busy_to_target = bottleneck_busy_fraction(
+        trainer_busy_fraction(until_target), generator_busy_fraction(until_target)
+    )
     return {
         "steps": int(records[-1]["step"]) if records else 0,
         "seconds": float(records[-1]["time_s"]) if records else None,
@@ -80,9 +93,94 @@ def summarize_run(records: list[dict[str, Any]], target: float) -> dict[str, Any
         "trainer_wait_fraction_to_target": _wait_fraction([r for r in records if to_target and r["step"] <= to_target]),
         "generator_idle_fraction": _idle_fraction(records[-1] if records else None),
         "generator_idle_fraction_to_target": _idle_fraction(at_target),
+        "trainer_busy_fraction": trainer_busy,
+        "generator_busy_fraction": generator_busy,
+        "bottleneck": bottleneck,
+        "bottleneck_busy_fraction": bottleneck_busy,
+        "bottleneck_busy_fraction_to_target": bottleneck_busy_to_target,
         "mean_staleness": sum(staleness) / len(staleness) if staleness else None,
         "dropped_by_cap": int(records[-1].get("samples/dropped_by_cap_total", 0)) if records else 0,
     }
+
+
+def trainer_busy_fraction(records: list[dict[str, Any]]) -> float | None:
+    """Share of the trainer's wall time between its first and last step not spent starving for data.
+
+    The window runs from the end of step 1 to the end of the last step (``time_s``), so the first wait,
+    which covers start-up (model build, the generators' first batch), is left out. A step's
+    ``time/wait_s`` counts as starving unless the queue after the previous step (``queue/trajectories``,
+    groups in the stream not yet delivered) already held every group the step consumed
+    (``groups/trained + groups/dropped``): then the wait was the trainer fetching and decoding groups
+    that were there, which is work. Computing, publishing, acking and bookkeeping count as busy.
+    None with fewer than two steps.
+    """
+    if len(records) < 2:
+        return None
+    window_s = float(records[-1]["time_s"]) - float(records[0]["time_s"])
+    if window_s <= 0:
+        return None
+    starved_s = sum(
+        float(record.get("time/wait_s") or 0)
+        for previous, record in zip(records, records[1:], strict=False)
+        if not _was_queued(previous, record)
+    )
+    return _clip01(1.0 - starved_s / window_s)
+
+
+def _was_queued(previous: dict[str, Any], record: dict[str, Any]) -> bool:
+    """Whether every group `record`'s step consumed was already in the stream when the step began."""
+    queued = previous.get("queue/trajectories")
+    consumed = int(record.get("groups/trained") or 0) + int(record.get("groups/dropped") or 0)
+    return queued is not None and consumed > 0 and int(queued) >= consumed
+
+
+def generator_busy_fraction(records: list[dict[str, Any]]) -> float | None:
+    """Share of the generators' wall time spent inside `Engine.generate`, over the trainer's steps.
+
+    Each generator report carries its uptime and its idle fraction since start, hence its busy seconds
+    ``(1 - idle_fraction_total) * uptime_s``. Per generator the window runs from its report in the first
+    record that holds one to its report in the last; the role's fraction pools all generators (busy
+    seconds over window seconds), so start-up before the trainer's first step does not count. None
+    when no generator reported twice.
+    """
+    first: dict[str, dict[str, Any]] = {}
+    last: dict[str, dict[str, Any]] = {}
+    for record in records:
+        for generator_id, report in (record.get("generators") or {}).items():
+            if report.get("uptime_s") is None or report.get("idle_fraction_total") is None:
+                continue
+            first.setdefault(generator_id, report)
+            last[generator_id] = report
+    busy_s = window_s = 0.0
+    for generator_id, start in first.items():
+        end = last[generator_id]
+        span_s = float(end["uptime_s"]) - float(start["uptime_s"])
+        if span_s <= 0:
+            continue
+        window_s += span_s
+        busy_s += _busy_s(end) - _busy_s(start)
+    return _clip01(busy_s / window_s) if window_s > 0 else None
+
+
+def bottleneck_busy_fraction(trainer: float | None, generators: float | None) -> tuple[str | None, float | None]:
+    """The slower role and its busy fraction: whether the pipeline keeps its slowest part fed.
+
+    Both roles handle the same stream of samples over the same wall time, so the one that needs more of
+    that time (the larger busy fraction) is the slower one; the faster one waits for it. A value near 1
+    means the bottleneck never starves; well below 1 means both roles wait (e.g. on each other, as a
+    synchronous run does). None when either fraction is unknown.
+    """
+    if trainer is None or generators is None:
+        return None, None
+    return ("trainer", trainer) if trainer >= generators else ("generators", generators)
+
+
+def _busy_s(report: dict[str, Any]) -> float:
+    return (1.0 - float(report["idle_fraction_total"])) * float(report["uptime_s"])
+
+
+def _clip01(value: float) -> float:
+    return min(1.0, max(0.0, value))
 
 
 def _wait_fraction(records: list[dict[str, Any]]) -> float | None:

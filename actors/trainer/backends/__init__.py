@@ -1,7 +1,8 @@
 """Training backends: the interface in `base`, the CPU/single-GPU `torch` backend, checkpoint bytes.
 
 `build_backend` picks the backend named by ``trainer.backend``; callers never import a concrete
-backend by hand, so a Megatron-core backend can be added behind the same interface. `TrainSequence`
+backend by hand; the ``megatron`` backend (`actors/trainer/backends/megatron/`) is imported only when
+named, since it needs the ``megatron`` extra. `TrainSequence`
 is re-exported from `pipeline/batching.py`, which produces it.
 """
 
@@ -28,7 +29,15 @@ def build_backend(config: LeewayConfig, model: PreTrainedModel) -> TrainingBacke
     """The backend named by ``config.trainer.backend``, wrapping ``model`` (from `actors.models.build_policy_model`)."""
     if config.trainer.backend == "torch":
         return TorchBackend.from_config(config, model)
-    raise ValueError(f"trainer.backend={config.trainer.backend!r} is not implemented yet (available: 'torch')")
+    if config.trainer.backend == "megatron":
+        try:
+            from actors.trainer.backends.megatron import MegatronBackend
+        except ImportError as exc:
+            raise ValueError(
+                f"trainer.backend='megatron' needs megatron-core: pip install -e '.[megatron]' ({exc})"
+            ) from exc
+        return MegatronBackend.from_config(config, model)
+    raise ValueError(f"trainer.backend={config.trainer.backend!r} is not implemented (available: 'torch', 'megatron')")
 
 
 __all__ = [

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -177,6 +177,15 @@ class TrainingBackend(ABC):
         """The served tensors: HF names (``model.state_dict()`` keys), floating tensors cast to
         ``dtype``, contiguous CPU copies that later steps never mutate."""
 
+    def export_weights_owned(self, dtype: torch.dtype, names: Collection[str] | None) -> dict[str, Tensor]:
+        """`export_weights` restricted to `names` (None: all), for a sharded publish where each rank
+        stores the tensors it owns. A sharded backend overrides it; then every rank must call it."""
+        return {n: t for n, t in self.export_weights(dtype).items() if names is None or n in names}
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every served tensor, in `export_weights` order (ranks split the publish by size)."""
+        return {n: tuple(t.shape) for n, t in self.export_weights(torch.float32).items()}
+
     @abstractmethod
     def state_tensors(self) -> dict[str, Tensor]:
         """Everything of the checkpoint that is a tensor, as CPU copies (see the class docstring)."""
@@ -188,6 +197,9 @@ class TrainingBackend(ABC):
     @abstractmethod
     def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         """Restore what `state_tensors` and `state_meta` returned; raises ValueError on a mismatch."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing to release)
+        """Release what the backend holds beyond memory (a leader of several ranks tells the others to stop)."""
 
     @abstractmethod
     def model_limits(self) -> ModelLimits:

@@ -7,27 +7,35 @@ Decisions the trainer relies on:
 - Log-probs are those of the tempered policy, ``log_softmax(logits / temperature)``, matching the
   generator's sampling temperature (top-k/top-p cannot be recomputed here; see `docs/design.md`,
   "Importance correction").
-- Micro-batches hold whole sequences, right-padded, with at most ``micro_batch_tokens`` padded
-  tokens (a longer sequence goes alone). Right padding under a causal mask leaves every real token's
-  logits unchanged, so packing changes the gradient only by float rounding.
+- Micro-batches hold whole sequences (a sequence longer than ``micro_batch_tokens`` goes alone).
+  Packed (the default; `actors/trainer/backends/packing.py`) the model sees them as one row of at
+  most ``micro_batch_tokens`` real tokens with per-sequence positions and attention; unpacked, as
+  right-padded rows of at most ``micro_batch_tokens`` padded tokens. The loss_fn gets the padded
+  ``[S, T]`` layout either way, and how sequences are grouped changes the gradient only by float
+  rounding. The LM head may run chunked (`actors/trainer/backends/fused.py`), never holding the
+  whole micro-batch's logits; same numbers. Packing switches this model to the packed attention
+  function; liger-kernel (``fused_kernels``, CUDA) patches its modules.
 - Dropout would make the recomputed ``log pi`` random; a model with dropout > 0 is rejected.
 - The caller sets ``torch.set_num_threads``; this module never touches process-wide settings
-  except the RNG states it checkpoints and restores.
+  except the RNG states it checkpoints and restores, and liger-kernel's patch of the model
+  family's RoPE function in transformers (a trainer process holds one model).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from actors.trainer.backends.base import (
@@ -41,6 +49,29 @@ from actors.trainer.backends.base import (
     mean_or_nan,
     pack_by_token_budget,
     split_minibatches,
+)
+from actors.trainer.backends.data_parallel import (
+    all_gather_bytes,
+    is_data_parallel,
+    max_over_ranks,
+    row_range,
+    shard_model,
+    split_by_tokens,
+    sum_over_ranks,
+)
+from actors.trainer.backends.fused import (
+    FusedSetting,
+    apply_fused_kernels,
+    check_chunked_head,
+    chunked_token_logprobs,
+    resolve_chunk_tokens,
+)
+from actors.trainer.backends.packing import (
+    check_packing,
+    pack_by_real_tokens,
+    pack_micro_batch,
+    unpack_to_padded,
+    use_packed_attention,
 )
 from pipeline.batching import ModelLimits
 from pipeline.config import LeewayConfig
@@ -70,6 +101,9 @@ class TorchBackend(TrainingBackend):
         device: str | torch.device = "cpu",
         autocast: bool | None = None,
         temperature: float = 1.0,
+        packing: bool = True,
+        fused_kernels: FusedSetting = "auto",
+        lm_head_chunk_tokens: int | None = None,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0 (greedy sampling has no log-prob to correct)")
@@ -84,6 +118,11 @@ class TorchBackend(TrainingBackend):
         self.autocast = _default_autocast(self.device) if autocast is None else bool(autocast)
         if gradient_checkpointing:
             _enable_checkpointing(self.model)
+        self._setup_forward(packing, fused_kernels, lm_head_chunk_tokens)
+        self.data_parallel = is_data_parallel()
+        """Inside a process group of several ranks: FSDP2-sharded, each rank trains its share (`data_parallel`)."""
+        if self.data_parallel:
+            shard_model(self.model)
         self._param_names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         params = dict(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(
@@ -106,15 +145,43 @@ class TorchBackend(TrainingBackend):
             device=t.device,
             autocast=autocast,
             temperature=config.engine.sampling.temperature,
+            packing=t.packing,
+            fused_kernels=t.fused_kernels,
+            lm_head_chunk_tokens=t.lm_head_chunk_tokens,
         )
 
     # -- forward ---------------------------------------------------------------------------------
+
+    def _setup_forward(self, packing: bool, fused_kernels: FusedSetting, lm_head_chunk_tokens: int | None) -> None:
+        """Packing, liger kernels and the chunked LM head (`actors/trainer/backends/packing.py`,
+        `actors/trainer/backends/fused.py`); runs before any FSDP2 sharding."""
+        self.fused_kernels = apply_fused_kernels(self.model, fused_kernels, self.device)
+        self.lm_head_chunk_tokens = resolve_chunk_tokens(lm_head_chunk_tokens, self.device)
+        if self.lm_head_chunk_tokens and is_data_parallel():
+            if lm_head_chunk_tokens:
+                raise ValueError(
+                    "trainer.lm_head_chunk_tokens > 0 is not supported with several ranks yet (the LM head is "
+                    "sharded); set it to 0 or null"
+                )
+            self.lm_head_chunk_tokens = 0
+        if self.lm_head_chunk_tokens:
+            check_chunked_head(self.model)
+        self.packing = bool(packing)
+        if self.packing:
+            use_packed_attention(self.model)
+            check_packing(self.model, self.device)
+
+    def _packs(self, lengths: list[int]) -> list[list[int]]:
+        """Micro-batches of sequence indices: by real tokens when packed, by padded size otherwise."""
+        if self.packing:
+            return pack_by_real_tokens(lengths, self.micro_batch_tokens)
+        return pack_by_token_budget(lengths, self.micro_batch_tokens)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
         out: list[np.ndarray] = [np.empty(0, np.float32)] * len(batch.sequences)
         lengths = [s.num_tokens for s in batch.sequences]
-        for pack in pack_by_token_budget(lengths, self.micro_batch_tokens):
+        for pack in self._packs(lengths):
             micro = self._micro_batch(batch, pack)
             logp, _ = self._forward(micro, with_entropy=False)
             for row, index in enumerate(pack):
@@ -122,21 +189,56 @@ class TorchBackend(TrainingBackend):
         return out
 
     def _forward(self, micro: MicroBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """Log-probs ``[S, T]`` (position 0 and padding 0) and, optionally, detached entropy ``[S, T]``."""
+        """Log-probs ``[S, T]`` (position 0 and padding 0) and, optionally, detached entropy ``[S, T]``.
+
+        Packed, the model sees one row of real tokens; padded, the ``[S, T]`` rows. Either way only
+        positions that predict a real token reach the LM head's softmax, and the values come back
+        in the padded layout of the loss_fn contract.
+        """
+        if self.packing:
+            packed = pack_micro_batch(micro.tokens, micro.attention_mask)
+            inputs: dict[str, Any] = {
+                "input_ids": packed.input_ids,
+                "position_ids": packed.position_ids,
+                **packed.attention_kwargs(),
+            }
+            targets, keep = packed.targets, packed.has_target
+        else:
+            inputs = {"input_ids": micro.tokens, "attention_mask": micro.attention_mask}
+            targets = nn.functional.pad(micro.tokens[:, 1:], (0, 1)).reshape(-1)
+            keep = nn.functional.pad(micro.attention_mask[:, 1:].bool(), (0, 1)).reshape(-1)
+        token_logp, token_entropy = self._token_logprobs(inputs, targets, keep, with_entropy)
+        logp = unpack_to_padded(token_logp, micro.attention_mask)
+        entropy = None if token_entropy is None else unpack_to_padded(token_entropy, micro.attention_mask)
+        return logp, entropy
+
+    def _token_logprobs(
+        self, inputs: dict[str, Any], targets: Tensor, keep: Tensor, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """``log_softmax(logits / T)[target]`` (grad) and entropy (detached) at the ``keep`` positions
+        of the flattened input, through the chunked LM head or the model's own logits."""
         with self._autocast():
-            logits = self.model(input_ids=micro.tokens, attention_mask=micro.attention_mask, use_cache=False).logits
-        logits = logits[:, :-1].float() / self.temperature
+            if self.lm_head_chunk_tokens:
+                hidden = self.model.base_model(**inputs, use_cache=False).last_hidden_state
+                hidden = hidden.reshape(-1, hidden.shape[-1])[keep]
+                return chunked_token_logprobs(
+                    hidden,
+                    self.model.get_output_embeddings(),
+                    targets[keep],
+                    temperature=self.temperature,
+                    chunk_tokens=self.lm_head_chunk_tokens,
+                    compute_dtype=torch.bfloat16 if self.autocast else torch.float32,
+                    with_entropy=with_entropy,
+                )
+            logits = self.model(**inputs, use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1])[keep].float() / self.temperature
         log_norm = torch.logsumexp(logits, dim=-1)
-        token_logp = logits.gather(-1, micro.tokens[:, 1:, None]).squeeze(-1) - log_norm
-        valid = micro.attention_mask[:, 1:].bool()
-        logp = torch.nn.functional.pad(torch.where(valid, token_logp, 0.0), (1, 0))
+        token_logp = logits.gather(-1, targets[keep, None]).squeeze(-1) - log_norm
         entropy = None
         if with_entropy:
             with torch.no_grad():
-                probs = torch.softmax(logits, dim=-1)
-                ent = log_norm - (probs * logits).sum(-1)
-                entropy = torch.nn.functional.pad(torch.where(valid, ent, 0.0), (1, 0))
-        return logp, entropy
+                entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        return token_logp, entropy
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.autocast:
@@ -224,20 +326,35 @@ class TorchBackend(TrainingBackend):
         self, batch: TrainBatch, chunk: list[int], loss_fn: LossFn, mb_index: int, num_minibatches: int
     ) -> tuple[float, float, list[dict[str, float]]]:
         """Forward and backward every micro-batch of one minibatch; returns (summed loss, summed
-        entropy over loss tokens, per-micro-batch stats). Gradients accumulate in ``.grad``."""
-        packs = pack_by_token_budget([batch.sequences[i].num_tokens for i in chunk], self.micro_batch_tokens)
-        loss_tokens = sum(batch.sequences[i].num_loss_tokens for i in chunk)
+        entropy over loss tokens, per-micro-batch stats). Gradients accumulate in ``.grad``.
+
+        Data parallel: this rank takes its share of `chunk` (`split_by_tokens`) and runs as many
+        micro-batches as the busiest rank, the extra ones with a zero loss (FSDP2's collectives need
+        every rank in every forward and backward); loss, entropy and stats come back summed or
+        gathered over ranks, so every rank returns the one-rank answer."""
+        lengths = {i: batch.sequences[i].num_tokens for i in chunk}
+        loss_tokens = sum(batch.sequences[i].num_loss_tokens for i in chunk)  # the whole minibatch's
+        mine = list(chunk)
+        if self.data_parallel:
+            world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+            mine = split_by_tokens(chunk, [lengths[i] for i in chunk], world)[rank]
+        packs = [[mine[i] for i in p] for p in self._packs([lengths[i] for i in mine])]
+        num_micro = max_over_ranks(len(packs)) if self.data_parallel else len(packs)
         loss_total, entropy_total, stats_out = 0.0, 0.0, []
-        for micro_index, pack in enumerate(packs):
-            micro = self._micro_batch(batch, [chunk[i] for i in pack])
+        for micro_index in range(num_micro):
+            padding = micro_index >= len(packs)
+            micro = self._micro_batch(batch, [chunk[0]] if padding else packs[micro_index])
             logp, entropy = self._forward(micro, with_entropy=True)
             assert entropy is not None
+            if padding:  # no sequence left here: a zero loss keeps this rank in the collectives
+                (logp.sum() * 0.0).backward()
+                continue
             extras = LossExtras(
                 entropy=entropy,
                 minibatch_index=mb_index,
                 num_minibatches=num_minibatches,
                 micro_index=micro_index,
-                num_micro_batches=len(packs),
+                num_micro_batches=num_micro,
                 minibatch_seq_indices=tuple(chunk),
                 minibatch_loss_tokens=loss_tokens,
             )
@@ -247,17 +364,24 @@ class TorchBackend(TrainingBackend):
                     f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__} "
                     f"{tuple(getattr(loss, 'shape', ()))}"
                 )
+            if self.data_parallel and not loss.requires_grad:
+                loss = loss + logp.sum() * 0.0  # every rank must run the backward's reduce-scatter
             if loss.requires_grad:
                 loss.backward()
             loss_total += float(loss.detach())
             entropy_total += float(entropy[micro.loss_mask].double().sum())
             stats_out.append({k: float(v) for k, v in stats.items()})
+        if self.data_parallel:
+            loss_total, entropy_total = sum_over_ranks([loss_total, entropy_total])
+            gathered = all_gather_bytes(json.dumps(stats_out).encode())
+            stats_out = [s for data in gathered for s in json.loads(data)]
         return loss_total, entropy_total, stats_out
 
     def _optimizer_update(self) -> tuple[float, bool]:
         """Clip, then AdamW; a non-finite norm skips the update (and is reported, not hidden)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # global over ranks
         skipped = not math.isfinite(grad_norm)
         if skipped:
             log.warning("non-finite gradient norm %s: optimizer update skipped", grad_norm)
@@ -270,19 +394,32 @@ class TorchBackend(TrainingBackend):
 
     @torch.no_grad()
     def export_weights(self, dtype: torch.dtype) -> dict[str, Tensor]:
+        return self.export_weights_owned(dtype, None)
+
+    @torch.no_grad()
+    def export_weights_owned(self, dtype: torch.dtype, names: Collection[str] | None) -> dict[str, Tensor]:
+        """Data parallel: every rank gathers every sharded tensor (a collective, in `state_dict` order)
+        and keeps the `names` it publishes; one rank keeps everything with ``names=None``."""
         out = {}
         for name, tensor in self.model.state_dict().items():
-            target = dtype if tensor.is_floating_point() else tensor.dtype
-            out[name] = tensor.detach().to(device="cpu", dtype=target, copy=True).contiguous()
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if names is not None and name not in names:
+                continue
+            target = dtype if full.is_floating_point() else full.dtype
+            out[name] = full.detach().to(device="cpu", dtype=target, copy=True).contiguous()
         return out
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
 
     @torch.no_grad()
     def state_tensors(self) -> dict[str, Tensor]:
+        """Data parallel: this rank's rows of every sharded tensor (`state_meta` says which rows)."""
         params = dict(self.model.named_parameters())
-        out = {f"model/{n}": _cpu_copy(p) for n, p in params.items()}
+        out = {f"model/{n}": _cpu_copy(_local(p)) for n, p in params.items()}
         for name in self._param_names:
             for key, value in self.optimizer.state.get(params[name], {}).items():
-                out[f"optimizer/{name}/{key}"] = _cpu_copy(value)
+                out[f"optimizer/{name}/{key}"] = _cpu_copy(_local(value))
         out["rng/torch_cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():
             for index, state in enumerate(torch.cuda.get_rng_state_all()):
@@ -311,7 +448,20 @@ class TorchBackend(TrainingBackend):
                 "cached_gaussian": float(np_state[4]),
             },
             "python_rng": {"version": py_version, "internal": list(py_internal), "gauss_next": py_gauss},
+            "shards": self._shard_rows(),
         }
+
+    def _shard_rows(self) -> dict[str, list[int]]:
+        """``{tensor key: [global rows, first row, rows here]}`` of every dim-0 sharded state tensor."""
+        if not self.data_parallel:
+            return {}
+        params = dict(self.model.named_parameters())
+        rows = {f"model/{n}": list(row_range(p)) for n, p in params.items() if isinstance(p, DTensor)}
+        for name in self._param_names:
+            for key, value in self.optimizer.state.get(params[name], {}).items():
+                if isinstance(value, DTensor):
+                    rows[f"optimizer/{name}/{key}"] = list(row_range(value))
+        return rows
 
     def model_limits(self) -> ModelLimits:
         """Vocabulary: the smaller of the config's and the embedding rows (a resized embedding wins).
@@ -324,6 +474,8 @@ class TorchBackend(TrainingBackend):
 
     @torch.no_grad()
     def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
+        """`tensors` are whole (a sharded checkpoint is assembled first, `actors/trainer/checkpoints.py`);
+        data parallel, each rank keeps its rows, so any world size loads any checkpoint."""
         if meta.get("state_format") != STATE_FORMAT or meta.get("backend") != "torch":
             raise ValueError(
                 f"checkpoint meta has state_format={meta.get('state_format')!r} "
@@ -347,7 +499,11 @@ class TorchBackend(TrainingBackend):
                     f"checkpoint tensor model/{name} has shape {tuple(saved[name].shape)}, "
                     f"the model has {tuple(param.shape)}"
                 )
-            param.copy_(saved[name])
+            if isinstance(param, DTensor):
+                _, start, rows = row_range(param)
+                param.to_local().copy_(saved[name][start : start + rows])
+            else:
+                param.copy_(saved[name])
 
     def _load_optimizer(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         """Rebuild AdamW's state through its own `load_state_dict`, keyed by parameter name on disk.
@@ -356,9 +512,17 @@ class TorchBackend(TrainingBackend):
         with a changed lr is deliberate rather than silent.
         """
         state: dict[int, dict[str, Tensor]] = {}
+        params = dict(self.model.named_parameters())
         for index, name in enumerate(self._param_names):
             prefix = f"optimizer/{name}/"
             entry = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            param = params[name]
+            if isinstance(param, DTensor):  # moments shaped like the parameter are sharded like it
+                _, start, rows = row_range(param)
+                entry = {
+                    k: _as_shard(v[start : start + rows], param) if v.shape == param.shape else v
+                    for k, v in entry.items()
+                }
             if entry:
                 state[index] = entry
         known = {f"optimizer/{n}/" for n in self._param_names}
@@ -375,6 +539,17 @@ class TorchBackend(TrainingBackend):
 
 def _cpu_copy(tensor: Tensor) -> Tensor:
     return tensor.detach().to(device="cpu", copy=True).contiguous()
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's rows of a sharded tensor; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _as_shard(rows: Tensor, like: DTensor) -> DTensor:
+    """`rows` (this rank's) as a DTensor placed like the parameter `like`."""
+    local = rows.to(device=like.to_local().device, dtype=like.dtype).contiguous()
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
 
 
 def _default_autocast(device: torch.device) -> bool:

@@ -1,0 +1,340 @@
+"""Forward passes over a preallocated slot KV cache, with the HF model's own weights.
+
+The engine keeps one sequence per *slot*; a slot's keys and values live at ``[:, slot, :, position]`` of a
+cache allocated once (``[layers, 2, slots, kv_heads, max_len, head_dim]``: keys, then values), so
+nothing is allocated as sequences grow and a finished slot is reused by the next request at once.
+
+Two operations, each one batched forward:
+
+- ``prefill(prompts, slot_groups)``: run each distinct prompt once (right-padded, causal), write its K/V
+  into the first slot of its group and copy it to the group's other slots (shared-prefix prefill: the
+  G samples of a prompt prefill it once). Returns the logits of each prompt's last position.
+- ``decode(slots, tokens, positions)``: feed one token per slot at its position, write that K/V and
+  attend over the slot's cache up to it. Runs densely over slots ``[0, n)`` (the engine hands out the
+  lowest free slots, so the active ones are packed); slots in that range with no token are fed a dummy
+  token at position 0, which is harmless because a free slot's cache is rewritten by its next prefill.
+
+`FastSlotRunner` re-implements the forward for the Llama family (Llama, Mistral without sliding window,
+Qwen2 = Llama + qkv bias, Qwen3 = + q/k norms) and GPT-2, calling the HF submodules (norms, projections,
+MLPs, rotary embedding) so it reads the very Parameter tensors the engine updates in place. On CUDA its
+decode step is captured in CUDA graphs (`actors/generator/engines/cuda_graphs.py`), one per bucket of
+(dense batch size, attended length). `HFSlotRunner` is the fallback for any other model: one HF forward
+per slot with a ``DynamicCache`` each -- correct, keeps the cache across weight swaps, but slow.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+"""``config.model_type`` values `FastSlotRunner` runs as Llama-like decoders (RMSNorm, RoPE, gated MLP, GQA)."""
+
+
+class SlotRunner(ABC):
+    """Forward passes over ``num_slots`` sequences of at most ``max_len`` tokens each (see the module docstring)."""
+
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int) -> None:
+        self.model = model
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.device = next(model.parameters()).device
+
+    @abstractmethod
+    def prefill(self, prompts: Sequence[Sequence[int]], slot_groups: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Prompt ``i`` into every slot of ``slot_groups[i]``; float logits of each prompt's last token,
+        ``[len(prompts), vocab]``."""
+
+    @abstractmethod
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Token ``tokens[i]`` at ``positions[i]`` of slot ``slots[i]``; float logits ``[len(slots), vocab]``."""
+
+
+def build_slot_runner(
+    model: PreTrainedModel, num_slots: int, max_len: int, *, cuda_graphs: bool = True, fast: bool = True
+) -> SlotRunner:
+    """`FastSlotRunner` when the model's family is supported (and ``fast``), else `HFSlotRunner`."""
+    if fast and FastSlotRunner.supports(model):
+        return FastSlotRunner(model, num_slots, max_len, cuda_graphs=cuda_graphs)
+    return HFSlotRunner(model, num_slots, max_len)
+
+
+class FastSlotRunner(SlotRunner):
+    """The slot cache and a hand-written forward over the HF modules' weights (Llama family, GPT-2)."""
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        cfg = model.config
+        kind = getattr(cfg, "model_type", "")
+        if kind == "gpt2":
+            return not getattr(cfg, "add_cross_attention", False)
+        if kind not in LLAMA_FAMILY:
+            return False
+        if kind == "mistral":
+            return getattr(cfg, "sliding_window", None) is None
+        return not getattr(cfg, "use_sliding_window", False)
+
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int, *, cuda_graphs: bool) -> None:
+        super().__init__(model, num_slots, max_len)
+        cfg = model.config
+        self._gpt2 = cfg.model_type == "gpt2"
+        if self._gpt2:
+            self._base = model.transformer
+            self._blocks = list(self._base.h)
+            self._heads = self._kv_heads = int(cfg.n_head)
+            self._head_dim = int(cfg.n_embd) // self._heads
+        else:
+            self._base = model.model
+            self._blocks = list(self._base.layers)
+            attn = self._blocks[0].self_attn
+            self._heads = int(cfg.num_attention_heads)
+            self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self._heads)
+            self._head_dim = int(attn.head_dim)
+        self._scales = [float(self._attention(block).scaling) for block in self._blocks]
+        self._gpt2_blocks = [_Gpt2Block.of(block) for block in self._blocks] if self._gpt2 else []
+        dtype = next(model.parameters()).dtype
+        shape = (len(self._blocks), 2, num_slots, self._kv_heads, max_len, self._head_dim)
+        self.cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        """Keys (``[:, 0]``) and values (``[:, 1]``) in one tensor, so one write stores both; each plane keeps
+        ``[slots, kv_heads, positions, head_dim]`` contiguous, so attention reads a slice without a copy."""
+        self.key_index = torch.arange(max_len, device=self.device)
+        self.row_index = torch.arange(num_slots, device=self.device)
+        self._graphs: Any = None
+        if cuda_graphs and self.device.type == "cuda":
+            from actors.generator.engines.cuda_graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self)
+
+    def _attention(self, block: torch.nn.Module) -> Any:
+        return block.attn if self._gpt2 else block.self_attn
+
+    # ---- the two operations -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], slot_groups: Sequence[Sequence[int]]) -> torch.Tensor:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[*p, *[0] * (width - len(p))] for p in prompts], dtype=torch.long, device=self.device)
+        positions = self.key_index[:width].expand(len(prompts), width)
+        first = torch.tensor([group[0] for group in slot_groups], device=self.device)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        causal = None
+        if self.device.type != "cuda":  # [group x width, width]: -inf above the diagonal, per query head of a group
+            causal = torch.full((width, width), float("-inf"), dtype=self.cache.dtype).triu_(1)
+            causal = causal.repeat(self._heads // self._kv_heads, 1)
+        hidden = self._forward(ids, positions, lambda layer, q, kv: self._prefill_attend(layer, q, kv, first, causal))
+        logits = self._head(hidden[torch.arange(len(prompts), device=self.device), last])
+        for group, prompt in zip(slot_groups, prompts, strict=True):
+            if len(group) > 1:
+                others = torch.tensor(list(group[1:]), device=self.device)
+                n = len(prompt)
+                self.cache[:, :, others, :, :n] = self.cache[:, :, group[0] : group[0] + 1, :, :n]
+        return logits.float()
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        width = max(slots) + 1
+        dense_tokens = [0] * width
+        dense_positions = [0] * width
+        for slot, token, position in zip(slots, tokens, positions, strict=True):
+            dense_tokens[slot], dense_positions[slot] = token, position
+        token_t = torch.tensor(dense_tokens, dtype=torch.long, device=self.device)
+        position_t = torch.tensor(dense_positions, dtype=torch.long, device=self.device)
+        if self._graphs is not None:
+            logits = self._graphs.run(token_t, position_t, max(positions) + 1)
+        else:
+            logits = self.decode_dense(token_t, position_t, max(positions) + 1)
+        if list(slots) == list(range(width)):  # the common case: every slot up to the last one is running
+            return logits.float()
+        return logits[torch.tensor(list(slots), device=self.device)].float()
+
+    def decode_dense(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One token for each slot ``[0, n)`` (``n = len(tokens)``), attending over the first ``kv_len`` cache
+        positions; static shapes given (n, kv_len), so CUDA graphs capture it as is."""
+        n = tokens.shape[0]
+        rows = self.row_index[:n]
+        mask = (self.key_index[None, :kv_len] <= positions[:, None])[:, None, None, :]
+        bias = None
+        if self.device.type != "cuda":  # [n * kv_heads, 1, kv_len]: 0 where a key is visible, -inf elsewhere
+            hidden_keys = torch.zeros((n, kv_len), dtype=self.cache.dtype).masked_fill_(~mask[:, 0, 0], float("-inf"))
+            bias = hidden_keys.repeat_interleave(self._kv_heads, dim=0)[:, None, :]
+
+        def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            self.cache[layer][:, rows, :, positions] = kv[:, :, :, 0]  # advanced dims first: [n, 2, heads, dim]
+            keys, values = self.cache[layer, 0, :n, :, :kv_len], self.cache[layer, 1, :n, :, :kv_len]
+            if self.device.type == "cuda":
+                return F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=self._scales[layer], enable_gqa=self._heads != self._kv_heads
+                )
+            assert bias is not None
+            return self._small_attention(q, keys, values, bias, self._scales[layer])
+
+        hidden = self._forward(tokens[:, None], positions[:, None], attend)
+        return self._head(hidden[:, 0])
+
+    def _small_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One query per row in plain matmuls: on the CPU this beats SDPA's kernels (built for long queries)
+        several times over for decode. Query heads are grouped onto their KV head (GQA) by a view, not a copy;
+        ``bias`` (``[slots x kv_heads, 1, keys]``) is 0 where a key is visible and -inf elsewhere (built once
+        per step)."""
+        n, _, _, dim = q.shape
+        rows = n * self._kv_heads
+        grouped = q.reshape(rows, self._heads // self._kv_heads, dim)
+        keys, values = keys.reshape(rows, -1, dim), values.reshape(rows, -1, dim)  # views: slots and heads merge
+        scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=scale)
+        return torch.bmm(scores.softmax(dim=-1), values).view(n, self._heads, 1, dim)
+
+    # ---- the model --------------------------------------------------------------------------------
+
+    def _prefill_attend(
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor, first: torch.Tensor, causal: torch.Tensor | None
+    ) -> torch.Tensor:
+        width = kv.shape[3]
+        self.cache[layer][:, first, :, :width] = kv.transpose(0, 1)
+        k, v = kv.unbind(1)
+        if causal is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self._scales[layer], enable_gqa=self._heads != self._kv_heads
+            )
+        # CPU: plain batched matmuls beat SDPA's kernels on the short prompts of RL tasks.
+        batch, _, _, dim = q.shape
+        rows = batch * self._kv_heads
+        grouped = q.reshape(rows, -1, dim)  # a KV head's query heads, one after another: [group x width, dim]
+        scores = torch.baddbmm(causal, grouped, k.reshape(rows, width, dim).transpose(1, 2), alpha=self._scales[layer])
+        out = torch.bmm(scores.softmax(dim=-1), v.reshape(rows, width, dim))
+        return out.view(batch, self._heads, width, dim)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Any) -> torch.Tensor:
+        """Hidden states after the final norm, ``[batch, tokens, hidden]``; ``attend(layer, q, kv)`` does the
+        cache write and the attention (q: ``[batch, heads, tokens, head_dim]``; kv: keys and values stacked,
+        ``[batch, 2, kv_heads, tokens, head_dim]``)."""
+        batch, width = ids.shape
+        # Hidden states stay 2-D ([batch x tokens, hidden]) between the attentions: every projection is one addmm.
+        if self._gpt2:
+            flat_ids, flat_positions = ids.reshape(-1), positions.reshape(-1)
+            hidden = F.embedding(flat_ids, self._base.wte.weight) + F.embedding(flat_positions, self._base.wpe.weight)
+            for layer, w in enumerate(self._gpt2_blocks):
+                qkv = torch.addmm(w.c_attn[1], F.layer_norm(hidden, *w.ln_1), w.c_attn[0])
+                qkv = qkv.view(batch, width, 3, self._heads, self._head_dim).permute(0, 2, 3, 1, 4)
+                out = attend(layer, qkv[:, 0], qkv[:, 1:]).transpose(1, 2).reshape(batch * width, -1)
+                hidden = hidden + torch.addmm(w.c_proj[1], out, w.c_proj[0])
+                x = w.act(torch.addmm(w.c_fc[1], F.layer_norm(hidden, *w.ln_2), w.c_fc[0]))
+                hidden = hidden + torch.addmm(w.mlp_proj[1], x, w.mlp_proj[0])
+            return F.layer_norm(hidden, *_norm_args(self._base.ln_f)).view(batch, width, -1)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        hidden = self._base.embed_tokens(ids.reshape(-1))
+        cos, sin = self._base.rotary_emb(hidden, positions)
+        for layer, block in enumerate(self._blocks):
+            attn = block.self_attn
+            x = block.input_layernorm(hidden)
+            q = _linear(attn.q_proj, x).view(batch, width, self._heads, self._head_dim)
+            k = _linear(attn.k_proj, x).view(batch, width, self._kv_heads, self._head_dim)
+            v = _linear(attn.v_proj, x).view(batch, width, self._kv_heads, self._head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm"):  # Qwen3
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            out = attend(layer, q, torch.stack((k, v), dim=1)).transpose(1, 2).reshape(batch * width, -1)
+            hidden = hidden + _linear(attn.o_proj, out)
+            x = block.post_attention_layernorm(hidden)
+            mlp = block.mlp
+            if hasattr(mlp, "gate_proj"):
+                x = _linear(mlp.down_proj, _activation(mlp.act_fn)(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+            else:
+                x = mlp(x)
+            hidden = hidden + x
+        return self._base.norm(hidden).view(batch, width, -1)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden)
+
+
+class HFSlotRunner(SlotRunner):
+    """Any HF causal LM: one ``DynamicCache`` and one batch-1 forward per slot (the slow, general path)."""
+
+    def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int) -> None:
+        super().__init__(model, num_slots, max_len)
+        self._caches: list[DynamicCache | None] = [None] * num_slots
+        self._cache_kwarg = "cache" if "cache" in _forward_params(model) else "past_key_values"
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], slot_groups: Sequence[Sequence[int]]) -> torch.Tensor:
+        logits = []
+        for prompt, group in zip(prompts, slot_groups, strict=True):
+            ids = torch.as_tensor(list(prompt), dtype=torch.long, device=self.device)[None]
+            for slot in group:
+                cache = DynamicCache(config=self.model.config)
+                out = self.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
+                self._caches[slot] = cache
+            logits.append(out.logits[0, -1].float())
+        return torch.stack(logits)
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        logits = []
+        for slot, token, position in zip(slots, tokens, positions, strict=True):
+            ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            pos = torch.tensor([[position]], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: self._caches[slot]})
+            logits.append(out.logits[0, -1].float())
+        return torch.stack(logits)
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def _norm_args(module: Any) -> tuple[Any, ...]:
+    """``F.layer_norm``'s arguments after the input, from a ``LayerNorm`` module."""
+    return (module.normalized_shape, module.weight, module.bias, module.eps)
+
+
+@dataclass(frozen=True)
+class _Gpt2Block:
+    """One GPT-2 block's Parameters, looked up once: the very tensors the engine updates in place, minus the
+    module attribute lookups of every step."""
+
+    ln_1: tuple[Any, ...]
+    c_attn: tuple[torch.Tensor, torch.Tensor]
+    c_proj: tuple[torch.Tensor, torch.Tensor]
+    ln_2: tuple[Any, ...]
+    c_fc: tuple[torch.Tensor, torch.Tensor]
+    mlp_proj: tuple[torch.Tensor, torch.Tensor]
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(cls, block: Any) -> _Gpt2Block:
+        attn, mlp = block.attn, block.mlp
+        return cls(
+            ln_1=_norm_args(block.ln_1),
+            c_attn=(attn.c_attn.weight, attn.c_attn.bias),
+            c_proj=(attn.c_proj.weight, attn.c_proj.bias),
+            ln_2=_norm_args(block.ln_2),
+            c_fc=(mlp.c_fc.weight, mlp.c_fc.bias),
+            mlp_proj=(mlp.c_proj.weight, mlp.c_proj.bias),
+            act=_activation(mlp.act),
+        )
+
+
+def _activation(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP activation as a plain function when its type is known (saves a module call per layer and step)."""
+    name = type(module).__name__
+    if name in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh"):
+        return functools.partial(F.gelu, approximate="tanh")
+    if name in ("SiLUActivation", "SiLU"):
+        return F.silu
+    return module
+
+
+def _forward_params(model: PreTrainedModel) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)

@@ -1,0 +1,384 @@
+"""What trainer ranks do together: rank 0 leads, the others follow its commands.
+
+Rank 0 alone runs the loop of `actors/trainer/loop.py` (NATS consumer, admission, dedupe, acks,
+metrics). Whenever the loop needs every rank, rank 0 broadcasts a command and takes part itself;
+the other ranks wait in `follow` and do the same::
+
+    rank 0                                   ranks 1..N-1 (`follow`)
+    LeaderBackend.train_step ──TRAIN(batch)──► backend.train_step(same batch, objective rebuilt from config)
+    LeaderBackend.logprobs  ──LOGPROBS(batch)► backend.logprobs(same batch)  (rank 0 keeps the result)
+    RankGroup.publish       ──PUBLISH(v)─────► each rank stores the parts of the tensors it owns;
+                                               rank 0 writes the one manifest, then LATEST
+    RankGroup.checkpoint    ──CHECKPOINT(v)──► each rank writes its shard files; rank 0 the index,
+                                               the trainer state and the manifest (last)
+    RankGroup.load          ──LOAD(v)────────► each rank assembles whole tensors, keeps its rows
+    RankGroup.stop          ──STOP───────────► exit 0
+
+Commands are JSON headers and batches are safetensors bytes (`encode_batch`), broadcast as uint8
+tensors: nothing is pickled. Every command is one round in which each rank enters the same
+collectives in the same order; a rank that fails locally (a store error) reports it in the round's
+all-gather, every rank undoes its share, and rank 0 raises naming the rank, so a retry (the
+session retries publishes) starts a fresh round. A rank that dies breaks the collectives of the
+others (gloo/NCCL raise), so every rank exits; the launcher (`actors/trainer/distributed.py`) then
+stops what is left, and `--resume` continues from the last checkpoint exactly once.
+
+What a backend must do to run here (the torch backend does; any other built from the same config
+and seed on every rank can): `train_step`, `logprobs`, `export_weights_owned`, `weight_shapes`,
+`state_tensors`, `state_meta` and `load_state` are called on every rank in the same order, so they
+may use collectives; `train_step` returns the whole batch's result on every rank; `load_state` gets
+whole tensors; `state_meta()["shards"]` lists the tensors that are dim-0 row shards as
+``{key: [rows, first row, rows here]}``, and every other state tensor is whole on each rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import uuid
+from collections.abc import Collection, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.numpy import load as np_load
+from safetensors.numpy import save as np_save
+from torch import Tensor
+
+from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
+from actors.trainer.backends.checkpoint import encode_checkpoint
+from actors.trainer.backends.data_parallel import all_gather_bytes, broadcast_bytes, max_over_ranks
+from actors.trainer.checkpoints import (
+    TrainerState,
+    commit_sharded_checkpoint,
+    complete_checkpoints,
+    load_checkpoint,
+    write_rank_files,
+)
+from actors.trainer.objective import CorrectedObjective
+from pipeline.batching import ModelLimits, TrainSequence
+from pipeline.config import LeewayConfig
+from storage.manifest import Manifest, PartSpec, TensorSpec
+from storage.objectstore import ObjectStore
+from storage.publisher import StagedParts
+from storage.weights import TORCH_DTYPES, WeightPublisher, WeightStoreError
+
+log = logging.getLogger("leeway.trainer")
+
+STOP, TRAIN, LOGPROBS, PUBLISH, CHECKPOINT, LOAD = "stop", "train", "logprobs", "publish", "checkpoint", "load"
+
+
+class RankRoundError(RuntimeError):
+    """A rank failed its part of a command round; every rank undid its share (a retry may succeed)."""
+
+
+class RankGroupBroken(WeightStoreError):
+    """A collective failed: a rank is gone, so no retry can succeed (the run ends; `--resume` continues)."""
+
+
+# ---- batches as bytes ------------------------------------------------------------------------------------
+
+
+def encode_batch(batch: TrainBatch) -> bytes:
+    """The sequences as one safetensors file of concatenated columns plus lengths (no pickle)."""
+    seqs = batch.sequences
+    has_prox = [s.proximal_logprobs is not None for s in seqs]
+    if any(has_prox) and not all(has_prox):
+        raise ValueError("proximal_logprobs must be set on every sequence of a batch or on none")
+    columns = {
+        "lengths": np.asarray([s.num_tokens for s in seqs], np.int64),
+        "tokens": np.concatenate([np.asarray(s.tokens, np.int64) for s in seqs]),
+        "loss_mask": np.concatenate([(np.asarray(s.loss_mask) != 0).astype(np.uint8) for s in seqs]),
+        "behaviour_logprobs": np.concatenate([np.asarray(s.behaviour_logprobs, np.float32) for s in seqs]),
+        "versions": np.concatenate([np.asarray(s.versions, np.int64) for s in seqs]),
+        "advantages": np.concatenate([s.advantages_per_token() for s in seqs]).astype(np.float32),
+    }
+    if all(has_prox):
+        columns["proximal_logprobs"] = np.concatenate([np.asarray(s.proximal_logprobs, np.float32) for s in seqs])
+    return np_save(columns, metadata={"sample_ids": json.dumps([s.sample_id for s in seqs])})
+
+
+def decode_batch(data: bytes) -> TrainBatch:
+    columns = np_load(data)
+    ids = json.loads(_metadata(data).get("sample_ids", "[]"))
+    bounds = np.concatenate([[0], np.cumsum(columns["lengths"])])
+    prox = columns.get("proximal_logprobs")
+    return TrainBatch(
+        tuple(
+            TrainSequence(
+                tokens=columns["tokens"][a:b],
+                loss_mask=columns["loss_mask"][a:b],
+                behaviour_logprobs=columns["behaviour_logprobs"][a:b],
+                versions=columns["versions"][a:b],
+                advantage=columns["advantages"][a:b],
+                proximal_logprobs=None if prox is None else prox[a:b],
+                sample_id=ids[i] if i < len(ids) else "",
+            )
+            for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+        )
+    )
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's JSON header."""
+    size = int.from_bytes(data[:8], "little")
+    return dict(json.loads(data[8 : 8 + size]).get("__metadata__", {}))
+
+
+# ---- the group ----------------------------------------------------------------------------------------------
+
+
+def owned_tensors(shapes: Mapping[str, tuple[int, ...]], world_size: int) -> list[set[str]]:
+    """Which rank publishes which tensor: largest first to the rank with the fewest elements so far.
+
+    Deterministic from the shapes alone, so every rank computes the same split by itself."""
+    sizes = {n: int(np.prod(s)) if s else 1 for n, s in shapes.items()}
+    loads, owned = [0] * world_size, [set[str]() for _ in range(world_size)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owned[rank].add(name)
+        loads[rank] += sizes[name]
+    return owned
+
+
+class RankGroup:
+    """One rank's side of every command round (rank 0 sends the commands, see the module docstring)."""
+
+    def __init__(
+        self, cfg: LeewayConfig, backend: TrainingBackend, store: ObjectStore, publisher: WeightPublisher | None
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.store = store
+        self.publisher = publisher
+        self.run = cfg.run.name
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.stopped = False
+        self._owned: set[str] | None = None
+
+    # ---- rank 0: commands
+
+    def send(self, command: str, payload: bytes | None = None, **fields: Any) -> None:
+        if self.stopped:
+            raise RuntimeError(f"rank group stopped; cannot send {command!r}")
+        broadcast_bytes(json.dumps({"command": command, "payload": payload is not None, **fields}).encode())
+        if payload is not None:
+            broadcast_bytes(payload)
+
+    def stop(self) -> None:
+        """Tell the other ranks to exit (once; a failure is logged: they exit when rank 0 does)."""
+        if self.stopped:
+            return
+        try:
+            self.send(STOP)
+        except Exception as exc:  # a rank is gone: the others end when this process exits (launcher, gloo)
+            log.warning("could not tell the other trainer ranks to stop: %s", str(exc).splitlines()[0][:300])
+        self.stopped = True
+
+    def publish(self, version: int) -> Manifest:
+        """Every rank stores its parts of `version`; rank 0 commits manifest and LATEST after all are stored."""
+        publish_id = uuid.uuid4().hex
+        try:
+            self.send(PUBLISH, version=version, publish_id=publish_id)
+            manifest, failure = self._publish_round(version, publish_id)
+        except Exception as exc:  # only collectives raise here: the group is broken
+            raise RankGroupBroken(f"trainer ranks lost each other publishing version {version}: {exc}") from exc
+        if failure is not None:
+            raise failure
+        assert manifest is not None and self.publisher is not None
+        self.publisher.advance(manifest)  # LATEST, after every rank adopted the version
+        return manifest
+
+    def checkpoint(self, state: TrainerState) -> str:
+        self.send(CHECKPOINT, version=state.version)
+        prefix = self._checkpoint_round(state.version, state)
+        assert prefix is not None
+        return prefix
+
+    def load_latest(self) -> TrainerState | None:
+        """Load the newest complete checkpoint on every rank (resharded if the world size changed)."""
+        complete = complete_checkpoints(self.store, self.run)
+        if not complete:
+            return None
+        self.send(LOAD, version=complete[-1])
+        return self._load_round(complete[-1])
+
+    # ---- every rank: the rounds
+
+    def owned(self) -> set[str]:
+        if self._owned is None:
+            self._owned = owned_tensors(self.backend.weight_shapes(), self.world_size)[self.rank]
+        return self._owned
+
+    def _publish_round(self, version: int, publish_id: str) -> tuple[Manifest | None, Exception | None]:
+        """Returns rank 0's manifest, or the failure of a rank's store or of the commit (every rank has
+        then deleted its parts); collectives that fail raise."""
+        publisher = self.publisher
+        assert publisher is not None, "a live trainer rank needs a weight publisher"
+        dtype = TORCH_DTYPES[self.cfg.model.dtype]
+        tensors = self.backend.export_weights_owned(dtype, self.owned())  # collective
+        wants_full = publisher.needs_full(version, {n: tuple(t.shape) for n, t in tensors.items()})
+        full = max_over_ranks(int(wants_full)) == 1
+        staged: StagedParts | None = None
+        report: dict[str, Any]
+        try:
+            staged = publisher.write_parts(version, tensors, publish_id=publish_id, full=full, shard=self.rank)
+            report = {"tensors": [asdict(t) for t in staged.tensors], "parts": [asdict(p) for p in staged.parts]}
+        except Exception as exc:  # reported to every rank below, so all undo the round together
+            log.exception("rank %d could not store its parts of version %d", self.rank, version)
+            report = {"error": f"{type(exc).__name__}: {exc}"}
+        reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode())]
+        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if "error" in rep]
+        manifest: Manifest | None = None
+        failure: Exception | None = None
+        if failed:
+            failure = RankRoundError(
+                f"version {version}: rank {failed[0][0]} could not store its parts: {failed[0][1]}"
+            )
+        elif self.rank == 0:
+            assert staged is not None
+            every = [staged if r == 0 else _staged_from_report(rep, staged) for r, rep in enumerate(reports)]
+            try:
+                manifest = publisher.commit(staged, every)
+            except Exception as exc:  # told to the other ranks below, then returned
+                failure = exc
+        if not failed:  # rank 0 says whether the commit worked
+            said = broadcast_bytes(b"" if failure is None else f"{type(failure).__name__}: {failure}".encode())
+            if said and failure is None:
+                failure = RankRoundError(f"version {version}: rank 0 could not commit: {said.decode()}")
+        if failure is not None:
+            if staged is not None and not (self.rank == 0 and manifest is None and not failed):
+                publisher.discard(staged)  # (a failed commit already deleted every rank's parts)
+            return None, failure
+        assert staged is not None
+        publisher.adopt(staged)
+        return manifest, None
+
+    def _checkpoint_round(self, version: int, state: TrainerState | None) -> str | None:
+        report: dict[str, Any]
+        try:
+            meta = self.backend.state_meta()
+            files = encode_checkpoint(self.backend.state_tensors(), meta)
+            digests = write_rank_files(self.store, self.run, version, self.rank, files)
+            report = {"files": digests, "shards": meta.get("shards", {})}
+        except Exception as exc:  # reported to every rank below
+            log.exception("rank %d could not write its checkpoint files at version %d", self.rank, version)
+            report = {"error": f"{type(exc).__name__}: {exc}"}
+        reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode())]
+        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if "error" in rep]
+        if self.rank != 0:
+            return None
+        if failed:
+            raise RankRoundError(f"checkpoint v{version}: rank {failed[0][0]} failed: {failed[0][1]}")
+        assert state is not None
+        return commit_sharded_checkpoint(
+            self.store, self.run, state, [r["files"] for r in reports], [r["shards"] for r in reports]
+        )
+
+    def _load_round(self, version: int) -> TrainerState | None:
+        report: dict[str, Any] = {}
+        state: TrainerState | None = None
+        try:
+            state, tensors, meta = load_checkpoint(self.store, self.run, version, rank=self.rank)
+            self.backend.load_state(tensors, meta)
+        except Exception as exc:  # reported to every rank below
+            log.exception("rank %d could not load checkpoint v%d", self.rank, version)
+            report = {"error": f"{type(exc).__name__}: {exc}"}
+        reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode())]
+        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if "error" in rep]
+        if failed:
+            raise RankRoundError(f"checkpoint v{version}: rank {failed[0][0]} could not load it: {failed[0][1]}")
+        return state
+
+
+def _staged_from_report(report: Mapping[str, Any], like: StagedParts) -> StagedParts:
+    """Another rank's share, as far as the manifest needs it (no buffers: they stay on that rank)."""
+    tensors = tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["hash"]) for t in report["tensors"])
+    parts = tuple(
+        PartSpec(p["key"], p["num_bytes"], p["hash"], tuple(p["tensors"]), tuple(tuple(e) for e in p["entries"]))
+        for p in report["parts"]
+    )
+    return StagedParts(like.version, like.publish_id, like.full, tensors, parts, {})
+
+
+class LeaderBackend(TrainingBackend):
+    """Rank 0's backend: each call that needs every rank first sends them the command (`RankGroup`)."""
+
+    def __init__(self, group: RankGroup) -> None:
+        self.group = group
+        self.inner = group.backend
+
+    def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
+        self.group.send(LOGPROBS, encode_batch(batch))
+        return self.inner.logprobs(batch)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
+        if not isinstance(loss_fn, CorrectedObjective):
+            raise TypeError(
+                f"several trainer ranks need a CorrectedObjective loss_fn (the others rebuild it from the config), "
+                f"got {type(loss_fn).__name__}"
+            )
+        self.group.send(
+            TRAIN,
+            encode_batch(batch),
+            version=loss_fn.version,
+            constant_tokens=loss_fn.constant_tokens,
+            num_minibatches=num_minibatches,
+        )
+        return self.inner.train_step(batch, loss_fn, num_minibatches=num_minibatches)
+
+    def export_weights(self, dtype: torch.dtype) -> dict[str, Tensor]:
+        raise RuntimeError("several trainer ranks publish together: use RankGroup.publish")
+
+    def export_weights_owned(self, dtype: torch.dtype, names: Collection[str] | None) -> dict[str, Tensor]:
+        raise RuntimeError("several trainer ranks publish together: use RankGroup.publish")
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.inner.weight_shapes()
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        raise RuntimeError("several trainer ranks checkpoint together: use RankGroup.checkpoint")
+
+    def state_meta(self) -> dict[str, Any]:
+        raise RuntimeError("several trainer ranks checkpoint together: use RankGroup.checkpoint")
+
+    def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
+        raise RuntimeError("several trainer ranks load together: use RankGroup.load_latest")
+
+    def model_limits(self) -> ModelLimits:
+        return self.inner.model_limits()
+
+    def close(self) -> None:
+        self.group.stop()
+
+
+def follow(group: RankGroup) -> int:
+    """Ranks 1..N-1: run rank 0's commands until STOP (returns 0); a failure raises (the rank exits non-zero).
+
+    SIGINT is ignored: a terminal's Ctrl-C reaches every rank under torchrun, and rank 0 decides
+    how the step ends, then sends STOP."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg = group.cfg
+    log.info("rank %d of %d following rank 0", group.rank, group.world_size)
+    while True:
+        header = json.loads(broadcast_bytes(None))
+        payload = broadcast_bytes(None) if header["payload"] else b""
+        command = header["command"]
+        if command == STOP:
+            log.info("rank %d: stop", group.rank)
+            return 0
+        if command == TRAIN:
+            objective = CorrectedObjective(cfg.correction, cfg.advantages, header["version"], header["constant_tokens"])
+            group.backend.train_step(decode_batch(payload), objective, num_minibatches=header["num_minibatches"])
+        elif command == LOGPROBS:
+            group.backend.logprobs(decode_batch(payload))
+        elif command == PUBLISH:
+            group._publish_round(header["version"], header["publish_id"])
+        elif command == CHECKPOINT:
+            group._checkpoint_round(header["version"], None)
+        elif command == LOAD:
+            group._load_round(header["version"])
+        else:
+            raise RuntimeError(f"rank {group.rank}: unknown command {command!r} from rank 0")

