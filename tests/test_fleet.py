@@ -54,6 +54,8 @@ STATUS_POLL_S = 1.0
 TARGET_REWARD = 0.8
 """What the demo reaches through `leeway run` (configs/demo.yaml, after ~190-210 of its 250 steps); the fleet must
 reach it too (smoothed as `leeway bench e2e` does)."""
+FLEET_STREAM_BYTES = 512 * 1024 * 1024
+"""Trajectory stream size of the end-to-end fleet test, which checks every trained group is still in it."""
 FLEET_DEMO_STEPS = 300
 """The demo's 250 steps plus a margin: asynchronous runs vary (`leeway bench e2e` saw one of five learn slower),
 and scaling to 3 generators on 2 cores raises staleness for a while."""
@@ -250,6 +252,9 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
             f"nats.stack_dir={stack.dir}",
             f"trainer.max_steps={FLEET_DEMO_STEPS}",
             "fleet.trainer_restart=resume",
+            # The whole stream is read back at the end: past the target almost every group agrees and is
+            # filtered (tens of thousands in 300 steps), more than COMMON's 64 MiB keeps.
+            f"stream.max_bytes={FLEET_STREAM_BYTES}",
         ],
         environ={},
     )

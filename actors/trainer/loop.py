@@ -256,9 +256,6 @@ class Trainer:
                     decided.append(seq)
             if decided:
                 await self.session.ack(decided)
-                # Groups that will not train (filtered, capped, invalid) return their admission slots now, not
-                # after the queue runs dry: when most groups are filtered, that is what keeps generators fed.
-                await self.admit(batch)
             now = time.monotonic()
             if len(batch.trainable) > trainable_before:
                 last_progress = now
