@@ -256,6 +256,39 @@ async def _run_trainer(cfg: LeewayConfig, replay: ReplaySelection | None = None)
     return trainer
 
 
+def test_filtered_groups_refill_admission_before_the_stream_runs_dry(stack: StackState, tmp_path: Path) -> None:
+    """Low water: while groups keep arriving, the slots of filtered ones are refilled, not only once a fetch
+    comes back empty (at a saturated reward nearly every group is filtered and the generators ran dry)."""
+    cfg = _cfg(stack, tmp_path, "staleness.max_staleness=1", "trainer.max_steps=1")
+    # (K + 1) * B = 4 admitted at step 0; three agree (filtered), then two train
+    groups = [_group(f"same{i}", rewards=(1.0, 1.0)) for i in range(3)] + [_group("a"), _group("b")]
+    fetches: list[tuple[int, int]] = []  # (prompts admitted when the fetch began, groups it returned)
+
+    async def scenario() -> Trainer:
+        await _publish(cfg, groups)
+        trainer = await _live_trainer(cfg, lambda backend: backend)
+        fetch = trainer.session.fetch
+
+        async def recording_fetch(*, max_groups: int, timeout_s: float) -> Any:
+            admitted = trainer.state.admitted
+            got = await fetch(max_groups=max_groups, timeout_s=timeout_s)
+            fetches.append((admitted, len(got)))
+            return got
+
+        trainer.session.fetch = recording_fetch  # type: ignore[method-assign]
+        await asyncio.wait_for(trainer.run(), timeout=90)
+        return trainer
+
+    trainer = asyncio.run(scenario())
+    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [["a", "b"]]
+    assert set(records[0]["dropped_group_ids"]) == {"same0", "same1", "same2"}
+    assert fetches[0][0] == 4, fetches
+    assert trainer.state.admitted == 4 + 3, "every filtered group's slot refilled"
+    refilled_mid_stream = [i for i in range(1, len(fetches)) if fetches[i - 1][1] > 0 and fetches[i][0] > 4]
+    assert refilled_mid_stream, f"admission waited for an empty fetch: {fetches}"
+
+
 def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: StackState, tmp_path: Path) -> None:
     cfg = _cfg(stack, tmp_path, "trainer.max_steps=10", "trainer.checkpoint_every=50", "staleness.max_staleness=1")
     asyncio.run(_publish(cfg, [_group("a"), _group("b"), _group("c")]))

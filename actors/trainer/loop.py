@@ -25,7 +25,9 @@ through the `RankGroup`, whose commands the other ranks follow (`actors/trainer/
 
 The loop waits on one thing only: trajectory groups (`collect_batch`), which generators produce
 from admitted prompts; while it waits it re-checks admission, so a dropped group's slot is refilled
-at once. `trainer.queue_wait_timeout_s` without a trainable group ends the run with an error.
+at once. While groups keep arriving it also tops admission up as soon as fewer than one batch of
+admitted groups is still to come (low water): when most groups are filtered (a saturated reward,
+dynamic sampling) the generators would otherwise run dry before every refill. `trainer.queue_wait_timeout_s` without a trainable group ends the run with an error.
 
 Invariants and failure behaviour:
 - Trainable groups are acked only after the version trained on them is published and announced,
@@ -260,6 +262,10 @@ class Trainer:
             if len(batch.trainable) > trainable_before:
                 last_progress = now
             if deliveries:
+                if decided and self._still_to_come(batch) < need:
+                    await self.admit(
+                        batch
+                    )  # low water: refill the slots dropped groups freed before the queue runs dry
                 continue
             if self.session.exhausted:
                 if not batch.trainable:
@@ -268,6 +274,12 @@ class Trainer:
             await self._while_waiting(batch, idle_s=now - last_progress)
         batch.wait_s = time.monotonic() - started
         return batch
+
+    def _still_to_come(self, batch: Batch) -> int:
+        """Admitted groups not yet delivered: neither decided in a committed step nor held by `batch`."""
+        state = self.state
+        decided = state.trained_groups + state.discarded_groups + state.dead_lettered_groups
+        return state.admitted - decided - len(batch.consumed) - len(batch.refused)
 
     async def _while_waiting(self, batch: Batch, idle_s: float) -> None:
         """No group arrived: refill admission, keep held groups from redelivery, say why we wait, give up late."""
