@@ -39,6 +39,7 @@ from test_run import (
 from actors.fleet import placement
 from actors.fleet.commands import FleetState, resolve_address
 from actors.fleet.roles import RoleSpec, last_metrics_record
+from actors.launcher.run import read_metrics
 from actors.tools.bench.e2e import steps_to_target
 from infra.stack import StackState
 from pipeline.config import ConfigError, LeewayConfig, load_config
@@ -58,7 +59,7 @@ FLEET_STREAM_BYTES = 512 * 1024 * 1024
 """Trajectory stream size of the end-to-end fleet test, which checks every trained group is still in it."""
 FLEET_DEMO_STEPS = 300
 """The demo's 250 steps plus a margin: asynchronous runs vary (`leeway bench e2e` saw one of five learn slower),
-and scaling to 3 generators on 2 cores raises staleness for a while."""
+and scaling to 3 generators on 2 cores raises staleness for a while. The test stops the trainer at the target."""
 
 
 # ------------------------------------------------------------------------------------------- unit
@@ -221,6 +222,11 @@ def _log_tails(run_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:]) for p in logs)
 
 
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The trainer's records so far (complete lines only: the trainer may be writing one)."""
+    return read_metrics(run_dir / "metrics.jsonl", 0)[0]
+
+
 def _gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -314,6 +320,16 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
         )
         assert _gone(int(trainer["pid"])), "the new trainer started before the old one exited"
         seen_pids |= {int(roles["trainer-0"]["pid"]), int(roles["trainer-0"]["actor_pid"])}
+
+        def reached_or_ended(r: dict[str, dict[str, Any]]) -> bool:
+            ended = r.get("trainer-0", {}).get("state") != "running"
+            return ended or steps_to_target(_metrics(run_dir), TARGET_REWARD) is not None
+
+        # past the target nearly every group is filtered: the steps left prove nothing more, so the trainer
+        # is stopped cleanly (SIGTERM: it finishes or abandons its step, checkpoints and ends normally)
+        roles = _wait_status("the target reward", reached_or_ended, run_dir, RUN_DEADLINE_S)
+        if roles["trainer-0"]["state"] == "running":
+            os.kill(int(roles["trainer-0"]["pid"]), signal.SIGTERM)
         roles = _wait_status(
             "the trainer's end", lambda r: r.get("trainer-0", {}).get("state") == "exited", run_dir, RUN_DEADLINE_S
         )
@@ -328,9 +344,9 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
     assert not _processes_mentioning(str(run_dir)), _processes_mentioning(str(run_dir))
     assert all(_gone(pid) for pid in seen_pids), [pid for pid in seen_pids if not _gone(pid)]
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = cfg.trainer.max_steps
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    records = _metrics(run_dir)
+    steps = len(records)
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) and steps <= cfg.trainer.max_steps
     trained = [g for r in records for g in r["trained_group_ids"]]
     dropped = [g for r in records for g in r["dropped_group_ids"]]
     assert len(trained) == len(set(trained)) == steps * cfg.trainer.batch_groups, "a group trained twice"

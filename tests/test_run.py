@@ -472,6 +472,54 @@ def _shared_stack_config(tmp_path: Path, stack: StackState, name: str, steps: in
     )
 
 
+def best_window_mean(records: list[dict[str, Any]], window: int) -> float:
+    """The best mean unfiltered reward over `window` consecutive steps (0 before there are that many)."""
+    rewards = [float(r["reward/unfiltered_mean"]) for r in records]
+    return max((statistics.mean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)), default=0.0)
+
+
+def run_demo_to_target(
+    cfg: LeewayConfig, tmp_path: Path, procs: list[subprocess.Popen[bytes]], target: float, window: int
+) -> list[dict[str, Any]]:
+    """`leeway run` with `cfg` until the `window`-step mean reward reaches `target`, then Ctrl-C; the records.
+
+    Past the target nearly every group agrees and is filtered, so the steps left to `trainer.max_steps`
+    are the slowest of a run and prove nothing more: a learning test ends on the event. Fails, with the
+    rewards, when the run ends at its `trainer.max_steps` without reaching the target."""
+    config_path = tmp_path / "demo.yaml"
+    config_path.write_text(cfg.to_yaml())
+    output, run_dir = tmp_path / "run.out", cfg.run.run_dir
+    with output.open("wb") as sink:  # a file, not a pipe: nobody reads the output while the run goes on
+        proc = subprocess.Popen(
+            _leeway("run", str(config_path), "--no-live", "--fresh"),
+            cwd=REPO,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    procs.append(proc)
+    deadline = time.monotonic() + DEMO_DEADLINE_S
+    while True:
+        records = read_metrics(run_dir / "metrics.jsonl", 0)[0]
+        if best_window_mean(records, window) >= target or proc.poll() is not None:
+            break
+        assert time.monotonic() < deadline, f"reward {target} not reached within {DEMO_DEADLINE_S} s"
+        time.sleep(0.2)
+    reached = best_window_mean(records, window) >= target
+    if reached and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # the trainer finishes or abandons its step and checkpoints
+    proc.wait(timeout=ROLE_STOP_DEADLINE_S)
+    assert proc.returncode in (0, 130), output.read_text(errors="replace") + _log_tails(run_dir)
+    records = _records(run_dir)
+    rewards = [round(float(r["reward/unfiltered_mean"]), 2) for r in records]
+    assert reached, f"best {window}-step reward {best_window_mean(records, window):.3f}: {rewards}"
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    assert len(records) <= cfg.trainer.max_steps
+    assert statistics.mean(rewards[:window]) < 0.3, "the demo must start near chance for the rise to mean anything"
+    assert "checkpoint written" in (run_dir / "logs" / "trainer.log").read_text(), "the trainer stopped cleanly"
+    return records
+
+
 @pytest.fixture
 def cleanup() -> Iterator[list[subprocess.Popen[bytes]]]:
     """Processes a test started; killed (with their groups) if the test fails half-way."""
