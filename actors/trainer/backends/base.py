@@ -2,10 +2,11 @@
 
 The backend owns the weights, the optimizer and the forward/backward; it knows nothing about RL.
 The trainer owns the objective: importance correction, PPO clipping and loss normalisation live in
-a ``loss_fn`` callback (built from ``pipeline.correction`` and ``pipeline.loss``), so a Megatron-core
-backend can later implement the same interface with its own packing and parallelism (its
-``forward_step`` would unpack THD logits into the padded ``[S, T]`` layout below and call the same
-``loss_fn``).
+a ``loss_fn`` callback (built from ``pipeline.correction`` and ``pipeline.loss``), so the torch
+backend and the Megatron-core one implement the same interface with their own packing and
+parallelism and hand the same ``loss_fn`` the padded ``[S, T]`` layout below. What both do the same
+way around their own forward (the micro-batch layout, the minibatch loop, the dropout and autocast
+policy) is written once, at the end of this module.
 
 The record of one sequence, `TrainSequence`, lives in `pipeline/batching.py` (which produces it; its
 docstring shows how tokens, masks, log-probs and versions line up); `TrainBatch` and what follows
@@ -30,15 +31,17 @@ A loss_fn built from ``pipeline.correction`` and ``pipeline.loss`` (``version`` 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipeline.batching import ModelLimits, TrainSequence
 
@@ -237,3 +240,124 @@ def pack_by_token_budget(lengths: Sequence[int], budget_tokens: int) -> list[lis
         else:
             packs.append([index])
     return packs
+
+
+# ---- shared by the backends: micro-batch layout, minibatch loop, dropout and autocast policy -----------
+
+_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+
+Accumulate = Callable[[list[int], int, int], tuple[float, float, list[dict[str, float]], int]]
+"""(minibatch's sequence indices, its index, minibatches) -> (summed loss, summed entropy over loss
+tokens, per-micro-batch stats, micro-batches run): forward and backward of one minibatch."""
+
+
+def padded_micro_batch(batch: TrainBatch, seq_indices: list[int], device: torch.device) -> MicroBatch:
+    """Right-pad the chosen sequences into ``[S, T]`` tensors on `device` (the loss_fn's layout)."""
+    seqs = [batch.sequences[i] for i in seq_indices]
+    rows, width = len(seqs), max(s.num_tokens for s in seqs)
+    has_prox = [s.proximal_logprobs is not None for s in seqs]
+    if any(has_prox) and not all(has_prox):
+        raise ValueError("proximal_logprobs must be set on every sequence of a batch or on none")
+    columns: dict[str, np.ndarray] = {
+        "tokens": np.zeros((rows, width), np.int64),
+        "attention_mask": np.zeros((rows, width), np.int64),
+        "loss_mask": np.zeros((rows, width), np.bool_),
+        "behaviour_logprobs": np.zeros((rows, width), np.float32),
+        "versions": np.zeros((rows, width), np.int64),
+        "advantages": np.zeros((rows, width), np.float32),
+    }
+    if all(has_prox):
+        columns["proximal_logprobs"] = np.zeros((rows, width), np.float32)
+    for row, seq in enumerate(seqs):
+        n = seq.num_tokens
+        columns["tokens"][row, :n] = seq.tokens
+        columns["attention_mask"][row, :n] = 1
+        columns["loss_mask"][row, :n] = np.asarray(seq.loss_mask) != 0
+        columns["behaviour_logprobs"][row, :n] = seq.behaviour_logprobs
+        columns["versions"][row, :n] = seq.versions
+        columns["advantages"][row, :n] = seq.advantages_per_token()
+        if "proximal_logprobs" in columns:
+            columns["proximal_logprobs"][row, :n] = seq.proximal_logprobs
+    tensors = {k: torch.from_numpy(v).to(device) for k, v in columns.items()}
+    return MicroBatch(
+        seq_indices=tuple(seq_indices), proximal_logprobs=tensors.pop("proximal_logprobs", None), **tensors
+    )
+
+
+def train_minibatches(
+    batch: TrainBatch,
+    num_minibatches: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    accumulate: Accumulate,
+    optimizer_update: Callable[[], tuple[float, bool]],
+) -> StepResult:
+    """`TrainingBackend.train_step` around a backend's `accumulate` (one minibatch's forward and
+    backward) and `optimizer_update` (clip and step: grad norm, skipped): one update per minibatch,
+    the model in train mode meanwhile, gradients cleared however it ends."""
+    start = time.perf_counter()
+    chunks = split_minibatches(len(batch.sequences), num_minibatches)
+    results: list[MinibatchResult] = []
+    micro_stats: list[dict[str, float]] = []
+    entropy_sum, fb_s, opt_s = 0.0, 0.0, 0.0
+    model.train()  # gradient checkpointing only acts in train mode; dropout is rejected at init
+    try:
+        for mb_index, chunk in enumerate(chunks):
+            t0 = time.perf_counter()
+            loss, ent, stats, num_micro = accumulate(chunk, mb_index, len(chunks))
+            t1 = time.perf_counter()
+            grad_norm, skipped = optimizer_update()
+            opt_s += time.perf_counter() - t1
+            fb_s += t1 - t0
+            entropy_sum += ent
+            micro_stats.extend(stats)
+            loss_tokens = sum(batch.sequences[i].num_loss_tokens for i in chunk)
+            results.append(MinibatchResult(loss, grad_norm, skipped, num_micro, loss_tokens))
+    finally:
+        model.eval()
+        optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        loss=sum(r.loss for r in results) / len(results),
+        grad_norm=sum(r.grad_norm for r in results) / len(results),
+        entropy_mean=mean_or_nan(entropy_sum, batch.num_loss_tokens),
+        num_loss_tokens=batch.num_loss_tokens,
+        minibatches=tuple(results),
+        micro_stats=tuple(micro_stats),
+        forward_backward_s=fb_s,
+        optimizer_s=opt_s,
+        total_s=time.perf_counter() - start,
+    )
+
+
+def check_loss(loss: Any) -> Tensor:
+    """`loss`, when it is the scalar tensor the loss_fn contract asks for; ValueError otherwise."""
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__} "
+            f"{tuple(getattr(loss, 'shape', ()))}"
+        )
+    return loss
+
+
+def reject_dropout(model: nn.Module) -> None:
+    """Dropout makes the recomputed log pi random, biasing every importance ratio: refuse it."""
+    config = getattr(model, "config", None)
+    for name in _DROPOUT_FIELDS:
+        value = getattr(config, name, 0.0)
+        if isinstance(value, (int, float)) and value > 0:
+            raise ValueError(f"model config {name}={value}: dropout must be 0 for RL training")
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            raise ValueError(f"model module {name} has dropout p={module.p}: dropout must be 0 for RL training")
+
+
+def default_autocast(device: torch.device) -> bool:
+    """bf16 autocast where it is supported and fast: CUDA with bf16. Never by default on the CPU."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def bf16_autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on `device` when `enabled`, else nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

@@ -23,13 +23,10 @@ Decisions the trainer relies on:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import random
-import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -42,13 +39,25 @@ from actors.trainer.backends.base import (
     LossExtras,
     LossFn,
     MicroBatch,
-    MinibatchResult,
     StepResult,
     TrainBatch,
     TrainingBackend,
-    mean_or_nan,
+    bf16_autocast,
+    check_loss,
+    default_autocast,
     pack_by_token_budget,
-    split_minibatches,
+    padded_micro_batch,
+    reject_dropout,
+    train_minibatches,
+)
+from actors.trainer.backends.checkpoint_state import (
+    adamw_hyperparameters,
+    check_state_meta,
+    load_adamw_state,
+    load_rng,
+    rng_meta,
+    rng_tensors,
+    saved_moments,
 )
 from actors.trainer.backends.data_parallel import (
     all_gather_bytes,
@@ -81,8 +90,6 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = 1
 """Version of the layout of `state_tensors` / `state_meta`; `load_state` refuses others."""
 
-_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
-
 
 class TorchBackend(TrainingBackend):
     """AdamW on an HF causal LM; see the module docstring for the numerical decisions."""
@@ -109,13 +116,13 @@ class TorchBackend(TrainingBackend):
             raise ValueError(f"temperature={temperature} must be > 0 (greedy sampling has no log-prob to correct)")
         if grad_clip <= 0:
             raise ValueError(f"trainer.grad_clip={grad_clip} must be > 0")
-        _reject_dropout(model)
+        reject_dropout(model)
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=torch.float32).eval()
         self.grad_clip = float(grad_clip)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.temperature = float(temperature)
-        self.autocast = _default_autocast(self.device) if autocast is None else bool(autocast)
+        self.autocast = default_autocast(self.device) if autocast is None else bool(autocast)
         if gradient_checkpointing:
             _enable_checkpointing(self.model)
         self._setup_forward(packing, fused_kernels, lm_head_chunk_tokens)
@@ -182,7 +189,7 @@ class TorchBackend(TrainingBackend):
         out: list[np.ndarray] = [np.empty(0, np.float32)] * len(batch.sequences)
         lengths = [s.num_tokens for s in batch.sequences]
         for pack in self._packs(lengths):
-            micro = self._micro_batch(batch, pack)
+            micro = padded_micro_batch(batch, pack, self.device)
             logp, _ = self._forward(micro, with_entropy=False)
             for row, index in enumerate(pack):
                 out[index] = logp[row, : lengths[index]].float().cpu().numpy()
@@ -217,7 +224,7 @@ class TorchBackend(TrainingBackend):
     ) -> tuple[Tensor, Tensor | None]:
         """``log_softmax(logits / T)[target]`` (grad) and entropy (detached) at the ``keep`` positions
         of the flattened input, through the chunked LM head or the model's own logits."""
-        with self._autocast():
+        with bf16_autocast(self.device, self.autocast):
             if self.lm_head_chunk_tokens:
                 hidden = self.model.base_model(**inputs, use_cache=False).last_hidden_state
                 hidden = hidden.reshape(-1, hidden.shape[-1])[keep]
@@ -240,87 +247,14 @@ class TorchBackend(TrainingBackend):
                 entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
         return token_logp, entropy
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if not self.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-
-    def _micro_batch(self, batch: TrainBatch, seq_indices: list[int]) -> MicroBatch:
-        """Right-pad the chosen sequences into ``[S, T]`` tensors on the device."""
-        seqs = [batch.sequences[i] for i in seq_indices]
-        rows, width = len(seqs), max(s.num_tokens for s in seqs)
-        has_prox = [s.proximal_logprobs is not None for s in seqs]
-        if any(has_prox) and not all(has_prox):
-            raise ValueError("proximal_logprobs must be set on every sequence of a batch or on none")
-        columns: dict[str, np.ndarray] = {
-            "tokens": np.zeros((rows, width), np.int64),
-            "attention_mask": np.zeros((rows, width), np.int64),
-            "loss_mask": np.zeros((rows, width), np.bool_),
-            "behaviour_logprobs": np.zeros((rows, width), np.float32),
-            "versions": np.zeros((rows, width), np.int64),
-            "advantages": np.zeros((rows, width), np.float32),
-        }
-        if all(has_prox):
-            columns["proximal_logprobs"] = np.zeros((rows, width), np.float32)
-        for row, seq in enumerate(seqs):
-            n = seq.num_tokens
-            columns["tokens"][row, :n] = seq.tokens
-            columns["attention_mask"][row, :n] = 1
-            columns["loss_mask"][row, :n] = np.asarray(seq.loss_mask) != 0
-            columns["behaviour_logprobs"][row, :n] = seq.behaviour_logprobs
-            columns["versions"][row, :n] = seq.versions
-            columns["advantages"][row, :n] = seq.advantages_per_token()
-            if "proximal_logprobs" in columns:
-                columns["proximal_logprobs"][row, :n] = seq.proximal_logprobs
-        tensors = {k: torch.from_numpy(v).to(self.device) for k, v in columns.items()}
-        return MicroBatch(
-            seq_indices=tuple(seq_indices), proximal_logprobs=tensors.pop("proximal_logprobs", None), **tensors
-        )
-
     # -- training --------------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
-        start = time.perf_counter()
-        chunks = split_minibatches(len(batch.sequences), num_minibatches)
-        results: list[MinibatchResult] = []
-        micro_stats: list[dict[str, float]] = []
-        entropy_sum, fb_s, opt_s = 0.0, 0.0, 0.0
-        self.model.train()  # gradient checkpointing only acts in train mode; dropout is rejected at init
-        try:
-            for mb_index, chunk in enumerate(chunks):
-                t0 = time.perf_counter()
-                loss, ent, stats = self._accumulate(batch, chunk, loss_fn, mb_index, len(chunks))
-                t1 = time.perf_counter()
-                grad_norm, skipped = self._optimizer_update()
-                opt_s += time.perf_counter() - t1
-                fb_s += t1 - t0
-                entropy_sum += ent
-                micro_stats.extend(stats)
-                loss_tokens = sum(batch.sequences[i].num_loss_tokens for i in chunk)
-                results.append(
-                    MinibatchResult(
-                        loss=loss,
-                        grad_norm=grad_norm,
-                        skipped=skipped,
-                        num_micro_batches=len(stats),
-                        num_loss_tokens=loss_tokens,
-                    )
-                )
-        finally:
-            self.model.eval()
-            self.optimizer.zero_grad(set_to_none=True)
-        num_loss = batch.num_loss_tokens
-        return StepResult(
-            loss=sum(r.loss for r in results) / len(results),
-            grad_norm=sum(r.grad_norm for r in results) / len(results),
-            entropy_mean=mean_or_nan(entropy_sum, num_loss),
-            num_loss_tokens=num_loss,
-            minibatches=tuple(results),
-            micro_stats=tuple(micro_stats),
-            forward_backward_s=fb_s,
-            optimizer_s=opt_s,
-            total_s=time.perf_counter() - start,
-        )
+        def accumulate(chunk: list[int], mb_index: int, num: int) -> tuple[float, float, list[dict[str, float]], int]:
+            loss, entropy, stats = self._accumulate(batch, chunk, loss_fn, mb_index, num)
+            return loss, entropy, stats, len(stats)
+
+        return train_minibatches(batch, num_minibatches, self.model, self.optimizer, accumulate, self._optimizer_update)
 
     def _accumulate(
         self, batch: TrainBatch, chunk: list[int], loss_fn: LossFn, mb_index: int, num_minibatches: int
@@ -343,7 +277,7 @@ class TorchBackend(TrainingBackend):
         loss_total, entropy_total, stats_out = 0.0, 0.0, []
         for micro_index in range(num_micro):
             padding = micro_index >= len(packs)
-            micro = self._micro_batch(batch, [chunk[0]] if padding else packs[micro_index])
+            micro = padded_micro_batch(batch, [chunk[0]] if padding else packs[micro_index], self.device)
             logp, entropy = self._forward(micro, with_entropy=True)
             assert entropy is not None
             if padding:  # no sequence left here: a zero loss keeps this rank in the collectives
@@ -359,11 +293,7 @@ class TorchBackend(TrainingBackend):
                 minibatch_loss_tokens=loss_tokens,
             )
             loss, stats = loss_fn(logp, micro, extras)
-            if not isinstance(loss, Tensor) or loss.dim() != 0:
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__} "
-                    f"{tuple(getattr(loss, 'shape', ()))}"
-                )
+            loss = check_loss(loss)
             if self.data_parallel and not loss.requires_grad:
                 loss = loss + logp.sum() * 0.0  # every rank must run the backward's reduce-scatter
             if loss.requires_grad:
@@ -420,34 +350,14 @@ class TorchBackend(TrainingBackend):
         for name in self._param_names:
             for key, value in self.optimizer.state.get(params[name], {}).items():
                 out[f"optimizer/{name}/{key}"] = _cpu_copy(_local(value))
-        out["rng/torch_cpu"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            for index, state in enumerate(torch.cuda.get_rng_state_all()):
-                out[f"rng/torch_cuda_{index}"] = state.cpu()
-        return out
+        return out | rng_tensors()
 
     def state_meta(self) -> dict[str, Any]:
-        group = self.optimizer.param_groups[0]
-        np_state = np.random.get_state(legacy=True)
-        assert isinstance(np_state, tuple)
-        py_version, py_internal, py_gauss = random.getstate()
         return {
             "state_format": STATE_FORMAT,
             "backend": "torch",
-            "optimizer": {
-                "lr": group["lr"],
-                "betas": list(group["betas"]),
-                "eps": group["eps"],
-                "weight_decay": group["weight_decay"],
-            },
-            "numpy_rng": {
-                "kind": np_state[0],
-                "keys": np_state[1].tolist(),
-                "pos": int(np_state[2]),
-                "has_gauss": int(np_state[3]),
-                "cached_gaussian": float(np_state[4]),
-            },
-            "python_rng": {"version": py_version, "internal": list(py_internal), "gauss_next": py_gauss},
+            "optimizer": adamw_hyperparameters(self.optimizer),
+            **rng_meta(),
             "shards": self._shard_rows(),
         }
 
@@ -476,14 +386,10 @@ class TorchBackend(TrainingBackend):
     def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         """`tensors` are whole (a sharded checkpoint is assembled first, `actors/trainer/checkpoints.py`);
         data parallel, each rank keeps its rows, so any world size loads any checkpoint."""
-        if meta.get("state_format") != STATE_FORMAT or meta.get("backend") != "torch":
-            raise ValueError(
-                f"checkpoint meta has state_format={meta.get('state_format')!r} "
-                f"backend={meta.get('backend')!r}; this backend reads {STATE_FORMAT} 'torch'"
-            )
+        check_state_meta(meta, "torch", STATE_FORMAT)
         self._load_model(tensors)
         self._load_optimizer(tensors, meta)
-        _load_rng(tensors, meta)
+        load_rng(tensors, meta)
 
     def _load_model(self, tensors: Mapping[str, Tensor]) -> None:
         params = dict(self.model.named_parameters())
@@ -506,18 +412,14 @@ class TorchBackend(TrainingBackend):
                 param.copy_(saved[name])
 
     def _load_optimizer(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
-        """Rebuild AdamW's state through its own `load_state_dict`, keyed by parameter name on disk.
-
-        Hyperparameters stay those of this backend's config; a difference is logged, so a resume
-        with a changed lr is deliberate rather than silent.
-        """
+        """AdamW's state keyed by parameter name on disk; data parallel, moments shaped like their
+        parameter are sharded like it."""
         state: dict[int, dict[str, Tensor]] = {}
         params = dict(self.model.named_parameters())
         for index, name in enumerate(self._param_names):
-            prefix = f"optimizer/{name}/"
-            entry = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            entry = saved_moments(tensors, name)
             param = params[name]
-            if isinstance(param, DTensor):  # moments shaped like the parameter are sharded like it
+            if isinstance(param, DTensor):
                 _, start, rows = row_range(param)
                 entry = {
                     k: _as_shard(v[start : start + rows], param) if v.shape == param.shape else v
@@ -525,16 +427,7 @@ class TorchBackend(TrainingBackend):
                 }
             if entry:
                 state[index] = entry
-        known = {f"optimizer/{n}/" for n in self._param_names}
-        stray = [k for k in tensors if k.startswith("optimizer/") and k[: k.rfind("/") + 1] not in known]
-        if stray:
-            raise ValueError(f"checkpoint optimizer tensors for unknown parameters: {stray[:5]}")
-        current = self.optimizer.state_dict()
-        self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-        saved_hp = meta.get("optimizer", {})
-        now = self.state_meta()["optimizer"]
-        if saved_hp != now:
-            log.warning("optimizer hyperparameters differ from the checkpoint's %s; using %s", saved_hp, now)
+        load_adamw_state(self.optimizer, state, tensors, meta, self._param_names)
 
 
 def _cpu_copy(tensor: Tensor) -> Tensor:
@@ -552,53 +445,9 @@ def _as_shard(rows: Tensor, like: DTensor) -> DTensor:
     return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
 
 
-def _default_autocast(device: torch.device) -> bool:
-    """bf16 autocast where it is supported and fast: CUDA with bf16. Never by default on the CPU."""
-    return device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-
 def _enable_checkpointing(model: PreTrainedModel) -> None:
     """Non-reentrant activation checkpointing under whichever name this transformers version uses."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def _reject_dropout(model: nn.Module) -> None:
-    """Dropout makes the recomputed log pi random, biasing every importance ratio: refuse it."""
-    config = getattr(model, "config", None)
-    for name in _DROPOUT_FIELDS:
-        value = getattr(config, name, 0.0)
-        if isinstance(value, (int, float)) and value > 0:
-            raise ValueError(f"model config {name}={value}: dropout must be 0 for RL training")
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            raise ValueError(f"model module {name} has dropout p={module.p}: dropout must be 0 for RL training")
-
-
-def _load_rng(tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
-    """Restore torch (CPU, and CUDA when the device count matches), numpy and Python global RNGs."""
-    torch.set_rng_state(tensors["rng/torch_cpu"].to(torch.uint8))
-    cuda_states = [tensors[k] for k in sorted(_cuda_rng_keys(tensors), key=lambda k: int(k.rsplit("_", 1)[1]))]
-    if cuda_states:
-        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
-            torch.cuda.set_rng_state_all(cuda_states)
-        else:
-            log.warning("checkpoint has %d CUDA RNG states; not restored on this machine", len(cuda_states))
-    np_rng = meta["numpy_rng"]
-    np.random.set_state(
-        (
-            np_rng["kind"],
-            np.asarray(np_rng["keys"], dtype=np.uint32),
-            np_rng["pos"],
-            np_rng["has_gauss"],
-            np_rng["cached_gaussian"],
-        )
-    )
-    py_rng = meta["python_rng"]
-    random.setstate((py_rng["version"], tuple(py_rng["internal"]), py_rng["gauss_next"]))
-
-
-def _cuda_rng_keys(tensors: Mapping[str, Tensor]) -> Iterator[str]:
-    return (k for k in tensors if k.startswith("rng/torch_cuda_"))

@@ -30,11 +30,8 @@ micro-batch packing and dropout rule; see `actors/trainer/backends/torch_backend
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import random
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,13 +45,25 @@ from actors.trainer.backends.base import (
     LossExtras,
     LossFn,
     MicroBatch,
-    MinibatchResult,
     StepResult,
     TrainBatch,
     TrainingBackend,
-    mean_or_nan,
+    bf16_autocast,
+    check_loss,
+    default_autocast,
     pack_by_token_budget,
-    split_minibatches,
+    padded_micro_batch,
+    reject_dropout,
+    train_minibatches,
+)
+from actors.trainer.backends.checkpoint_state import (
+    adamw_hyperparameters,
+    check_state_meta,
+    load_adamw_state,
+    load_rng,
+    rng_meta,
+    rng_tensors,
+    saved_moments,
 )
 from actors.trainer.backends.megatron import cpu_compat
 from actors.trainer.backends.megatron.convert import (
@@ -68,7 +77,6 @@ from actors.trainer.backends.megatron.convert import (
 from actors.trainer.backends.megatron.model import build_gpt_model, local_name, transformer_engine_available
 from actors.trainer.backends.megatron.parallel import init_model_parallel, init_process_group
 from actors.trainer.backends.megatron.stages import Stages, all_gather_json
-from actors.trainer.backends.torch_backend import TorchBackend, _default_autocast, _load_rng, _reject_dropout
 from pipeline.batching import ModelLimits
 from pipeline.config import LeewayConfig
 
@@ -106,7 +114,7 @@ class MegatronBackend(TrainingBackend):
             raise ValueError(f"trainer.grad_clip={grad_clip} must be > 0")
         if gradient_checkpointing:
             raise ValueError("trainer.gradient_checkpointing: not built for trainer.backend=megatron; set it false")
-        _reject_dropout(model)
+        reject_dropout(model)
         self.device = _rank_device(torch.device(device))
         cpu_compat.apply()
         if self.device.type == "cuda":
@@ -128,7 +136,7 @@ class MegatronBackend(TrainingBackend):
         self.grad_clip = float(grad_clip)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.temperature = float(temperature)
-        self.autocast = _default_autocast(self.device) if autocast is None else bool(autocast)
+        self.autocast = default_autocast(self.device) if autocast is None else bool(autocast)
         rows = model.get_input_embeddings().num_embeddings
         self._limits = ModelLimits(
             vocab_size=min(self.shape.vocab_size, int(rows)), max_positions=self.shape.max_positions
@@ -217,7 +225,7 @@ class MegatronBackend(TrainingBackend):
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         flat = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
         for _, pack in self._my_packs(pack_by_token_budget(lengths, self.micro_batch_tokens)):
-            micro = self._micro_batch(batch, pack)
+            micro = padded_micro_batch(batch, pack, self.device)
             _, output = self._stage_forward(micro, requires_grad=False)
             if self.layout.last_stage:
                 logp, _ = self._logprobs_of(output, micro, with_entropy=False)
@@ -238,7 +246,7 @@ class MegatronBackend(TrainingBackend):
         if hidden is not None:
             self.model.set_input_tensor(hidden)
         positions = torch.arange(width, device=self.device).expand(rows, width)
-        with self._autocast():
+        with bf16_autocast(self.device, self.autocast):
             output = self.model(
                 input_ids=micro.tokens,
                 position_ids=positions,
@@ -278,51 +286,13 @@ class MegatronBackend(TrainingBackend):
             dist.all_reduce(sums, group=self._tp_group)
         return sums[0].log() - sums[1] / sums[0]
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if not self.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-
-    def _micro_batch(self, batch: TrainBatch, seq_indices: list[int]) -> MicroBatch:
-        """The torch backend's right-padded ``[S, T]`` micro-batch (it only reads ``self.device``), so
-        both backends hand loss_fn the same layout."""
-        return TorchBackend._micro_batch(self, batch, seq_indices)  # type: ignore[arg-type]
-
     # -- training --------------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
-        start = time.perf_counter()
-        chunks = split_minibatches(len(batch.sequences), num_minibatches)
-        results: list[MinibatchResult] = []
-        micro_stats: list[dict[str, float]] = []
-        entropy_sum, fb_s, opt_s = 0.0, 0.0, 0.0
-        self.model.train()
-        try:
-            for mb_index, chunk in enumerate(chunks):
-                t0 = time.perf_counter()
-                loss, ent, stats, num_micro = self._accumulate(batch, chunk, loss_fn, mb_index, len(chunks))
-                t1 = time.perf_counter()
-                grad_norm, skipped = self._optimizer_update()
-                opt_s += time.perf_counter() - t1
-                fb_s += t1 - t0
-                entropy_sum += ent
-                micro_stats.extend(stats)
-                loss_tokens = sum(batch.sequences[i].num_loss_tokens for i in chunk)
-                results.append(MinibatchResult(loss, grad_norm, skipped, num_micro, loss_tokens))
-        finally:
-            self.model.eval()
-            self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(
-            loss=sum(r.loss for r in results) / len(results),
-            grad_norm=sum(r.grad_norm for r in results) / len(results),
-            entropy_mean=mean_or_nan(entropy_sum, batch.num_loss_tokens),
-            num_loss_tokens=batch.num_loss_tokens,
-            minibatches=tuple(results),
-            micro_stats=tuple(micro_stats),
-            forward_backward_s=fb_s,
-            optimizer_s=opt_s,
-            total_s=time.perf_counter() - start,
-        )
+        def accumulate(chunk: list[int], mb_index: int, num: int) -> tuple[float, float, list[dict[str, float]], int]:
+            return self._accumulate(batch, chunk, loss_fn, mb_index, num)
+
+        return train_minibatches(batch, num_minibatches, self.model, self.optimizer, accumulate, self._optimizer_update)
 
     def _accumulate(
         self, batch: TrainBatch, chunk: list[int], loss_fn: LossFn, mb_index: int, num_minibatches: int
@@ -334,7 +304,7 @@ class MegatronBackend(TrainingBackend):
         totals = torch.zeros(2, dtype=torch.float64)
         stats_out: list[dict[str, float]] = []
         for micro_index, pack in self._my_packs(packs):
-            micro = self._micro_batch(batch, [chunk[i] for i in pack])
+            micro = padded_micro_batch(batch, [chunk[i] for i in pack], self.device)
             hidden, output = self._stage_forward(micro, requires_grad=True)
             if not self.layout.last_stage:
                 torch.autograd.backward(output, self.stages.receive_output_grad(output))
@@ -353,11 +323,7 @@ class MegatronBackend(TrainingBackend):
                 minibatch_loss_tokens=loss_tokens,
             )
             loss, stats = loss_fn(logp, micro, extras)
-            if not isinstance(loss, Tensor) or loss.dim() != 0:
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor as its loss, got {type(loss).__name__} "
-                    f"{tuple(getattr(loss, 'shape', ()))}"
-                )
+            loss = check_loss(loss)
             if loss.requires_grad:
                 loss.backward()
             if hidden is not None:
@@ -468,36 +434,16 @@ class MegatronBackend(TrainingBackend):
         out.update(self.stages.gather(moments))
         for key, (_, start, count) in self._checkpoint_rows().items():
             out[key] = out[key][start : start + count].clone()
-        out["rng/torch_cpu"] = torch.get_rng_state()
-        if torch.cuda.is_available():
-            for index, state in enumerate(torch.cuda.get_rng_state_all()):
-                out[f"rng/torch_cuda_{index}"] = state.cpu()
-        return out
+        return out | rng_tensors()
 
     def state_meta(self) -> dict[str, Any]:
-        group = self.optimizer.param_groups[0]
-        np_state = np.random.get_state(legacy=True)
-        assert isinstance(np_state, tuple)
-        py_version, py_internal, py_gauss = random.getstate()
         return {
             "state_format": STATE_FORMAT,
             "backend": "megatron",
             "family": self.shape.family,
             "tensor_parallel_size": self.layout.tp_size,
-            "optimizer": {
-                "lr": group["lr"],
-                "betas": list(group["betas"]),
-                "eps": group["eps"],
-                "weight_decay": group["weight_decay"],
-            },
-            "numpy_rng": {
-                "kind": np_state[0],
-                "keys": np_state[1].tolist(),
-                "pos": int(np_state[2]),
-                "has_gauss": int(np_state[3]),
-                "cached_gaussian": float(np_state[4]),
-            },
-            "python_rng": {"version": py_version, "internal": list(py_internal), "gauss_next": py_gauss},
+            "optimizer": adamw_hyperparameters(self.optimizer),
+            **rng_meta(),
             "shards": self._checkpoint_rows(),
         }
 
@@ -536,36 +482,21 @@ class MegatronBackend(TrainingBackend):
     @torch.no_grad()
     def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         """Restore a checkpoint of this backend (any TP size: the tensors are full); ValueError on a mismatch."""
-        if meta.get("state_format") != STATE_FORMAT or meta.get("backend") != "megatron":
-            raise ValueError(
-                f"checkpoint meta has state_format={meta.get('state_format')!r} "
-                f"backend={meta.get('backend')!r}; this backend reads {STATE_FORMAT} 'megatron'"
-            )
+        check_state_meta(meta, "megatron", STATE_FORMAT)
         self._load_full({k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")})
         self._load_optimizer(tensors, meta)
-        _load_rng(tensors, meta)
+        load_rng(tensors, meta)
 
     def _load_optimizer(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
-        """Shard the saved AdamW moments like their parameters and hand them to AdamW's `load_state_dict`."""
-        names = list(self._params)
+        """Shard the saved AdamW moments like their parameters and hand them to AdamW."""
         state: dict[int, dict[str, Tensor]] = {}
-        for index, name in enumerate(names):
-            prefix = f"optimizer/{name}/"
-            entry = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+        for index, name in enumerate(self._params):
+            entry = saved_moments(tensors, name)
             if entry:
                 state[index] = {
                     key: value if value.dim() == 0 else self._shard_like(name, value) for key, value in entry.items()
                 }
-        stray = [
-            k for k in tensors if k.startswith("optimizer/") and k[len("optimizer/") : k.rfind("/")] not in self._params
-        ]
-        if stray:
-            raise ValueError(f"checkpoint optimizer tensors for unknown parameters: {stray[:5]}")
-        current = self.optimizer.state_dict()
-        self.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-        saved_hp, now = meta.get("optimizer", {}), self.state_meta()["optimizer"]
-        if saved_hp != now:
-            log.warning("optimizer hyperparameters differ from the checkpoint's %s; using %s", saved_hp, now)
+        load_adamw_state(self.optimizer, state, tensors, meta, self._params)
 
     def _shard_like(self, name: str, full: Tensor) -> Tensor:
         local = shard(self.shape, {name: full}, self.layout.tp_rank, self.layout.tp_size)[name]
