@@ -167,6 +167,11 @@ def write_checkpoint(
         "step": state.step,
         "files": {name: _digest(data) for name, data in files.items()},
     }
+    return _commit(store, run, prefix, manifest)
+
+
+def _commit(store: ObjectStore, run: str, prefix: str, manifest: dict[str, Any]) -> str:
+    """Write the manifest last (it makes the checkpoint complete, once per version), then prune old ones."""
     try:
         store.put_if_absent(prefix + MANIFEST_FILE, orjson.dumps(manifest))
     except PreconditionFailed:
@@ -236,12 +241,7 @@ def commit_sharded_checkpoint(
         store.put(prefix + name, data)
         files[name] = _digest(data)
     manifest = {"run": run, "version": state.version, "step": state.step, "world_size": len(rank_files), "files": files}
-    try:
-        store.put_if_absent(prefix + MANIFEST_FILE, orjson.dumps(manifest))
-    except PreconditionFailed:
-        raise ValueError(f"checkpoint {prefix} already has a manifest; versions must not be reused") from None
-    prune_checkpoints(store, run, keep=KEEP_CHECKPOINTS)
-    return prefix
+    return _commit(store, run, prefix, manifest)
 
 
 def load_latest_checkpoint(

@@ -360,8 +360,12 @@ class TorchEngine(Engine):
             if entry is not None and (entry.aborted or entry.epoch < self._epoch):
                 self._slots[slot] = None
                 out.append((entry, "abort"))
-        keep = deque(entry for entry in self._waiting if not (entry.aborted or entry.epoch < self._epoch))
-        out += [(entry, "abort") for entry in self._waiting if entry.aborted or entry.epoch < self._epoch]
+        keep: deque[_Request] = deque()
+        for entry in self._waiting:
+            if entry.aborted or entry.epoch < self._epoch:
+                out.append((entry, "abort"))
+            else:
+                keep.append(entry)
         self._waiting = keep
         return out
 

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from actors.tools.bench.args import positive_int
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from transformers import PreTrainedModel
@@ -52,13 +54,6 @@ STATIC_WARMUPS = 2
 """Warm-up calls of the compiled static-cache baseline: the first compiles, the second records its graphs."""
 PROMPT_SEED = 1234
 ENGINE_ID = "bench-engine"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,33 +78,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--requests",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="sequences decoded together in one call (default: the demo's batch, "
         "generator.concurrency x advantages.group_size)",
     )
     parser.add_argument(
         "--prompt-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="random prompt ids per request (default: the length of the task's first prompt, <bos> included)",
     )
     parser.add_argument(
         "--new-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="tokens every request generates; stop tokens are off (default: engine.sampling.max_new_tokens)",
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"timed rounds, rates and TTFT are medians over them (default: at least {MIN_ROUNDS}, and more until "
         f"{MIN_MEASURED_S:g} s of calls were timed)",
     )
     parser.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="torch CPU threads for both contenders (default: the config's engine.torch_threads)",
     )

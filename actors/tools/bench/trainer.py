@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from actors.tools.bench.args import positive_int
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -62,13 +64,6 @@ CPU_SIZES = {"sequences": 32, "min_tokens": 32, "max_tokens": 128}
 """The default batch on the CPU: short enough for the demo's tiny model to finish well within a minute."""
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", default=DEFAULT_CONFIG, help="config the backend is built from (default: the CPU demo)"
@@ -85,31 +80,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sequences",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"sequences per step (default: {CUDA_SIZES['sequences']} on CUDA and on the CPU)",
     )
     parser.add_argument(
         "--min-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"shortest sequence (default: {CUDA_SIZES['min_tokens']} on CUDA, {CPU_SIZES['min_tokens']} on the CPU)",
     )
     parser.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"longest sequence (default: {CUDA_SIZES['max_tokens']} on CUDA, {CPU_SIZES['max_tokens']} on the CPU; "
         "never past the model's context)",
     )
     parser.add_argument(
         "--micro-batch-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"token budget of a micro-batch, both contenders (default: {CUDA_SIZES['micro_batch_tokens']} on CUDA, "
         "trainer.micro_batch_tokens on the CPU)",
     )
-    parser.add_argument("--steps", type=_positive_int, default=3, help="measured optimizer steps per contender")
+    parser.add_argument("--steps", type=positive_int, default=3, help="measured optimizer steps per contender")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (allocator, kernels)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch's lengths and tokens")
     parser.add_argument(
