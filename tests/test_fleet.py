@@ -355,7 +355,7 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
     assert {recorded[g].generator_id for g in trained} >= {"gen-0", "gen-1", "gen-2"}
 
     admitted_count, queued = asyncio.run(_queued_prompt_ids(cfg))
-    unconsumed = {g.group_id for g in asyncio.run(_recorded_groups(cfg, asyncio.run(_unconsumed_from(cfg))))}
+    unconsumed = {g.group_id for g in asyncio.run(_recorded_groups(cfg, _unconsumed_from(cfg)))}
     from actors.trainer.prompt_feed import PromptFeed
     from pipeline.tasks import get_task
 

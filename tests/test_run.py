@@ -443,19 +443,17 @@ async def _queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
         await nc.close()
 
 
-async def _unconsumed_from(cfg: LeewayConfig) -> int:
-    """First trajectory-stream sequence the trainer has not acked."""
-    from actors.endpoints import resolve_endpoints
-    from pipeline import transport
-    from pipeline.names import RunNames
+def _unconsumed_from(cfg: LeewayConfig) -> int:
+    """First trajectory-stream sequence a resumed trainer reads again: its newest checkpoint's watermark + 1.
 
-    names = RunNames.for_run(cfg.run.name)
-    nc = await transport.connect(resolve_endpoints(cfg).nats_url, name="test-run-acks")
-    try:
-        info = await nc.jetstream().consumer_info(names.trajectory_stream, names.trainer_consumer)
-        return int(info.ack_floor.stream_seq) + 1
-    finally:
-        await nc.close()
+    Not the consumer's ack floor: a group that will not train is acked as soon as it is decided, but
+    recorded only at the commit of its step; a stop that abandons the step leaves it acked, unrecorded
+    and after the watermark, where a resume decides it again (`actors/trainer/loop.py`)."""
+    from actors.endpoints import open_run_store
+    from actors.trainer.checkpoints import load_latest_checkpoint
+
+    latest = load_latest_checkpoint(open_run_store(cfg), cfg.run.name)
+    return (latest[0].consumed_seq if latest is not None else 0) + 1
 
 
 def _shared_stack_config(tmp_path: Path, stack: StackState, name: str, steps: int, *extra: str) -> LeewayConfig:
@@ -671,7 +669,7 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
     assert len(trained) == len(set(trained)) == steps * cfg.trainer.batch_groups
     assert not set(trained) & set(dropped)
     admitted_count, queued = asyncio.run(_queued_prompt_ids(cfg))
-    unconsumed = {g.group_id for g in asyncio.run(_recorded_groups(cfg, asyncio.run(_unconsumed_from(cfg))))}
+    unconsumed = {g.group_id for g in asyncio.run(_recorded_groups(cfg, _unconsumed_from(cfg)))}
     from actors.trainer.prompt_feed import PromptFeed
     from pipeline.tasks import get_task
 

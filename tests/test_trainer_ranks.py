@@ -174,7 +174,8 @@ def _run_ranks(tmp_path: Path, nproc: int, run: str, load_run: str | None = None
     """Start `nproc` ranks of `_worker`, wait for all; rank 0's losses."""
     out = tmp_path / f"{run}.json"
     port = free_port()
-    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # faulthandler: a rank that aborts natively (SIGABRT from C++) still shows its Python stack
+    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
     procs = []
     for rank in range(nproc):
         env = rank_environ(base, rank, nproc, port) if nproc > 1 else base
