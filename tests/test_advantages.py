@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.advantages import compute_advantages, is_valid_sample, valid_mask
+from pipeline.rl.advantages import compute_advantages, is_valid_sample, valid_mask
 
 
 def _group(*samples: tuple[float | None, str, str]) -> tuple[list[float | None], np.ndarray]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.batching import (
+from pipeline.rl.batching import (
     DROP_CAP,
     DROP_FILTER,
     REFUSE_TOO_LONG,
@@ -14,8 +14,8 @@ from pipeline.batching import (
     check_model_limits,
     prepare_group,
 )
-from pipeline.step_metrics import reward_metrics, sample_counts, staleness_metrics
-from pipeline.trajectory import Sample, TrajectoryGroup
+from pipeline.rl.step_metrics import reward_metrics, sample_counts, staleness_metrics
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
 
 POLICY = GroupPolicy(max_staleness=2)
 

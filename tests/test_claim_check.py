@@ -16,11 +16,11 @@ from botocore.exceptions import EndpointConnectionError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra.stack import StackState, load_credentials
-from pipeline.codec import encode_group
 from pipeline.config import StreamConfig
-from pipeline.names import RunNames
-from pipeline.trajectory import Sample, TrajectoryGroup
-from pipeline.transport import (
+from pipeline.wire.codec import encode_group
+from pipeline.wire.names import RunNames
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
+from pipeline.wire.transport import (
     CLAIM_CHECK_MAX_BYTES,
     H_CLAIM_CHECK,
     H_DLQ_REASON,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.codec import (
+from pipeline.wire.codec import (
     TRAJECTORY_SCHEMA,
     CodecError,
     decode_group,
@@ -19,7 +19,7 @@ from pipeline.codec import (
     read_parquet,
     write_parquet,
 )
-from pipeline.trajectory import Sample, TrajectoryGroup, TrajectoryValidationError
+from pipeline.wire.trajectory import Sample, TrajectoryGroup, TrajectoryValidationError
 
 
 def _sample(rng: np.random.Generator, n: int = 64, prompt: int = 8, reward: float | None = 1.0) -> Sample:

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from pipeline.correction import corrected_token_loss, importance_ratio
+from pipeline.rl.correction import corrected_token_loss, importance_ratio
 
 LN = math.log
 

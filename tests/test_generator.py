@@ -31,16 +31,16 @@ from actors.generator.engines.torch_engine import TorchEngine, sampling_logprobs
 from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
 from actors.generator.runtime import GeneratorRuntime, sampling_params
 from actors.models import build_model
-from pipeline.announce import announce_version, generator_metrics_subject, version_kv
 from pipeline.config import LeewayConfig, load_config
-from pipeline.names import RunNames
-from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
-from pipeline.staleness import crosses_cap, sync_floor
+from pipeline.rl.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Prompt, Task
 from pipeline.tasks.char_tokenizer import PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask
-from pipeline.trajectory import TrajectoryGroup, validate_group
-from pipeline.transport import TrajectoryConsumer, ensure_trainer_consumer, ensure_trajectory_streams
+from pipeline.wire.announce import announce_version, generator_metrics_subject, version_kv
+from pipeline.wire.names import RunNames
+from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
+from pipeline.wire.trajectory import TrajectoryGroup, validate_group
+from pipeline.wire.transport import TrajectoryConsumer, ensure_trainer_consumer, ensure_trajectory_streams
 from storage.weights import WeightPublisher
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,12 +24,12 @@ from test_generator import MODEL, TOKENIZER, WAIT_S, FakeTrainer, _cfg, _unique_
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import MAX_POSITION_EMBEDDINGS, build_model
-from pipeline.announce import announce_version
-from pipeline.prompt_queue import queue_prompt
 from pipeline.tasks import Prompt, Task
 from pipeline.tasks.char_tokenizer import PAD_ID
 from pipeline.tasks.reverse import ReverseDigitsTask
-from pipeline.transport import H_DLQ_MSG_ID, H_DLQ_REASON
+from pipeline.wire.announce import announce_version
+from pipeline.wire.prompt_queue import queue_prompt
+from pipeline.wire.transport import H_DLQ_MSG_ID, H_DLQ_REASON
 
 DIGIT_ID = TOKENIZER.token_to_id("1")
 

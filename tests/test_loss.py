@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.advantages import compute_advantages, valid_mask
-from pipeline.correction import corrected_token_loss
-from pipeline.loss import aggregate_loss, sample_loss_mask
+from pipeline.rl.advantages import compute_advantages, valid_mask
+from pipeline.rl.correction import corrected_token_loss
+from pipeline.rl.loss import aggregate_loss, sample_loss_mask
 
 NUM_TOKENS = 5
 VOCAB = 7

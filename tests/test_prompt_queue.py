@@ -8,9 +8,9 @@ import uuid
 import pytest
 
 from pipeline.config import StreamConfig
-from pipeline.names import RunNames
-from pipeline.prompt_queue import Prompt, PromptError, PromptQueue, ensure_prompt_queue
-from pipeline.transport import H_DLQ_REASON, connect, ensure_trajectory_streams
+from pipeline.wire.names import RunNames
+from pipeline.wire.prompt_queue import Prompt, PromptError, PromptQueue, ensure_prompt_queue
+from pipeline.wire.transport import H_DLQ_REASON, connect, ensure_trajectory_streams
 
 
 def _stream(**overrides) -> StreamConfig:

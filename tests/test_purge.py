@@ -15,11 +15,11 @@ import pytest
 from actors.cli import main
 from actors.endpoints import connect_nats, open_run_store
 from infra.stack import StackState
-from pipeline.announce import announce_version, version_bucket, version_kv
 from pipeline.config import LeewayConfig, load_config
-from pipeline.names import RunNames
-from pipeline.prompt_queue import ensure_prompt_queue
-from pipeline.transport import ensure_trajectory_streams
+from pipeline.wire.announce import announce_version, version_bucket, version_kv
+from pipeline.wire.names import RunNames
+from pipeline.wire.prompt_queue import ensure_prompt_queue
+from pipeline.wire.transport import ensure_trajectory_streams
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 OBJECTS = ("weights/LATEST", "checkpoints/v00000003/state.safetensors", "trajectories/g-1.arrow")

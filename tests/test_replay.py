@@ -15,11 +15,11 @@ import orjson
 from actors.tools import replay as replay_cmd
 from actors.tools.bench.transport import free_port
 from infra.stack import load_credentials
-from pipeline.codec import read_parquet
 from pipeline.config import LeewayConfig, StreamConfig
-from pipeline.names import RunNames
-from pipeline.trajectory import Sample, TrajectoryGroup
-from pipeline.transport import (
+from pipeline.wire.codec import read_parquet
+from pipeline.wire.names import RunNames
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
+from pipeline.wire.transport import (
     H_CLAIM_CHECK,
     ReplayReader,
     ReplaySelection,

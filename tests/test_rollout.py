@@ -12,7 +12,7 @@ import pytest
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import build_model
-from pipeline.rollout import (
+from pipeline.rl.rollout import (
     EnvStep,
     Generate,
     UnrunnablePrompt,
@@ -25,7 +25,7 @@ from pipeline.rollout import (
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask
-from pipeline.trajectory import Sample
+from pipeline.wire.trajectory import Sample
 
 TOK = load_char_tokenizer()
 SAMPLING = SamplingParams(max_new_tokens=6, stop_token_ids=(EOS_ID,))

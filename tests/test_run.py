@@ -396,8 +396,8 @@ def _log_tails(run_dir: Path) -> str:
 async def _recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> list[Any]:
     """Every group in the run's trajectory stream (from `from_seq`), read back through a replay."""
     from actors.endpoints import open_run_store, resolve_endpoints
-    from pipeline import transport
-    from pipeline.names import RunNames
+    from pipeline.wire import transport
+    from pipeline.wire.names import RunNames
 
     endpoints = resolve_endpoints(cfg)
     nc = await transport.connect(endpoints.nats_url, name="test-run-replay")
@@ -422,9 +422,9 @@ async def _recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> li
 async def _queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
     """(prompts ever admitted, ids still in the prompt work queue) of the run."""
     from actors.endpoints import resolve_endpoints
-    from pipeline import transport
-    from pipeline.names import RunNames
-    from pipeline.prompt_queue import Prompt
+    from pipeline.wire import transport
+    from pipeline.wire.names import RunNames
+    from pipeline.wire.prompt_queue import Prompt
 
     names = RunNames.for_run(cfg.run.name)
     nc = await transport.connect(resolve_endpoints(cfg).nats_url, name="test-run-prompts")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.staleness import (
+from pipeline.rl.staleness import (
     admissible_prompts,
     apply_staleness_cap,
     crosses_cap,

@@ -30,14 +30,14 @@ from actors.trainer.loop import Trainer, open_trainer
 from actors.trainer.objective import CorrectedObjective
 from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, build_weight_publisher
 from infra.stack import StackState
-from pipeline.announce import version_kv, watch_announcements
-from pipeline.batching import GroupPolicy, ModelLimits, prepare_group
 from pipeline.config import LeewayConfig, load_config
-from pipeline.names import RunNames
-from pipeline.prompt_queue import PromptLease, PromptQueue
+from pipeline.rl.batching import GroupPolicy, ModelLimits, prepare_group
 from pipeline.tasks import get_task
-from pipeline.trajectory import Sample, TrajectoryGroup
-from pipeline.transport import (
+from pipeline.wire.announce import version_kv, watch_announcements
+from pipeline.wire.names import RunNames
+from pipeline.wire.prompt_queue import PromptLease, PromptQueue
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
+from pipeline.wire.transport import (
     ReplayReader,
     ReplaySelection,
     TrajectoryPublisher,

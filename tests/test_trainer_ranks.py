@@ -32,8 +32,8 @@ from actors.trainer.checkpoints import TrainerState, complete_checkpoints
 from actors.trainer.distributed import RankEnv, free_port, launch_ranks, rank_environ
 from actors.trainer.rank_group import decode_batch, encode_batch, owned_tensors
 from infra.stack import StackState
-from pipeline.batching import TrainSequence
 from pipeline.config import LeewayConfig
+from pipeline.rl.batching import TrainSequence
 from storage.manifest import Manifest, manifest_key
 from storage.objectstore import FileStore
 from storage.weights import WeightSubscriber

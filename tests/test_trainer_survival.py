@@ -21,12 +21,12 @@ from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports,
 from actors.trainer.loop import QueueWaitTimeout, Trainer, open_trainer
 from actors.trainer.sessions import LiveSession, RunLink, build_weight_publisher
 from infra.stack import StackState
-from pipeline.announce import generator_metrics_subject
 from pipeline.config import LeewayConfig
-from pipeline.names import RunNames
-from pipeline.retry import Backoff, retry_async
 from pipeline.tasks import get_task
-from pipeline.transport import connect
+from pipeline.wire.announce import generator_metrics_subject
+from pipeline.wire.names import RunNames
+from pipeline.wire.retry import Backoff, retry_async
+from pipeline.wire.transport import connect
 from storage.manifest import manifest_key
 from storage.objectstore import ObjectStore
 

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pipeline.trajectory import (
+from pipeline.wire.trajectory import (
     Sample,
     TrajectoryGroup,
     TrajectoryValidationError,

@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 
 from actors.tools.bench.transport import LocalNats, free_port, local_nats
 from infra.stack import load_credentials
-from pipeline.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch
 from pipeline.config import StreamConfig
-from pipeline.names import RunNames
-from pipeline.trajectory import Sample, TrajectoryGroup
-from pipeline.transport import (
+from pipeline.wire.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch
+from pipeline.wire.names import RunNames
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
+from pipeline.wire.transport import (
     CLAIM_CHECK_MAX_BYTES,
     H_CLAIM_CHECK,
     H_DLQ_REASON,

@@ -15,13 +15,13 @@
       in_flight: applied between two decode steps of the running batch; between_rollouts: before the next batch
 ```
 
-A multi-turn task (one with an environment, `pipeline.rollout.environment_factory`) replaces generate +
-score by `pipeline.rollout.run_group` per prompt: its episodes call the engine once per turn.
+A multi-turn task (one with an environment, `pipeline.rl.rollout.environment_factory`) replaces generate +
+score by `pipeline.rl.rollout.run_group` per prompt: its episodes call the engine once per turn.
 
 The loops and who unblocks them:
 - The batch loop consumes prompts; it waits for prompts (the trainer's admission unblocks it) and,
   before a batch, for the engine to reach the batch's sync floor (`sync_floor` in
-  `pipeline/staleness.py`, from the newest known version and the prompts' admission versions). The
+  `pipeline/rl/staleness.py`, from the newest known version and the prompts' admission versions). The
   trainer publishing that version (seen by the KV watch or the LATEST poll) unblocks it.
 - The weight-sync loop consumes version news and waits for nothing but the store.
 - The heartbeat keeps held prompts from being redelivered while a long batch runs.
@@ -49,7 +49,7 @@ Invariants and failure behaviour:
   ``generator.verifier_timeout_s``): a hung verifier makes its sample an ``infra_error`` and holds no
   thread that generation or a weight pull needs.
 - A batch with an aborted sample publishes nothing for that prompt and naks it (another generator
-  takes it at once). Aborts come from the abort rule (`crosses_cap` in `pipeline/staleness.py`, when
+  takes it at once). Aborts come from the abort rule (`crosses_cap` in `pipeline/rl/staleness.py`, when
   ``staleness.abort_in_flight``) or from shutdown.
 - On `request_stop` (SIGINT/SIGTERM): stop taking prompts; the running batch gets `shutdown_grace_s` to
   finish, then it is aborted and its prompts nak'ed.
@@ -72,9 +72,7 @@ from actors.generator.engines.base import Engine, GenerateResult, SamplingParams
 from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
 from actors.generator.weight_sync import WeightSync, unknown_version_message
 from pipeline.config import LeewayConfig
-from pipeline.prompt_queue import PromptLease, PromptQueue
-from pipeline.prompts import Prompt
-from pipeline.rollout import (
+from pipeline.rl.rollout import (
     UnrunnablePrompt,
     checked_prompt_ids,
     environment_factory,
@@ -82,10 +80,12 @@ from pipeline.rollout import (
     run_group,
     score_group,
 )
-from pipeline.staleness import crosses_cap, sync_floor
+from pipeline.rl.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Task, VerifierPool
-from pipeline.trajectory import Sample, TrajectoryGroup
-from pipeline.transport import TrajectoryPublisher
+from pipeline.wire.prompt_queue import PromptLease, PromptQueue
+from pipeline.wire.prompts import Prompt
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
+from pipeline.wire.transport import TrajectoryPublisher
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class Generator:
         return unknown
 
     async def _sync(self, prompts: Sequence[Prompt]) -> bool:
-        """Bring the engine to the batch's sync floor (`pipeline/staleness.py`); False if shutdown came first."""
+        """Bring the engine to the batch's sync floor (`pipeline/rl/staleness.py`); False if shutdown came first."""
         if self.cfg.generator.update_mode == "between_rollouts":
             await self.weights.catch_up()
         floor = sync_floor(

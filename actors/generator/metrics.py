@@ -1,7 +1,7 @@
 """Generator metrics: a small accumulator fed by the generator loop, reported every few seconds.
 
 Every `REPORT_INTERVAL_S` a generator publishes one JSON object (orjson) on the NATS core subject
-``leeway.<run>.metrics.generator`` (`pipeline.announce.generator_metrics_subject`; fire-and-forget: a report nobody listens
+``leeway.<run>.metrics.generator`` (`pipeline.wire.announce.generator_metrics_subject`; fire-and-forget: a report nobody listens
 to is simply dropped; the next one carries the cumulative numbers again). The trainer and `leeway run`
 subscribe to it to show generator health. One record (schema `METRICS_SCHEMA_VERSION`)::
 
@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.announce import GENERATOR_REPORT_INTERVAL_S
-from pipeline.rollout import Generate, GenerateRequest, GenerateResult, SamplingParams
+from pipeline.rl.rollout import Generate, GenerateRequest, GenerateResult, SamplingParams
+from pipeline.wire.announce import GENERATOR_REPORT_INTERVAL_S
 
 Submit = Callable[[Sequence[GenerateRequest], SamplingParams], list[Future[GenerateResult]]]
 """`Engine.submit`: queue requests, one future per request, resolved as each finishes."""

@@ -39,12 +39,12 @@ from actors.generator.loop import Generator
 from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
 from actors.models import build_policy_model, eos_token_id, load_tokenizer, pad_token_id
-from pipeline.announce import generator_metrics_subject, version_kv, watch_announcements
 from pipeline.config import LeewayConfig
-from pipeline.names import RunNames
-from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue
 from pipeline.tasks import VERIFIER_THREADS, VerifierPool, get_task
-from pipeline.transport import TrajectoryPublisher, ensure_trajectory_streams
+from pipeline.wire.announce import generator_metrics_subject, version_kv, watch_announcements
+from pipeline.wire.names import RunNames
+from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue
+from pipeline.wire.transport import TrajectoryPublisher, ensure_trajectory_streams
 from storage.weights import WeightSubscriber
 
 log = logging.getLogger(__name__)

@@ -54,7 +54,7 @@ from actors.launcher.report import write_report
 from infra.process import PARENT_PID_ENV, StackError, die_with_parent, tied_to_this_process
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
-from pipeline.names import RunNames
+from pipeline.wire.names import RunNames
 
 STOP_TIMEOUT_S = 20.0
 """How long a role gets to finish after SIGTERM before its process group is killed."""

@@ -1,7 +1,7 @@
 """`leeway purge CONFIG [--yes]`: delete one run's data from shared servers, so its name can be used again.
 
-Everything a run leaves on the servers is named after `run.name` alone (`pipeline/names.py`,
-`pipeline/announce.py`), so the run's share of a shared stack is found without any index:
+Everything a run leaves on the servers is named after `run.name` alone (`pipeline/wire/names.py`,
+`pipeline/wire/announce.py`), so the run's share of a shared stack is found without any index:
 
     NATS   streams  LEEWAY_<run>_TRAJ, LEEWAY_<run>_PROMPTS, LEEWAY_<run>_DLQ   (consumers go with them)
            KV       leeway_<run>_versions                                        (the version doorbell)
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import nats.js.errors
 
 from actors.endpoints import EndpointError, Endpoints, connect_nats, open_run_store, resolve_endpoints
-from pipeline.announce import version_bucket
 from pipeline.config import LeewayConfig
-from pipeline.names import RunNames
+from pipeline.wire.announce import version_bucket
+from pipeline.wire.names import RunNames
 from storage.objectstore import ObjectStore
 
 

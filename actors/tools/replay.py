@@ -1,9 +1,9 @@
 """`leeway replay CONFIG (--from-seq N | --since TIME | --min-version V) [--until-seq N | --until TIME] [--to-parquet DIR]`.
 
-Reads a selection of the run's recorded trajectory stream (see `pipeline.transport.ReplaySelection`)
+Reads a selection of the run's recorded trajectory stream (see `pipeline.wire.transport.ReplaySelection`)
 through an ephemeral consumer, which never disturbs the trainer's durable consumer. With
 `--to-parquet` the groups are written to `DIR/seq-<first>-<last>.parquet` files (rows of a group
-contiguous, readable with `pipeline.codec.read_parquet`); without it, only a JSON summary is printed.
+contiguous, readable with `pipeline.wire.codec.read_parquet`); without it, only a JSON summary is printed.
 Feeding a trainer from the same selection goes through `ReplayReader` directly (the trainer's job).
 """
 
@@ -50,8 +50,8 @@ def add_selection_arguments(parser: argparse.ArgumentParser, *, required: bool) 
 
 
 def selection_from_args(args: argparse.Namespace) -> Any:
-    """The parsed selection flags as a `pipeline.transport.ReplaySelection`."""
-    from pipeline.transport import ReplaySelection
+    """The parsed selection flags as a `pipeline.wire.transport.ReplaySelection`."""
+    from pipeline.wire.transport import ReplaySelection
 
     return ReplaySelection(
         from_seq=args.from_seq,
@@ -77,9 +77,9 @@ def main(cfg: Any, args: argparse.Namespace) -> int:
 
 async def replay(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
-    from pipeline.codec import write_parquet
-    from pipeline.names import RunNames
-    from pipeline.transport import ReplayReader
+    from pipeline.wire.codec import write_parquet
+    from pipeline.wire.names import RunNames
+    from pipeline.wire.transport import ReplayReader
 
     selection = selection_from_args(args)
     names = RunNames.for_run(cfg.run.name)

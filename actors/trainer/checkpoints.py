@@ -66,7 +66,7 @@ class TrainerState:
     handled group ids (a superset of those handled since the previous checkpoint), so that a
     group delivered twice, or stored twice in the stream, is trained once.
 
-    Admission slots (`pipeline/staleness.py`): `admitted - trained_groups - discarded_groups -
+    Admission slots (`pipeline/rl/staleness.py`): `admitted - trained_groups - discarded_groups -
     dead_lettered_groups` groups are outstanding. `discarded_groups` counts the groups the trainer
     dropped or refused itself; `dead_lettered_groups` the prompts and groups dead-lettered before
     they reached it, read from the dead-letter stream up to `dead_letter_seq`

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.announce import GENERATOR_REPORT_INTERVAL_S
+from pipeline.wire.announce import GENERATOR_REPORT_INTERVAL_S
 
 log = logging.getLogger("leeway.trainer")
 

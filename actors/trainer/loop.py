@@ -18,7 +18,7 @@
 
 The session (`actors/trainer/sessions.py`) is a `LiveSession` for `leeway trainer [--resume]` and a
 `ReplaySession` for `--replay`; its module docstring says what each does at every arrow. The staleness
-rule behind admission and the cap is written once, in `pipeline/staleness.py`. With several
+rule behind admission and the cap is written once, in `pipeline/rl/staleness.py`. With several
 trainer ranks (`leeway trainer --nproc N`, or RANK/WORLD_SIZE in the environment) this loop runs on
 rank 0 only; its backend is a `LeaderBackend` and the session publishes, checkpoints and resumes
 through the `RankGroup`, whose commands the other ranks follow (`actors/trainer/rank_group.py`).
@@ -89,9 +89,16 @@ from actors.trainer.objective import CorrectedObjective
 from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
 from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, Session, build_weight_publisher
 from actors.trainer.slots import slots_to_return
-from pipeline.batching import GroupPolicy, ModelLimits, PreparedGroup, TrainSequence, check_model_limits, prepare_group
 from pipeline.config import LeewayConfig
-from pipeline.step_metrics import (
+from pipeline.rl.batching import (
+    GroupPolicy,
+    ModelLimits,
+    PreparedGroup,
+    TrainSequence,
+    check_model_limits,
+    prepare_group,
+)
+from pipeline.rl.step_metrics import (
     merge_loss_stats,
     refusal_metrics,
     reward_metrics,
@@ -100,7 +107,7 @@ from pipeline.step_metrics import (
     timing_split,
 )
 from pipeline.tasks import get_task
-from pipeline.transport import Delivery, ReplaySelection
+from pipeline.wire.transport import Delivery, ReplaySelection
 
 log = logging.getLogger("leeway.trainer")
 
@@ -301,7 +308,7 @@ class Trainer:
             )
 
     async def _take(self, delivery: Delivery, batch: Batch) -> int | None:
-        """Dedupe, the door, then cap / validity / advantages (`pipeline/batching.py`) for one delivered group.
+        """Dedupe, the door, then cap / validity / advantages (`pipeline/rl/batching.py`) for one delivered group.
 
         Returns the stream sequence to ack now when the group will not train (the caller acks a fetch's
         worth at once); a refused group is dead-lettered here. See the module docstring."""

@@ -1,8 +1,8 @@
 """The trainer's objective as a backend `loss_fn`: staleness-aware importance correction + loss normalisation.
 
 The backend hands over log-probs with grad for one micro-batch; this module turns them into the
-step's loss with `pipeline.correction` (tis / mis / decoupled_ppo / none, token or sequence level,
-optional staleness decay, whose rule is in `pipeline/staleness.py`) and `pipeline.loss` (constant or
+step's loss with `pipeline.rl.correction` (tis / mis / decoupled_ppo / none, token or sequence level,
+optional staleness decay, whose rule is in `pipeline/rl/staleness.py`) and `pipeline.rl.loss` (constant or
 token_mean). The ratio always uses the behaviour log-probs recorded by the generator, never a
 recomputation.
 """
@@ -15,8 +15,8 @@ from torch import Tensor
 
 from actors.trainer.backends.base import LossExtras, MicroBatch
 from pipeline.config import AdvantagesConfig, CorrectionConfig
-from pipeline.correction import corrected_token_loss
-from pipeline.loss import aggregate_loss
+from pipeline.rl.correction import corrected_token_loss
+from pipeline.rl.loss import aggregate_loss
 
 
 @dataclass

@@ -58,8 +58,8 @@ from actors.trainer.checkpoints import (
     write_rank_files,
 )
 from actors.trainer.objective import CorrectedObjective
-from pipeline.batching import ModelLimits, TrainSequence
 from pipeline.config import LeewayConfig
+from pipeline.rl.batching import ModelLimits, TrainSequence
 from storage.manifest import Manifest, PartSpec, TensorSpec
 from storage.objectstore import ObjectStore
 from storage.publisher import StagedParts

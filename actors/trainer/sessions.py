@@ -10,7 +10,7 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
   groups from         catch-up `ReplayReader` (after a resume), then  the recorded range, until it ends
                       the durable `TrajectoryConsumer`
   cap counts against  the trainer's version V                        the newest version recorded so far
-  admission           `admissible_prompts` (`pipeline/staleness.py`)  none
+  admission           `admissible_prompts` (`pipeline/rl/staleness.py`)  none
                       + slots of dead letters (`slots.py`)
   refused group       dead-lettered (`token_out_of_vocab`, ...)       skipped and counted
   publish             V+1 (parts, manifest, LATEST), then announced   nothing
@@ -22,7 +22,7 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
 
 Each session owns its `RunLink` (NATS connection, object store) and closes it. The live session's
 writes that a passing outage should not end the run (weight publish, KV announcement, prompt
-admission) are retried with backoff and jitter (`pipeline/retry.py`); all three are idempotent.
+admission) are retried with backoff and jitter (`pipeline/wire/retry.py`); all three are idempotent.
 Both sessions compare the first stream sequence they mean to read with the stream's first one and
 say (WARNING, `groups/lost_to_retention`) how many groups retention removed before they were read. The replay session's
 version is the one the live trainer held at least when it consumed those groups, so the cap and the
@@ -52,16 +52,16 @@ from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
 from actors.trainer.slots import DeadLetterEntry, read_dead_letters_quietly
-from pipeline.announce import announce_version, generator_metrics_subject, version_kv
 from pipeline.config import LeewayConfig
-from pipeline.names import RunNames
-from pipeline.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
-from pipeline.prompts import Prompt
-from pipeline.retry import PERMANENT_ERRORS, retry_async
-from pipeline.staleness import admissible_prompts
+from pipeline.rl.staleness import admissible_prompts
 from pipeline.tasks import Task
-from pipeline.trajectory import TrajectoryGroup
-from pipeline.transport import (
+from pipeline.wire.announce import announce_version, generator_metrics_subject, version_kv
+from pipeline.wire.names import RunNames
+from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
+from pipeline.wire.prompts import Prompt
+from pipeline.wire.retry import PERMANENT_ERRORS, retry_async
+from pipeline.wire.trajectory import TrajectoryGroup
+from pipeline.wire.transport import (
     Delivery,
     ReplayReader,
     ReplaySelection,

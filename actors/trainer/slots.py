@@ -1,6 +1,6 @@
 """Admission slots of prompts and groups dead-lettered before they reached the trainer.
 
-Admission (`pipeline/staleness.py`) keeps `admitted - trained - dropped` groups outstanding. A group
+Admission (`pipeline/rl/staleness.py`) keeps `admitted - trained - dropped` groups outstanding. A group
 the trainer drops or dead-letters gives its slot back when it is decided. But a prompt dead-lettered
 by the prompt queue (`max_deliveries`: it killed every generator that took it) and a group
 dead-lettered by the trajectory consumer (it failed to decode) never reach the trainer: without
@@ -31,8 +31,8 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from actors.trainer.prompt_feed import admitted_index
-from pipeline.names import RunNames
-from pipeline.transport import H_DLQ_MSG_ID, H_DLQ_REASON
+from pipeline.wire.names import RunNames
+from pipeline.wire.transport import H_DLQ_MSG_ID, H_DLQ_REASON
 
 log = logging.getLogger("leeway.trainer")
 

@@ -1,6 +1,6 @@
 """Tasks: where prompts come from and how completions are scored.
 
-A `Task` yields `Prompt`s (the one prompt record, `pipeline/prompts.py`) and scores a completion with
+A `Task` yields `Prompt`s (the one prompt record, `pipeline/wire/prompts.py`) and scores a completion with
 `Task.verify`, which returns a `VerifierResult` with status ``ok`` (reward set) or ``format_error``
 (reward 0: the policy's fault, trained on). The caller never invokes ``verify`` directly but through a
 `VerifierPool`, which runs it on the pool's own bounded threads (never the event loop's default executor,
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.prompts import Prompt, PromptError
+from pipeline.wire.prompts import Prompt, PromptError
 
 logger = logging.getLogger(__name__)
 

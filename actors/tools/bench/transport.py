@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from pipeline.codec import decode_group, encode_group
-from pipeline.trajectory import Sample, TrajectoryGroup
+from pipeline.wire.codec import decode_group, encode_group
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
 
 VOCAB_SIZE = 151_936
 RAW_BYTES_PER_TOKEN = 13
@@ -240,8 +240,8 @@ def local_nats(root: str | Path | None = None) -> Iterator[LocalNats]:
 async def jetstream_stats(url: str, groups: list[TrajectoryGroup], num_groups: int) -> dict[str, float]:
     """Publish `num_groups` (acked) while a durable consumer decodes, validates and acks them; wall time of both."""
     from pipeline.config import StreamConfig
-    from pipeline.names import RunNames
-    from pipeline.transport import (
+    from pipeline.wire.names import RunNames
+    from pipeline.wire.transport import (
         TrajectoryConsumer,
         TrajectoryPublisher,
         connect,

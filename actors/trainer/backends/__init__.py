@@ -3,7 +3,7 @@
 `build_backend` picks the backend named by ``trainer.backend``; callers never import a concrete
 backend by hand; the ``megatron`` backend (`actors/trainer/backends/megatron/`) is imported only when
 named, since it needs the ``megatron`` extra. `TrainSequence`
-is re-exported from `pipeline/batching.py`, which produces it.
+is re-exported from `pipeline/rl/batching.py`, which produces it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from actors.trainer.backends.base import (
 )
 from actors.trainer.backends.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from actors.trainer.backends.torch_backend import TorchBackend
-from pipeline.batching import TrainSequence
 from pipeline.config import LeewayConfig
+from pipeline.rl.batching import TrainSequence
 
 
 def build_backend(config: LeewayConfig, model: PreTrainedModel) -> TrainingBackend:

@@ -2,13 +2,13 @@
 
 The backend owns the weights, the optimizer and the forward/backward; it knows nothing about RL.
 The trainer owns the objective: importance correction, PPO clipping and loss normalisation live in
-a ``loss_fn`` callback (built from ``pipeline.correction`` and ``pipeline.loss``), so the torch
+a ``loss_fn`` callback (built from ``pipeline.rl.correction`` and ``pipeline.rl.loss``), so the torch
 backend and the Megatron-core one implement the same interface with their own packing and
 parallelism and hand the same ``loss_fn`` the padded ``[S, T]`` layout below. What both do the same
 way around their own forward (the micro-batch layout, the minibatch loop, the dropout and autocast
 policy) is written once, at the end of this module.
 
-The record of one sequence, `TrainSequence`, lives in `pipeline/batching.py` (which produces it; its
+The record of one sequence, `TrainSequence`, lives in `pipeline/rl/batching.py` (which produces it; its
 docstring shows how tokens, masks, log-probs and versions line up); `TrainBatch` and what follows
 are the backend's own.
 
@@ -20,7 +20,7 @@ One optimizer step (``train_step``)::
                     --loss_fn(logprobs, micro, extras)--> (loss, stats) --backward--> grads accumulate
       clip global grad norm -> AdamW step -> zero grads
 
-A loss_fn built from ``pipeline.correction`` and ``pipeline.loss`` (``version`` = the trainer's)::
+A loss_fn built from ``pipeline.rl.correction`` and ``pipeline.rl.loss`` (``version`` = the trainer's)::
 
     def loss_fn(logp, micro, extras):
         out = corrected_token_loss(logp, micro.behaviour_logprobs, micro.advantages, micro.loss_mask,
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from pipeline.batching import ModelLimits, TrainSequence
+from pipeline.rl.batching import ModelLimits, TrainSequence
 
 
 @dataclass(frozen=True, eq=False)
@@ -207,7 +207,7 @@ class TrainingBackend(ABC):
     @abstractmethod
     def model_limits(self) -> ModelLimits:
         """The vocabulary size and context length of the model, from its config: the trainer refuses
-        groups that do not fit (`pipeline.batching.check_model_limits`) before they reach `train_step`."""
+        groups that do not fit (`pipeline.rl.batching.check_model_limits`) before they reach `train_step`."""
 
 
 def mean_or_nan(total: float, count: int) -> float:

@@ -82,8 +82,8 @@ from actors.trainer.backends.packing import (
     unpack_to_padded,
     use_packed_attention,
 )
-from pipeline.batching import ModelLimits
 from pipeline.config import LeewayConfig
+from pipeline.rl.batching import ModelLimits
 
 log = logging.getLogger(__name__)
 

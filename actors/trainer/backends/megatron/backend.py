@@ -77,8 +77,8 @@ from actors.trainer.backends.megatron.convert import (
 from actors.trainer.backends.megatron.model import build_gpt_model, local_name, transformer_engine_available
 from actors.trainer.backends.megatron.parallel import init_model_parallel, init_process_group
 from actors.trainer.backends.megatron.stages import Stages, all_gather_json
-from pipeline.batching import ModelLimits
 from pipeline.config import LeewayConfig
+from pipeline.rl.batching import ModelLimits
 
 log = logging.getLogger(__name__)
 

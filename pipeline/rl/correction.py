@@ -15,7 +15,7 @@ Methods (``correction.method``), as per-token *losses* (to minimise; ``A`` = adv
                    r = pi / pi_prox, pi_prox = the trainer's weights at the start of the step
 
 With ``staleness_decay = gamma`` every weight is further multiplied by ``gamma ** staleness``
-(`pipeline.staleness.decay_weight`).
+(`pipeline.rl.staleness.decay_weight`).
 
 ``level="sequence"`` replaces each token's ``log rho`` by the mean of ``log rho`` over its sample's
 loss tokens (the geometric-mean ratio), so a whole sample is truncated or masked together. For
@@ -28,7 +28,7 @@ Invariants:
   so masked samples never dilute them (the RL360 codebase, see ``docs/design.md``, logged
   ``train/tis`` as ``1 - masked/kept`` because its means counted masked tokens).
 - MIS-masked tokens are *not trained*: ``trained_mask`` excludes them, their loss is 0 and the
-  ``token_mean`` normaliser in ``pipeline.loss`` does not count them.
+  ``token_mean`` normaliser in ``pipeline.rl.loss`` does not count them.
 - Values at positions outside ``loss_mask`` (NaN log-probs on prompt tokens, garbage staleness)
   never reach the loss, the stats or the gradient.
 """
@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from pipeline.staleness import decay_weight
+from pipeline.rl.staleness import decay_weight
 
 Method = Literal["tis", "mis", "decoupled_ppo", "none"]
 Level = Literal["token", "sequence"]

@@ -6,7 +6,7 @@ masked samples carry an all-zero loss mask) or not, with the reason. The order o
 one `docs/design.md` ("Rewards, groups and failures") argues for:
 
     group ──► door: every token id < the model's vocabulary, every sample within its context (else refused)
-          ──► staleness cap (`pipeline/staleness.py`) against the trainer's version V
+          ──► staleness cap (`pipeline/rl/staleness.py`) against the trainer's version V
           ──► validity: status ok/truncated/format_error with a verifier reward; dropped samples invalid
           ──► advantages over the valid samples only (GRPO or RLOO)
           ──► trainable only if at least two valid samples disagree, else "filtered"
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.advantages import compute_advantages, valid_mask
-from pipeline.staleness import CapPolicy, apply_staleness_cap
-from pipeline.trajectory import TrajectoryGroup
+from pipeline.rl.advantages import compute_advantages, valid_mask
+from pipeline.rl.staleness import CapPolicy, apply_staleness_cap
+from pipeline.wire.trajectory import TrajectoryGroup
 
 DROP_CAP = "staleness_cap"
 DROP_FILTER = "no_disagreement"

@@ -33,7 +33,7 @@ LOSS_NORMS: tuple[str, ...] = ("constant", "token_mean")
 def sample_loss_mask(loss_mask: Tensor, sample_valid: Tensor) -> Tensor:
     """``loss_mask [samples, tokens]`` with every token of an invalid sample zeroed, as bool.
 
-    Build the mask handed to ``pipeline.correction`` with this, so a masked sample's tokens are
+    Build the mask handed to ``pipeline.rl.correction`` with this, so a masked sample's tokens are
     out of the loss, the stats and the ``token_mean`` count at once.
     """
     if loss_mask.dim() != 2 or sample_valid.shape != loss_mask.shape[:1]:

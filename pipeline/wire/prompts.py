@@ -1,14 +1,14 @@
 """The prompt record: what a task yields, what the trainer admits and what the prompt queue carries.
 
 One record end to end: a `Task` yields it (``policy_version`` -1), the trainer stamps the version it
-held at admission (`pipeline.prompt_queue.queue_prompt`) and enqueues it as JSON, a generator decodes
-it, rolls it out and hands the same record to the task's verifier. On the queue (`pipeline.prompt_queue`) one prompt is one JSON object::
+held at admission (`pipeline.wire.prompt_queue.queue_prompt`) and enqueues it as JSON, a generator decodes
+it, rolls it out and hands the same record to the task's verifier. On the queue (`pipeline.wire.prompt_queue`) one prompt is one JSON object::
 
     {"prompt_id": "reverse_digits-s0-41.3", "text": "4821>", "token_ids": null, "answer": "1284",
      "tags": ["reverse"], "metadata": {"difficulty": 2}, "policy_version": 7}
 
 Exactly one of ``text`` and ``token_ids`` is set. ``policy_version`` is what the generator's sync floor
-reads (the rule is in `pipeline/staleness.py`). A payload that fails validation raises `PromptError`
+reads (the rule is in `pipeline/rl/staleness.py`). A payload that fails validation raises `PromptError`
 naming the field; the queue dead-letters such a message instead of dropping it.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.trajectory import ID_RE
+from pipeline.wire.trajectory import ID_RE
 
 WIRE_FIELDS = frozenset({"prompt_id", "text", "token_ids", "answer", "tags", "metadata", "policy_version"})
 """The keys of a prompt's JSON object; any other key makes the payload invalid."""

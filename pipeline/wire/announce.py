@@ -23,7 +23,7 @@ import orjson
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 
-from pipeline.names import RunNames
+from pipeline.wire.names import RunNames
 
 LATEST_KEY = "latest"
 GENERATOR_REPORT_INTERVAL_S = 2.0

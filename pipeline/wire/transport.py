@@ -56,10 +56,10 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from pipeline.codec import CodecError, decode_group, encode_group
-from pipeline.names import RunNames
-from pipeline.retry import Backoff, retry_async
-from pipeline.trajectory import SCHEMA_VERSION, TrajectoryGroup, TrajectoryValidationError
+from pipeline.wire.codec import CodecError, decode_group, encode_group
+from pipeline.wire.names import RunNames
+from pipeline.wire.retry import Backoff, retry_async
+from pipeline.wire.trajectory import SCHEMA_VERSION, TrajectoryGroup, TrajectoryValidationError
 from storage.objectstore import PreconditionFailed, validate_key
 
 log = logging.getLogger(__name__)

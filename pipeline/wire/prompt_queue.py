@@ -5,7 +5,7 @@
     generator ◄── PromptQueue.take() ◄─────────────┘ PromptLease: in_progress() while rolling out,
                                                      done() only after the group is published
 
-One message per prompt: the `pipeline.prompts.Prompt` as JSON (answer, tags, metadata and the admission
+One message per prompt: the `pipeline.wire.prompts.Prompt` as JSON (answer, tags, metadata and the admission
 ``policy_version`` included), ``Nats-Msg-Id`` = prompt id, so admitting a prompt twice stores it once.
 A message that does not decode is dead-lettered (reason `bad_prompt`), never dropped; a generator that
 finds a prompt it can never roll out (`PromptLease.reject`, e.g. ``invalid_token_ids``) dead-letters it too,
@@ -28,9 +28,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from pipeline.names import RunNames
-from pipeline.prompts import Prompt, PromptError
-from pipeline.transport import (
+from pipeline.wire.names import RunNames
+from pipeline.wire.prompts import Prompt, PromptError
+from pipeline.wire.transport import (
     DUPLICATE_WINDOW_S,
     H_MSG_ID,
     DeadLetters,
@@ -127,7 +127,7 @@ class PromptQueue:
     async def admit(self, prompt: Prompt) -> bool:
         """Enqueue a prompt (`Nats-Msg-Id` = prompt id); False if the queue already had it (deduped).
 
-        Raises `pipeline.transport.PublishError` when the server does not confirm it after the retries."""
+        Raises `pipeline.wire.transport.PublishError` when the server does not confirm it after the retries."""
         ack, _ = await self._publisher.publish_raw(
             self._names.prompt_subject,
             prompt.to_json(),

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.advantages import valid_mask
-from pipeline.batching import PreparedGroup
-from pipeline.staleness import staleness_stats
+from pipeline.rl.advantages import valid_mask
+from pipeline.rl.batching import PreparedGroup
+from pipeline.rl.staleness import staleness_stats
 
 INFRA_STATUSES = ("infra_error", "aborted")
 

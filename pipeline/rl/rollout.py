@@ -54,7 +54,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
-from pipeline.trajectory import FinishReason, Sample, Status
+from pipeline.wire.trajectory import FinishReason, Sample, Status
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ Cap policies:
 - ``mask_tokens``: only the stale tokens leave the loss mask; a sample left with no loss tokens
   counts as dropped.
 
-A dropped sample is also invalid for its group's baseline (``pipeline.batching`` ANDs ``keep`` into
-the validity mask before ``pipeline.advantages.compute_advantages``).
+A dropped sample is also invalid for its group's baseline (``pipeline.rl.batching`` ANDs ``keep`` into
+the validity mask before ``pipeline.rl.advantages.compute_advantages``).
 
 Worked example, ``V = 5``, ``K = 2``::
 

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.trajectory import (
+from pipeline.wire.trajectory import (
     SCHEMA_VERSION,
     TOKEN_COLUMNS,
     TrajectoryGroup,
