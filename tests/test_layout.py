@@ -101,3 +101,101 @@ def test_the_design_document_is_in_the_repository_and_nothing_cites_the_old_one(
         and re.search(r"(?<!docs/)DESIGN\.md", path.read_text())
     ]
     assert not old, f"cite docs/design.md instead of the old out-of-repo design file in: {old}"
+
+
+FLOORS = ("pipeline.rl", "pipeline.tasks", "pipeline.wire")
+"""`pipeline/` from the top down: the RL logic, then tasks, then the wire; a floor imports only those below it."""
+MAX_FILE_LINES = 600
+
+
+@pytest.mark.parametrize("upper", range(len(FLOORS)))
+def test_pipeline_floors_import_only_downward(upper: int) -> None:
+    above = FLOORS[:upper]
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {imported}"
+        for module, path in _modules().items()
+        if _within(module, FLOORS[upper])
+        for imported in _imports(path)
+        if any(_within(imported, floor) for floor in above)
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_wire_does_not_know_the_config() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {imported}"
+        for module, path in _modules().items()
+        if _within(module, "pipeline.wire")
+        for imported in _imports(path)
+        if _within(imported, "pipeline.config")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def _module_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules a file imports: `from package import submodule` names the submodule, not the package."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & modules.keys()
+            names.update(submodules)
+            if len(submodules) < len(node.names):
+                names.add(node.module)
+    return names & modules.keys()
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {module: _module_imports(path, modules) - {module} for module, path in modules.items()}
+
+
+def test_no_import_circle() -> None:
+    """No module imports one that imports it back, at any distance (lazy and TYPE_CHECKING imports included)."""
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_no_file_over_the_size_limit() -> None:
+    files = [path for package in (*PACKAGES, "tests") for path in (ROOT / package).rglob("*.py")]
+    big = [f"{p.relative_to(ROOT)}: {n}" for p in files if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    assert not big, f"files over {MAX_FILE_LINES} lines (split them by concept):\n" + "\n".join(big)
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in `tests/support/`; a test module is never a library for another."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        for name in _imports(path):
+            leaf = name.split(".")[-1]
+            if leaf.startswith("test_") or ".test_" in name:
+                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, "\n".join(offenders)
