@@ -1,8 +1,9 @@
 """The `leeway` command: one entry point, one subcommand per role or tool.
 
-Only argparse and the standard library are imported at module level, so `leeway --help` and every
-`leeway <cmd> --help` answer at once without torch; each handler imports its role after parsing.
-(`leeway bench <name> --help` imports that benchmark's module, which defines its own flags.)
+Only argparse, the standard library and `actors/tools/bench/args.py` (argparse helpers, the `--set`
+flag) are imported at module level, so `leeway --help` and every `leeway <cmd> --help` answer at once
+without torch; each handler imports its role after parsing. (`leeway bench <name> --help` imports that
+benchmark's module, which defines its own flags.)
 
 A role started by `leeway run` carries its launcher's pid in `LEEWAY_PARENT_PID`; `main` then watches
 that pid before dispatching (`infra.process.watch_parent`), so the role stops when the launcher dies,
@@ -21,8 +22,11 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from actors.tools.bench.args import add_set_argument
 
 if TYPE_CHECKING:
     from pipeline.config import LeewayConfig
@@ -30,15 +34,15 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace], int]
 
 CONFIG_HELP = "YAML config file (see configs/ and the README's config reference)"
-SET_HELP = "override one config key, e.g. --set trainer.lr=1e-4 (repeatable; beats LEEWAY_A__B env vars and the file)"
 
 
 def _add_config_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """The config file and `--set`, as every command that reads a config takes them."""
     if required:
         parser.add_argument("config", help=CONFIG_HELP)
     else:
         parser.add_argument("config", nargs="?", default=None, help=CONFIG_HELP + " (default: built-in defaults)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+    add_set_argument(parser)
 
 
 def load_cli_config(args: argparse.Namespace) -> LeewayConfig:
@@ -95,15 +99,33 @@ def cmd_config_reference(args: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------------------------ roles
-# Each role handler loads the config before importing its role, so a bad config fails at once,
-# without loading torch.
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_cli_config(args)
-    from actors.launcher.run import main as run_main
+@dataclass(frozen=True)
+class ConfigCommand:
+    """A handler that loads the config, then imports `module` and returns what its `main` returns.
 
-    return run_main(cfg, args)
+    The config is loaded before the import, so a bad config fails at once, without loading torch.
+    """
+
+    module: str
+    with_args: bool = True
+    """`main(cfg, args)`; False: `main(cfg)`, for a command without flags of its own."""
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        cfg = load_cli_config(args)
+        main = importlib.import_module(self.module).main
+        return main(cfg, args) if self.with_args else main(cfg)
+
+
+CONFIG_COMMANDS: dict[str, ConfigCommand] = {
+    "run": ConfigCommand("actors.launcher.run"),
+    "generator": ConfigCommand("actors.generator.runtime", with_args=False),
+    "replay": ConfigCommand("actors.tools.replay"),
+    "purge": ConfigCommand("actors.tools.purge"),
+    "fleet": ConfigCommand("actors.fleet.commands"),
+}
+"""The commands whose handler is only that; `leeway trainer` checks its flags first and may launch ranks."""
 
 
 def cmd_trainer(args: argparse.Namespace) -> int:
@@ -120,38 +142,10 @@ def cmd_trainer(args: argparse.Namespace) -> int:
 
         return launch_ranks([sys.executable, "-m", "actors.cli", *args.argv], nproc)
     from actors.tools.replay import selection_from_args
-    from actors.trainer.loop import main as trainer_main
+    from actors.trainer.runtime import main as trainer_main
 
     replay = selection_from_args(args) if args.replay else None
     return trainer_main(cfg, resume=args.resume, replay=replay)
-
-
-def cmd_generator(args: argparse.Namespace) -> int:
-    cfg = load_cli_config(args)
-    from actors.generator.runtime import main as generator_main
-
-    return generator_main(cfg, args)
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    cfg = load_cli_config(args)
-    from actors.tools.replay import main as replay_main
-
-    return replay_main(cfg, args)
-
-
-def cmd_purge(args: argparse.Namespace) -> int:
-    cfg = load_cli_config(args)
-    from actors.tools.purge import main as purge_main
-
-    return purge_main(cfg, args)
-
-
-def cmd_fleet(args: argparse.Namespace) -> int:
-    cfg = load_cli_config(args)
-    from actors.fleet.commands import main as fleet_main
-
-    return fleet_main(cfg, args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -221,7 +215,7 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         help="delete an earlier run's directory (run.dir) first, after stopping its private stack; only a "
         "directory `leeway run` created (it holds .leeway-run), never the working directory, home or /",
     )
-    run.set_defaults(handler=cmd_run)
+    run.set_defaults(handler=CONFIG_COMMANDS["run"])
 
     trainer = sub.add_parser(
         "trainer",
@@ -252,7 +246,7 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         "pulls new weight versions on its own schedule. Can start before the trainer.",
     )
     _add_config_args(generator)
-    generator.set_defaults(handler=cmd_generator)
+    generator.set_defaults(handler=CONFIG_COMMANDS["generator"])
 
     replay = sub.add_parser(
         "replay",
@@ -262,7 +256,7 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     )
     _add_config_args(replay)
     add_replay_arguments(replay)
-    replay.set_defaults(handler=cmd_replay)
+    replay.set_defaults(handler=CONFIG_COMMANDS["replay"])
 
     purge = sub.add_parser(
         "purge",
@@ -276,7 +270,7 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     )
     _add_config_args(purge)
     purge.add_argument("--yes", action="store_true", help="really delete (without it: print the plan, exit 1)")
-    purge.set_defaults(handler=cmd_purge)
+    purge.set_defaults(handler=CONFIG_COMMANDS["purge"])
 
     fleet = sub.add_parser(
         "fleet",
@@ -306,7 +300,7 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
             fleet_parser.add_argument("--generators", type=int, required=True, help="generators to run from now on")
         if action == "status":
             fleet_parser.add_argument("--json", action="store_true", help="one JSON object")
-        fleet_parser.set_defaults(handler=cmd_fleet)
+        fleet_parser.set_defaults(handler=CONFIG_COMMANDS["fleet"])
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON with ratios against same-run baselines")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")

@@ -37,7 +37,7 @@ class Endpoints:
 
 
 def _embedded_state(cfg: LeewayConfig) -> StackState:
-
+    """The stack recorded in `nats.stack_dir`; none running is an `EndpointError` that says how to start one."""
     state = load_state(cfg.nats.stack_dir)
     if state is None or not state.processes:
         raise EndpointError(
@@ -83,7 +83,7 @@ def resolve_endpoints(cfg: LeewayConfig) -> Endpoints:
 
 
 def open_run_store(cfg: LeewayConfig, endpoints: Endpoints | None = None) -> ObjectStore:
-
+    """The run's object store (S3 or local files) at the resolved endpoints, opened the same way by every role."""
     endpoints = endpoints or resolve_endpoints(cfg)
     return open_store(endpoints.store_url, **endpoints.store_options)
 

@@ -19,6 +19,13 @@ their parent (the roles `leeway run` spawns, the servers of its private stack) a
 `spawn` ties the servers it starts inside `with tied_to_this_process():`; otherwise they are free.
 Off Linux only the roles' watchdog exists: a SIGKILLed `leeway run` there leaves its private servers
 running until `leeway run --fresh` (or `leeway stack down --dir <run.dir>/stack`) stops them.
+
+Every child Leeway starts, not only the stack's servers, goes through the one recipe here, so the
+rules above hold for all of them alike: `spawn_child` (new session, optional parent-death signal and
+`PARENT_PID_ENV`, optional log file) serves the servers (`spawn`), the roles of `leeway run`
+(`actors/launcher/run.py`), the trainer ranks of `--nproc` (`actors/trainer/distributed.py`) and the
+roles of a fleet (`actors/fleet/roles.py`); `stop_groups` (SIGTERM, a grace, SIGKILL to the group)
+stops each of them; `free_port` and `log_tail` are the one copy of those small helpers.
 """
 
 from __future__ import annotations
@@ -26,12 +33,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
-import errno
 import importlib.metadata
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -42,7 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LOG_TAIL_LINES = 40
-"""Lines of a server's log quoted in a `StackError`."""
+"""Lines of a log quoted when a process failed: a server's in a `StackError`, a role's at the end of `leeway run`
+(enough for a Python traceback through asyncio, which 15 lines often cut)."""
+
+LOOPBACK = "127.0.0.1"
+"""The address `free_port` probes by default: the stack, `--nproc` ranks and local clusters listen only there."""
 
 POLL_INTERVAL_S = 0.05
 """How often liveness and readiness are re-checked while waiting on a deadline."""
@@ -275,6 +286,54 @@ def watch_parent(
     return thread
 
 
+def spawn_child(
+    argv: Sequence[str],
+    *,
+    log_path: Path | None = None,
+    append: bool = True,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    death_signal: signal.Signals | None = None,
+    watchdog: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start `argv` as the leader of a new session and process group: how Leeway starts every child.
+
+    Its own session, so a terminal's Ctrl-C reaches only this process, which decides how the child
+    stops, and `stop_groups` reaches whatever the child starts in turn.
+
+    - `log_path`: stdin from /dev/null, stdout and stderr appended to the file (truncated first with
+      `append=False`), its folder created; without it the child shares this process's stdin, stdout
+      and stderr (trainer ranks print to the launcher's terminal).
+    - `env`: the child's whole environment (default: this process's); `cwd`: its working directory.
+    - `death_signal`: sent by the kernel when the calling *thread* exits (Linux, `die_with_parent`),
+      so call this from a thread that outlives the child.
+    - `watchdog`: `PARENT_PID_ENV` is set to this pid, so a child that runs `watch_parent` (every
+      `leeway` command, through `actors/cli.py`) stops itself when orphaned, on every platform.
+
+    Raises `OSError` when `argv[0]` cannot be executed.
+    """
+    child_env: dict[str, str] | None = None
+    if env is not None or watchdog:
+        child_env = dict(os.environ if env is None else env)
+        if watchdog:
+            child_env[PARENT_PID_ENV] = str(os.getpid())
+    preexec_fn = die_with_parent(death_signal) if death_signal is not None else None
+    if log_path is None:
+        return subprocess.Popen(list(argv), env=child_env, cwd=cwd, start_new_session=True, preexec_fn=preexec_fn)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab" if append else "wb") as log:  # the child keeps its own copy of the handle
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
+
+
 def spawn(
     name: str, argv: Sequence[str], log_path: Path, *, ports: Mapping[str, int]
 ) -> tuple[subprocess.Popen[bytes], ProcessInfo]:
@@ -286,19 +345,10 @@ def spawn(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if log_path.exists():
         log_path.replace(log_path.with_name(log_path.name + ".prev"))
-    with open(log_path, "wb") as log:
-        try:
-            proc = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-                preexec_fn=die_with_parent(signal.SIGKILL) if _TIED.get() else None,
-            )
-        except OSError as exc:
-            raise StackError(f"{name}: cannot execute {argv[0]!r}: {exc}") from exc
+    try:
+        proc = spawn_child(argv, log_path=log_path, append=False, death_signal=signal.SIGKILL if _TIED.get() else None)
+    except OSError as exc:
+        raise StackError(f"{name}: cannot execute {argv[0]!r}: {exc}") from exc
     _CHILDREN[proc.pid] = proc
     info = ProcessInfo(
         name=name,
@@ -311,8 +361,30 @@ def spawn(
     return proc, info
 
 
-def log_tail(path: str | Path, num_lines: int = LOG_TAIL_LINES) -> str:
-    """The last `num_lines` lines of a log file, for error messages ('' if it cannot be read)."""
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` distinct TCP ports the OS reports free on `host` (`""`: on every interface).
+
+    The sockets are held until all are picked, so no two are the same. A port is free when asked, not
+    reserved: whoever binds it later may find it taken, and then says so (the stack with the server's log).
+    """
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+    return ports
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """One TCP port the OS reports free on `host` (see `free_ports`)."""
+    return free_ports(1, host)[0]
+
+
+def log_tail(path: str | Path | None, num_lines: int = LOG_TAIL_LINES) -> str:
+    """The last `num_lines` lines of a log file, for error messages ('' if there is none or it cannot be read)."""
+    if path is None:
+        return ""
     try:
         lines = Path(path).read_text(errors="replace").splitlines()
     except OSError:
@@ -325,6 +397,57 @@ def describe_failure(info: ProcessInfo, reason: str) -> str:
     return f"{info.name} {reason} (log: {info.log_path}); last lines:\n{log_tail(info.log_path)}"
 
 
+def child_running(pid: int) -> bool:
+    """True while the child `pid` of this process has not exited.
+
+    Unlike `Popen.poll()` this does not reap it, so its pid, and with it the id of the process group
+    it leads, cannot be reused before the caller's last signal to that group.
+    """
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return info is None
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Signal every process of group `pgid`; a group that is gone (or no longer ours) is left alone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def stop_groups(
+    leaders: Sequence[int],
+    grace_s: float,
+    *,
+    alive: Callable[[int], bool] = child_running,
+    hurry: threading.Event | None = None,
+    sweep: bool = False,
+) -> list[int]:
+    """Stop the process groups led by `leaders`: SIGTERM, then SIGKILL to what is left after `grace_s`.
+
+    SIGTERM (every role's clean stop) goes to each group whose leader is `alive`; then this waits until
+    no leader is, `grace_s` passed, or `hurry` is set (a second Ctrl-C); then SIGKILL goes to the groups
+    whose leader is still alive or, with `sweep`, to every group: a leader that exited may have left
+    something it started behind. Returns the leaders still alive when the grace ended. Nothing is reaped.
+
+    `alive` is what identifies a leader. The default, `child_running`, is for children of this process
+    not reaped yet, whose pids cannot be reused meanwhile (so `sweep` is safe); a server recorded by an
+    earlier command is checked by pid and kernel start time instead (`stop_processes`).
+    """
+    for pid in [pid for pid in leaders if alive(pid)]:
+        signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(alive(pid) for pid in leaders) and time.monotonic() < deadline:
+        if hurry is not None and hurry.is_set():
+            break
+        time.sleep(POLL_INTERVAL_S)
+    stubborn = [pid for pid in leaders if alive(pid)]
+    for pid in leaders if sweep else stubborn:
+        signal_group(pid, signal.SIGKILL)
+    return stubborn
+
+
 def stop_processes(infos: Sequence[ProcessInfo], timeout_s: float) -> None:
     """Stop the process groups led by `infos`: SIGTERM to all, SIGKILL to any left after `timeout_s`.
 
@@ -333,26 +456,12 @@ def stop_processes(infos: Sequence[ProcessInfo], timeout_s: float) -> None:
     in the OS page cache and survives. A process that is already gone, or whose pid now belongs to
     another process, is left alone.
     """
-    alive = [info for info in infos if is_running(info)]
-    for info in alive:
-        _signal_group(info.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    stubborn = [info for info in alive if not _wait_gone(info, deadline - time.monotonic())]
-    for info in stubborn:
-        _signal_group(info.pid, signal.SIGKILL)
-    for info in stubborn:
+    alive = {info.pid: info for info in infos if is_running(info)}
+    stubborn = stop_groups(list(alive), timeout_s, alive=lambda pid: not _gone(alive[pid]))
+    for pid in stubborn:
+        info = alive[pid]
         if not _wait_gone(info, KILL_WAIT_S):
             raise StackError(f"{info.name} (pid {info.pid}) survived SIGKILL for {KILL_WAIT_S} s")
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-    except OSError as exc:
-        if exc.errno != errno.ESRCH:
-            raise
 
 
 def _group_alive(pgid: int) -> bool:
@@ -375,12 +484,19 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _gone(info: ProcessInfo) -> bool:
+    """True once the leader and the rest of its group are gone.
+
+    A child of ours counts until reaped: a Go server's leader thread shows as a zombie while its
+    other threads are still exiting, and only then can it be reaped.
+    """
+    return not (is_running(info) or info.pid in _CHILDREN or _group_alive(info.pid))
+
+
 def _wait_gone(info: ProcessInfo, timeout_s: float) -> bool:
     """Poll until the leader and the rest of its group are gone; False if `timeout_s` passes first."""
     deadline = time.monotonic() + timeout_s
-    # A child of ours counts until reaped: a Go server's leader thread shows as a zombie while its
-    # other threads are still exiting, and only then can it be reaped.
-    while is_running(info) or info.pid in _CHILDREN or _group_alive(info.pid):
+    while not _gone(info):
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_INTERVAL_S)

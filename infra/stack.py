@@ -39,7 +39,6 @@ import fcntl
 import json
 import os
 import secrets
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -55,6 +54,7 @@ from infra.process import (
     ProcessInfo,
     StackError,
     describe_failure,
+    free_ports,
     is_running,
     spawn,
     stop_processes,
@@ -115,14 +115,8 @@ class StackPorts:
 
     @classmethod
     def free(cls) -> StackPorts:
-        """Ports the OS reports free on 127.0.0.1, all distinct (the sockets are held until all are picked)."""
-        with contextlib.ExitStack() as stack:
-            ports = []
-            for _ in range(1 + len(seaweed.PORT_NAMES)):
-                sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                sock.bind(("127.0.0.1", 0))
-                ports.append(sock.getsockname()[1])
-        return cls(ports[0], *ports[1:])
+        """Ports the OS reports free on 127.0.0.1, all distinct (`infra.process.free_ports`)."""
+        return cls(*free_ports(1 + len(seaweed.PORT_NAMES)))
 
     def seaweed(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in seaweed.PORT_NAMES}

@@ -32,19 +32,15 @@ from rich.console import Console
 from actors.launcher.live_view import LiveView, sparkline
 from actors.launcher.report import summarize, write_report
 from actors.launcher.run import (
-    RUN_MARKER,
     GeneratorProcessStatus,
     RoleProcess,
-    RunDirInUse,
-    RunDirRefused,
     RunStatus,
-    prepare_run_dir,
-    protected_reason,
     read_metrics,
     spawn_role,
     split_threads,
     stop_roles,
 )
+from actors.launcher.run_dir import RUN_MARKER, RunDirInUse, RunDirRefused, prepare_run_dir, protected_reason
 from infra.process import is_running, start_ticks, stop_processes
 from infra.stack import StackState, load_state, start_stack
 from pipeline.config import LeewayConfig, load_config

@@ -26,8 +26,9 @@ from actors.endpoints import open_run_store, resolve_endpoints
 from actors.models import build_model, build_policy_model, load_tokenizer
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend, build_backend
 from actors.trainer.checkpoints import RecentIds, TrainerState, complete_checkpoints
-from actors.trainer.loop import Trainer, open_trainer
+from actors.trainer.loop import Trainer
 from actors.trainer.objective import CorrectedObjective
+from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, build_weight_publisher
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config

@@ -11,7 +11,7 @@ import numpy as np
 from test_trainer import _cfg, _group, _publish, _records, _run_trainer, _sample
 
 from actors.endpoints import resolve_endpoints
-from actors.trainer.loop import open_trainer
+from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession
 from actors.trainer.slots import DeadLetterEntry, slots_to_return
 from infra.stack import StackState

@@ -29,8 +29,9 @@ from test_trainer import _group, _publish, _records, _spawn
 
 from actors.endpoints import open_run_store
 from actors.trainer.checkpoints import TrainerState, complete_checkpoints
-from actors.trainer.distributed import RankEnv, free_port, launch_ranks, rank_environ
+from actors.trainer.distributed import RankEnv, launch_ranks, rank_environ
 from actors.trainer.rank_group import decode_batch, encode_batch, owned_tensors
+from infra.process import free_port
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import TrainSequence

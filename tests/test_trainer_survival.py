@@ -18,7 +18,8 @@ from actors.models import build_policy_model, load_tokenizer
 from actors.trainer.backends import build_backend
 from actors.trainer.checkpoints import complete_checkpoints, load_latest_checkpoint
 from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, parse_report
-from actors.trainer.loop import QueueWaitTimeout, Trainer, open_trainer
+from actors.trainer.loop import QueueWaitTimeout, Trainer
+from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession, RunLink, build_weight_publisher
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
@@ -274,7 +275,7 @@ def test_resume_says_how_many_groups_retention_removed(
 
     asyncio.run(purge_below(5))  # c, d (seqs 3, 4) are gone before the resumed trainer reads them
     resumed = LeewayConfig.model_validate({**cfg.model_dump(), "trainer": {**cfg.trainer.model_dump(), "max_steps": 2}})
-    with caplog.at_level("WARNING", logger="leeway.trainer"):
+    with caplog.at_level("WARNING", logger="actors.trainer.sessions"):
         assert asyncio.run(run(resumed, resume=True)) == 0
     records = _records(cfg.run.run_dir / "metrics.jsonl")
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["e", "f"]]

@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.tools.bench.transport import LocalNats, free_port, local_nats
+from actors.tools.bench.transport import LocalNats, local_nats
+from infra.process import free_port
 from infra.stack import load_credentials
 from pipeline.config import StreamConfig
 from pipeline.wire.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch

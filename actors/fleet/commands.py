@@ -106,11 +106,9 @@ def _local_cluster_alive(state: FleetState | None) -> bool:
 
 def start_local_cluster(run_dir: Path) -> tuple[str, dict[str, Any]]:
     """`ray start --head --block` on 127.0.0.1 without a dashboard, free of this process (it outlives `up`)."""
-    from infra.process import log_tail, spawn
+    from infra.process import free_port, log_tail, spawn
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     ray_cli = Path(sys.executable).parent / "ray"
     argv = [
         str(ray_cli) if ray_cli.exists() else "ray",

@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,7 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from actors.fleet.placement import generator_index
-from infra.process import PARENT_PID_ENV, ProcessInfo, die_with_parent, is_running, start_ticks, stop_processes
+from infra.process import (
+    ProcessInfo,
+    free_port,
+    is_running,
+    spawn_child,
+    start_ticks,
+    stop_groups,
+    stop_processes,
+)
 
 STOP_TIMEOUT_S = 20.0
 """Grace of a role after SIGTERM before its process group is killed (as `leeway run` gives it)."""
@@ -81,12 +88,6 @@ class RoleSpec:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RoleSpec:
         return cls(**{**data, "sets": tuple(data.get("sets", ())), "env": dict(data.get("env", {}))})
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def last_metrics_record(path: Path) -> dict[str, Any] | None:
@@ -147,7 +148,7 @@ class RoleActor:
         if key == "MASTER_ADDR":
             return self.node_ip
         if key == "MASTER_PORT":
-            return str(free_port())
+            return str(free_port(host=""))  # free on every interface: the other ranks dial the node's address
         return value
 
     @property
@@ -191,22 +192,18 @@ class RoleActor:
     def _start(self, config_path: Path) -> subprocess.Popen[bytes]:
         log_path = self.run_dir / "logs" / f"{self.role.name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, PARENT_PID_ENV: str(os.getpid())}
         with open(log_path, "ab") as log:
             log.write(
                 f"--- leeway fleet: {self.role.name} on node {self.node_id[:12]} (restarted: {self.restarted})\n".encode()
             )
-            log.flush()
-            return subprocess.Popen(
-                self._argv(config_path),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.run_dir,
-                start_new_session=True,
-                preexec_fn=die_with_parent(signal.SIGTERM),
-            )
+        return spawn_child(
+            self._argv(config_path),
+            log_path=log_path,
+            env={**os.environ, **self.env},
+            cwd=self.run_dir,
+            death_signal=signal.SIGTERM,
+            watchdog=True,
+        )
 
     def _keep(self) -> None:
         """Spawn the role and wait for it; this thread must outlive the role (parent-death signal)."""
@@ -274,17 +271,11 @@ class RoleActor:
         popen = self.popen
         if popen is not None and self.returncode is None:
             self.state = "stopping"
-            _signal_group(popen.pid, signal.SIGTERM)
-            self._keeper.join(timeout=timeout_s)
-            _signal_group(popen.pid, signal.SIGKILL)  # whatever the role started, even after a clean exit
+            # the keeper reaps the role; sweep: whatever the role started is killed, even after a clean exit
+            stop_groups([popen.pid], timeout_s, alive=lambda _pid: self._keeper.is_alive(), sweep=True)
             self._keeper.join()
         self.state = "stopped" if self.state in ("running", "stopping", "starting") else self.state
         return self.status()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def role_actor_class() -> Any:

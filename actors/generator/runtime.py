@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -215,7 +214,7 @@ async def _stop_when(stop: asyncio.Event, generator: Generator) -> None:
     generator.request_stop()
 
 
-def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
+def main(cfg: LeewayConfig) -> int:
     """`leeway generator CONFIG`: one generator until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.engine.torch_threads)

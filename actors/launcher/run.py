@@ -5,12 +5,14 @@
       │                  at nats.stack_dir or the config names servers)
       ├──spawns──► leeway trainer   ──metrics.jsonl──┐
       ├──spawns──► leeway generator × N              │
-      ├──polls───► NATS: prompts and groups waiting  │   (QueueProbe, once a second)
+      ├──polls───► NATS: prompts and groups waiting  │   (queue_probe.py, once a second)
       └──reads ◄─────────────────────────────────────┘  live view; report at the end
 ```
 
 The roles talk only through NATS and S3, exactly as when launched by hand; this module only starts
 them, splits the cores between them, shows the trainer's metrics, and stops everything it started.
+The run directory's safety rules are in `actors/launcher/run_dir.py`, the queue depths in
+`actors/launcher/queue_probe.py`; every child is started and stopped by `infra/process.py`.
 
 Invariants:
 - Every role runs in its own process group (a new session), so a terminal Ctrl-C reaches only this
@@ -23,9 +25,10 @@ Invariants:
   private stack get SIGKILL (`infra.process.tied_to_this_process`). Roles and the private stack are
   spawned from the main thread, which lives until everything is stopped.
 - A stack started here is stopped here; a stack found running is left running.
-- `run.dir` gets a marker file (`RUN_MARKER`) when this module creates it; `--fresh` deletes only a
+- `run.dir` gets a marker file (`RUN_MARKER`) when `leeway run` creates it; `--fresh` deletes only a
   directory holding it, never the working directory, home or `/` (or a parent of them), and stops
-  the private stack recorded in it first.
+  the private stack recorded in it first (`actors/launcher/run_dir.py`).
+- The caller's config is never changed: a private stack is recorded in a copy, which every role gets.
 - The run ends when the trainer exits, when all of this run's generators have exited while no other
   generator reports (nothing could make progress), or on Ctrl-C / SIGTERM / SIGHUP (`interrupted`).
 """
@@ -33,11 +36,9 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -48,26 +49,19 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from actors.endpoints import connect_nats, private_stack_dir, stack_bucket
+from actors.endpoints import private_stack_dir, stack_bucket
 from actors.launcher.live_view import LiveView
+from actors.launcher.queue_probe import QueueProbe
 from actors.launcher.report import write_report
-from infra.process import PARENT_PID_ENV, StackError, die_with_parent, tied_to_this_process
+from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
+from infra.process import StackError, log_tail, spawn_child, stop_groups, tied_to_this_process
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
-from pipeline.wire.names import RunNames
 
 STOP_TIMEOUT_S = 20.0
 """How long a role gets to finish after SIGTERM before its process group is killed."""
-STACK_STOP_TIMEOUT_S = 3.0
-"""SIGTERM grace of a private stack: SeaweedFS can ignore SIGTERM for ~20 s; a SIGKILL loses nothing written."""
 POLL_S = 0.5
 """Refresh interval of the live view."""
-QUEUE_POLL_S = 1.0
-"""How often the queue depths are read from NATS."""
-LOG_TAIL_LINES = 15
-"""Lines of a failed role's log printed at the end."""
-RUN_MARKER = ".leeway-run"
-"""Written into every run directory `leeway run` creates; `--fresh` deletes only a directory holding it."""
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -80,16 +74,10 @@ def _say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-class RunDirInUse(RuntimeError):
-    """run.dir holds an earlier run; `--fresh` deletes it."""
-
-
-class RunDirRefused(RunDirInUse):
-    """`--fresh` will not delete run.dir: it is not a run directory Leeway created, or it is a protected one."""
-
-
 @dataclass
 class RoleProcess:
+    """One role process `leeway run` started, with the log its output goes to."""
+
     name: str
     """`trainer` or the generator id (`gen-0`, ...)."""
     popen: subprocess.Popen[bytes]
@@ -127,8 +115,8 @@ class RunStatus:
 
 
 @dataclass
-class Fleet:
-    """The processes `leeway run` started, so that it stops exactly those."""
+class RunProcesses:
+    """The role processes `leeway run` started, so that it stops exactly those (a Ray fleet is `actors/fleet/`)."""
 
     trainer: RoleProcess | None = None
     generators: list[RoleProcess] = field(default_factory=list)
@@ -153,42 +141,17 @@ class Fleet:
         )
 
 
-def _signal_group(popen: subprocess.Popen[bytes], sig: int) -> None:
-    """Signal the role's whole process group (it leads its own session); gone already is fine."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, sig)
-
-
-def _running(popen: subprocess.Popen[bytes]) -> bool:
-    """True while the process has not exited; unlike `poll()` this does not reap it, so its pid (and
-    process-group id) cannot be reused before the final group SIGKILL."""
-    if popen.returncode is not None:
-        return False
-    try:
-        info = os.waitid(os.P_PID, popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return False
-    return info is None
-
-
 def stop_roles(roles: list[RoleProcess], timeout_s: float, hurry: threading.Event | None = None) -> None:
     """SIGTERM every live role, wait up to `timeout_s` (less if `hurry` is set), then SIGKILL the groups.
 
     Each group whose leader was not reaped yet gets a SIGKILL regardless, so that nothing a role
-    spawned outlives it.
+    spawned outlives it; its leader is reaped only after that, so its process-group id is not reused
+    before (`infra.process.stop_groups`).
     """
-    unreaped = [r for r in roles if r.popen.returncode is None]
-    for role in unreaped:
-        if _running(role.popen):
-            _signal_group(role.popen, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while any(_running(r.popen) for r in unreaped) and time.monotonic() < deadline:
-        if hurry is not None and hurry.is_set():
-            break
-        time.sleep(0.05)
-    for role in unreaped:
-        _signal_group(role.popen, signal.SIGKILL)
-        role.popen.wait()
+    unreaped = [r.popen for r in roles if r.popen.returncode is None]
+    stop_groups([popen.pid for popen in unreaped], timeout_s, hurry=hurry, sweep=True)
+    for popen in unreaped:
+        popen.wait()
 
 
 def split_threads(num_generators: int, cores: int | None = None) -> tuple[int, int]:
@@ -207,109 +170,45 @@ def spawn_role(
     The role dies with this process: SIGTERM from the kernel (Linux), and its own watchdog on our pid.
     Call it from a thread that outlives the role (the parent-death signal fires when that thread exits).
     """
-    env = dict(
-        os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **{PARENT_PID_ENV: str(os.getpid())}
-    )
     argv = [sys.executable, "-m", "actors.cli", role, str(config_path)]
     for item in overrides:
         argv += ["--set", item]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:  # the child keeps its own copy of the handle
-        popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGTERM),
-        )
+    popen = spawn_child(
+        argv,
+        log_path=log_path,
+        env=dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)),
+        death_signal=signal.SIGTERM,
+        watchdog=True,
+    )
     return RoleProcess(name or role, popen, log_path)
 
 
-def prepare_run_dir(cfg: LeewayConfig, fresh: bool) -> Path:
-    """The run directory, emptied first with `fresh`; an earlier run is never silently mixed in.
-
-    A directory created here (or found empty) gets `RUN_MARKER`. Raises `RunDirInUse` when it holds an
-    earlier run and `fresh` is false, `RunDirRefused` when `fresh` may not delete it.
-    """
-    run_dir = cfg.run.run_dir
-    if fresh and (run_dir.exists() or run_dir.is_symlink()):
-        delete_run_dir(run_dir)
-    elif (run_dir / "metrics.jsonl").exists():
-        raise RunDirInUse(
-            f"{run_dir} holds an earlier run (metrics.jsonl); pass --fresh to delete it, or choose "
-            f"another directory with --set run.dir=... (and a new run.name if the servers are shared)"
-        )
-    new = not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir()))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if new:
-        (run_dir / RUN_MARKER).write_text("created by `leeway run`; `leeway run --fresh` may delete this directory\n")
-    return run_dir
-
-
-def protected_reason(path: Path) -> str | None:
-    """Why `path` must never be deleted whole (the working directory, home, `/`, or a parent of them), or None."""
-    resolved = path.resolve()
-    if resolved == Path(resolved.anchor):
-        return "the filesystem root"
-    for what, guarded in (("the working directory", Path.cwd()), ("the home directory", Path.home())):
-        guarded = guarded.resolve()
-        if resolved == guarded:
-            return f"{what} ({guarded})"
-        if resolved in guarded.parents:
-            return f"a parent of {what} ({guarded})"
-    return None
-
-
-def delete_run_dir(run_dir: Path) -> None:
-    """`--fresh`: stop the private stack recorded in `run_dir`, then delete the directory.
-
-    Only a real directory holding `RUN_MARKER` is deleted, and never a protected one (`protected_reason`);
-    an empty directory without the marker is kept (there is nothing to delete). Raises `RunDirRefused`.
-    """
-    reason = protected_reason(run_dir)
-    if reason is not None:
-        raise RunDirRefused(
-            f"--fresh refuses to delete {run_dir}: it is {reason}; set run.dir to a directory of its own"
-        )
-    if run_dir.is_symlink() or not run_dir.is_dir():
-        raise RunDirRefused(f"--fresh refuses to delete {run_dir}: not a directory (a link or a file)")
-    if not (run_dir / RUN_MARKER).is_file():
-        if not any(run_dir.iterdir()):
-            return
-        raise RunDirRefused(
-            f"--fresh deletes only a run directory `leeway run` created (it holds {RUN_MARKER}); {run_dir} "
-            f"has none: delete it yourself, or choose another directory with --set run.dir=..."
-        )
-    stop_stack(run_dir / "stack", timeout_s=STACK_STOP_TIMEOUT_S)  # e.g. left running by a killed run
-    shutil.rmtree(run_dir)
-
-
 def generator_ids(num_generators: int) -> list[str]:
+    """The ids `leeway run` gives its own generators; a report under another id comes from a generator
+    started elsewhere, which keeps the run going when ours have exited."""
     return [f"gen-{index}" for index in range(num_generators)]
 
 
-def start_fleet(
-    cfg: LeewayConfig, run_dir: Path, num_generators: int, extra: list[str], fleet: Fleet | None = None
-) -> Fleet:
+def start_roles(
+    cfg: LeewayConfig, run_dir: Path, num_generators: int, extra: list[str], processes: RunProcesses | None = None
+) -> RunProcesses:
     """Write the resolved config to `<run_dir>/config.yaml`; spawn the trainer, then the generators.
 
-    Each process is recorded in `fleet` as soon as it exists, so an interrupted start is stopped too.
+    Each process is recorded in `processes` as soon as it exists, so an interrupted start is stopped too.
     """
     config_path = run_dir / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     trainer_threads, generator_threads = split_threads(num_generators)
-    fleet = fleet if fleet is not None else Fleet()
+    processes = processes if processes is not None else RunProcesses()
     logs = run_dir / "logs"
     trainer_sets = [*extra, f"trainer.torch_threads={trainer_threads}"]
-    fleet.trainer = spawn_role("trainer", config_path, trainer_sets, logs / "trainer.log", trainer_threads)
+    processes.trainer = spawn_role("trainer", config_path, trainer_sets, logs / "trainer.log", trainer_threads)
     for gen_id in generator_ids(num_generators):
         sets = [*extra, f"engine.torch_threads={generator_threads}", f"generator.id={gen_id}"]
-        fleet.generators.append(
+        processes.generators.append(
             spawn_role("generator", config_path, sets, logs / f"{gen_id}.log", generator_threads, name=gen_id)
         )
-    return fleet
+    return processes
 
 
 def read_metrics(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
@@ -324,76 +223,13 @@ def read_metrics(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     return records, offset + end
 
 
-# ------------------------------------------------------------------------------------------ queues
-
-
-class QueueProbe:
-    """Reads the queue depths from NATS once a second in a daemon thread (its own event loop).
-
-    - `prompts_waiting`: admitted prompts no generator has taken yet (generators' consumer num_pending);
-    - `prompts_in_generation`: taken, not yet done (num_ack_pending);
-    - `groups_waiting`: published groups the trainer has not fetched (trainer consumer num_pending);
-    - `groups_in_step`: fetched into the trainer's current step, not yet acked.
-    A stream or consumer that does not exist yet reads as None. Never raises into the caller.
-    """
-
-    def __init__(self, cfg: LeewayConfig) -> None:
-
-        self.cfg = cfg
-        self.names = RunNames.for_run(cfg.run.name)
-        self._values: dict[str, int | None] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="leeway-queue-probe", daemon=True)
-
-    def start(self) -> QueueProbe:
-        self._thread.start()
-        return self
-
-    def values(self) -> dict[str, int | None]:
-        with self._lock:
-            return dict(self._values)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=3.0)
-
-    def _main(self) -> None:
-        with contextlib.suppress(Exception):  # a probe is a nicety: the run goes on without it
-            asyncio.run(self._loop())
-
-    async def _loop(self) -> None:
-
-        nc = await connect_nats(self.cfg, name="leeway-run-probe")
-        try:
-            js = nc.jetstream()
-            while not self._stop.is_set():
-                values = {
-                    **await self._consumer(js, self.names.prompt_stream, self.names.generator_consumer, "prompts"),
-                    **await self._consumer(js, self.names.trajectory_stream, self.names.trainer_consumer, "groups"),
-                }
-                with self._lock:
-                    self._values = values
-                await asyncio.to_thread(self._stop.wait, QUEUE_POLL_S)
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), 2.0)
-
-    @staticmethod
-    async def _consumer(js: Any, stream: str, consumer: str, what: str) -> dict[str, int | None]:
-        waiting, held = f"{what}_waiting", f"{what}_in_generation" if what == "prompts" else f"{what}_in_step"
-        try:
-            info = await asyncio.wait_for(js.consumer_info(stream, consumer), 2.0)
-        except Exception:  # not created yet, or the server is away for a moment
-            return {waiting: None, held: None}
-        return {waiting: int(info.num_pending), held: int(info.num_ack_pending)}
-
-
 # ------------------------------------------------------------------------------------------- run
 
 
 @dataclass
 class RunOutcome:
+    """How a `run_pipeline` ended: what `main` reports, the e2e bench measures, and tests check."""
+
     run_dir: Path
     records: list[dict[str, Any]]
     trainer_rc: int | None
@@ -422,8 +258,8 @@ class _Signals:
     Installed only in the main thread (signal handlers can be set nowhere else).
     """
 
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(self, processes: RunProcesses) -> None:
+        self.processes = processes
         self.stopping = False
         self.previous: dict[int, Any] = {}
 
@@ -440,23 +276,26 @@ class _Signals:
         if not self.stopping:
             self.stopping = True
             raise _Interrupt
-        fleet = self.fleet
-        if not fleet.hurry.is_set():
+        processes = self.processes
+        if not processes.hurry.is_set():
             _say("leeway run: killing the remaining processes now")
-        fleet.hurry.set()
+        processes.hurry.set()
 
 
 def _external_generators_reporting(records: list[dict[str, Any]], ours: set[str]) -> bool:
+    """True if a generator this run did not start reports to the trainer (the run can go on without ours)."""
     reports = records[-1].get("generators", {}) if records else {}
     return any(gen_id not in ours for gen_id in (reports or {}))
 
 
-def _show(view: Any, records: list[dict[str, Any]], fleet: Fleet, probe: QueueProbe | None, **flags: bool) -> None:
+def _show(
+    view: Any, records: list[dict[str, Any]], processes: RunProcesses, probe: QueueProbe | None, **flags: bool
+) -> None:
     """A view update during the clean-up: it must never stop the clean-up (e.g. the terminal is gone)."""
     if view is None:
         return
     with contextlib.suppress(Exception):
-        view.update(records, fleet.status(probe.values() if probe is not None else {}, **flags))
+        view.update(records, processes.status(probe.values() if probe is not None else {}, **flags))
 
 
 def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fresh: bool = False) -> RunOutcome:
@@ -464,11 +303,11 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
 
     `view`: anything with `update(records, status: RunStatus)`. Everything started here is stopped here,
     also on Ctrl-C or SIGTERM (which set `interrupted`). `records` holds every metrics record written.
-    Raises `RunDirInUse` when run.dir holds an earlier run and `fresh` is false.
+    `cfg` is left as it is: a private stack started here goes into a copy, which the roles and the queue
+    probe run with. Raises `RunDirInUse` when run.dir holds an earlier run and `fresh` is false.
     """
-
     run_dir = prepare_run_dir(cfg, fresh)
-    fleet = Fleet()
+    processes = RunProcesses()
     records: list[dict[str, Any]] = []
     offset = 0
     metrics_path = run_dir / "metrics.jsonl"
@@ -477,27 +316,27 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
     stack_started: Path | None = None
     probe: QueueProbe | None = None
     ours = set(generator_ids(num_generators))
-    with _Signals(fleet) as signals:
+    with _Signals(processes) as signals:
         try:
             stack_started = private_stack_dir(cfg, run_dir)
             if stack_started is not None:  # set first: an interrupted start is stopped too
                 with tied_to_this_process():  # the servers die with this process, even on SIGKILL
                     start_stack(stack_started, bucket=stack_bucket(cfg))
-                cfg.nats.stack_dir = str(stack_started)
-            start_fleet(cfg, run_dir, num_generators, [], fleet)
+                cfg = _with_stack_dir(cfg, stack_started)
+            start_roles(cfg, run_dir, num_generators, [], processes)
             probe = QueueProbe(cfg).start()
-            assert fleet.trainer is not None
+            assert processes.trainer is not None
             while True:
-                done = not fleet.trainer.alive
+                done = not processes.trainer.alive
                 new, offset = read_metrics(metrics_path, offset)
                 records.extend(new)
                 if view is not None:
-                    view.update(records, fleet.status(probe.values()))
+                    view.update(records, processes.status(probe.values()))
                 if done:
                     break
-                if fleet.generators and not any(g.alive for g in fleet.generators):
+                if processes.generators and not any(g.alive for g in processes.generators):
                     if not _external_generators_reporting(records, ours):
-                        codes = ", ".join(f"{g.name}: {g.returncode}" for g in fleet.generators)
+                        codes = ", ".join(f"{g.name}: {g.returncode}" for g in processes.generators)
                         error = f"every generator process exited ({codes}); nothing can produce trajectories"
                         break
                 time.sleep(POLL_S)
@@ -507,18 +346,18 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
             signals.stopping = True
             if interrupted:
                 _say("\nleeway run: stopping generators, then the trainer ...")
-            _show(view, records, fleet, probe, stopping=True)
+            _show(view, records, processes, probe, stopping=True)
             if probe is not None:
                 probe.close()
             try:
-                fleet.stop()
+                processes.stop()
                 new, offset = read_metrics(metrics_path, offset)
                 records.extend(new)
-                _show(view, records, fleet, None, stopped=True)
+                _show(view, records, processes, None, stopped=True)
             finally:
                 if stack_started is not None:
-                    stop_stack(stack_started, timeout_s=0.0 if fleet.hurry.is_set() else STACK_STOP_TIMEOUT_S)
-    trainer = fleet.trainer
+                    stop_stack(stack_started, timeout_s=0.0 if processes.hurry.is_set() else STACK_STOP_TIMEOUT_S)
+    trainer = processes.trainer
     return RunOutcome(
         run_dir,
         records,
@@ -526,20 +365,19 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
         interrupted,
         trainer.log_path if trainer else None,
         error=error,
-        generator_rcs={g.name: g.returncode for g in fleet.generators},
+        generator_rcs={g.name: g.returncode for g in processes.generators},
         stack_dir=stack_started,
     )
 
 
-def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
-    if path is None or not path.exists():
-        return ""
-    text = path.read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
+def _with_stack_dir(cfg: LeewayConfig, stack_dir: Path) -> LeewayConfig:
+    """A copy of `cfg` whose processes find their servers in `stack_dir`; the caller's `cfg` stays as it was."""
+    return cfg.model_copy(update={"nats": cfg.nats.model_copy(update={"stack_dir": str(stack_dir)})})
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
-
+    """`leeway run CONFIG [--generators N] [--no-live] [--fresh]`: the run, its report, and an exit status
+    (0 done, 1 a role or the servers failed, 2 bad arguments or run.dir in use, 130 interrupted)."""
     num_generators = args.generators or 1
     if num_generators < 1:
         print("leeway run: --generators must be at least 1", file=sys.stderr)

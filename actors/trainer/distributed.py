@@ -11,11 +11,14 @@ trainer CONFIG ...`` without ``--nproc``) with those variables set (``MASTER_ADD
 port) and watches them:
 
 - the first rank to exit non-zero or by a signal stops the others (SIGTERM, SIGKILL after a grace
-  period), and the launcher exits non-zero naming that rank; no rank is left waiting in a collective
-  (they also give up after ``trainer.dist_timeout_s``);
+  period, to each rank's process group: `infra.process.stop_groups`), and the launcher exits non-zero
+  naming that rank; no rank is left waiting in a collective (they also give up after
+  ``trainer.dist_timeout_s``);
 - SIGINT/SIGTERM to the launcher go to rank 0 only, which finishes or abandons its step, writes the
   final checkpoint with the other ranks and then tells them to stop (`actors/trainer/rank_group.py`);
-- ranks die with the launcher (parent-death signal; rank 0 gets SIGTERM so it can checkpoint).
+- ranks die with the launcher (parent-death signal; rank 0 gets SIGTERM so it can checkpoint) and
+  watch its pid too (`LEEWAY_PARENT_PID`); each is started by `infra.process.spawn_child`, like every
+  child Leeway starts.
 
 Any backend that joins the group from this environment can be launched this way; what rank 0 and
 the others do after that is in `actors/trainer/rank_group.py`.
@@ -27,10 +30,8 @@ import datetime
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -38,11 +39,10 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from infra.process import PARENT_PID_ENV, die_with_parent
+from infra.process import LOOPBACK, free_port, spawn_child, stop_groups
 
-log = logging.getLogger("leeway.trainer")
+log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
 STOP_GRACE_S = 30.0
 """How long the launcher lets the remaining ranks stop after SIGTERM before it kills them."""
 
@@ -117,14 +117,9 @@ def leave_rank_group() -> None:
         dist.destroy_process_group()
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def rank_environ(base: Mapping[str, str], rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The environment of rank `rank` started by `launch_ranks` on this machine."""
+    """The environment of rank `rank` started by `launch_ranks` on this machine (`spawn_child` adds the
+    launcher's pid, `LEEWAY_PARENT_PID`)."""
     return {
         **base,
         "RANK": str(rank),
@@ -133,7 +128,6 @@ def rank_environ(base: Mapping[str, str], rank: int, world_size: int, port: int)
         "LOCAL_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": LOOPBACK,
         "MASTER_PORT": str(port),
-        PARENT_PID_ENV: str(os.getpid()),
     }
 
 
@@ -141,18 +135,19 @@ def launch_ranks(argv: Sequence[str], nproc: int) -> int:
     """Start `argv` as `nproc` ranks, wait for them; 0 only if every rank exited 0 (see the module docstring).
 
     Each rank is its own session, so a terminal's Ctrl-C reaches the launcher alone, which hands it
-    to rank 0. Waiting is `os.wait` (woken by each child's exit), never a poll.
+    to rank 0. Waiting is `os.wait` (woken by each child's exit), never a poll; only stopping the
+    other ranks after a failure polls, for at most `STOP_GRACE_S`.
     """
     if nproc < 1:
         raise ValueError(f"--nproc {nproc} must be >= 1")
     port = free_port()
     procs: dict[int, subprocess.Popen[bytes]] = {}
     for rank in range(nproc):
-        procs[rank] = subprocess.Popen(
-            list(argv),
+        procs[rank] = spawn_child(
+            argv,
             env=rank_environ(os.environ, rank, nproc, port),
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGTERM if rank == 0 else signal.SIGKILL),
+            death_signal=signal.SIGTERM if rank == 0 else signal.SIGKILL,
+            watchdog=True,
         )
     log.info(
         "started %d trainer ranks (pids %s), rendezvous %s:%d", nproc, [p.pid for p in procs.values()], LOOPBACK, port
@@ -180,7 +175,8 @@ def launch_ranks(argv: Sequence[str], nproc: int) -> int:
                 failure = f"trainer rank {rank} of {nproc} (pid {pid}) {how}; stopping the other ranks"
                 log.error("%s", failure)
                 print(f"leeway trainer: {failure}", file=sys.stderr, flush=True)
-                _stop(procs, remaining)
+                # not reaped meanwhile (this thread is the one that waits), so each pid is still that rank
+                stop_groups([procs[other].pid for other in sorted(remaining)], STOP_GRACE_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -194,21 +190,3 @@ def _wait_any() -> tuple[int, int]:
             return os.wait()
         except InterruptedError:
             continue
-
-
-def _stop(procs: Mapping[int, subprocess.Popen[bytes]], remaining: set[int]) -> None:
-    """SIGTERM the ranks still running, SIGKILL those left after `STOP_GRACE_S` (`remaining` shrinks as
-    the caller's `os.wait` reaps them, so a reaped pid is never signalled)."""
-    for rank in sorted(remaining):
-        os.kill(procs[rank].pid, signal.SIGTERM)
-
-    def kill_late() -> None:
-        for rank in sorted(remaining):
-            try:
-                os.kill(procs[rank].pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    timer = threading.Timer(STOP_GRACE_S, kill_late)
-    timer.daemon = True
-    timer.start()

@@ -20,7 +20,7 @@ import orjson
 
 from pipeline.wire.announce import GENERATOR_REPORT_INTERVAL_S
 
-log = logging.getLogger("leeway.trainer")
+log = logging.getLogger(__name__)
 
 REPORT_MAX_BYTES = 16 * 1024
 """A generator's report is under 1 KiB; anything much larger is not one."""

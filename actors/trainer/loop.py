@@ -21,7 +21,9 @@ The session (`actors/trainer/sessions.py`) is a `LiveSession` for `leeway traine
 rule behind admission and the cap is written once, in `pipeline/rl/staleness.py`. With several
 trainer ranks (`leeway trainer --nproc N`, or RANK/WORLD_SIZE in the environment) this loop runs on
 rank 0 only; its backend is a `LeaderBackend` and the session publishes, checkpoints and resumes
-through the `RankGroup`, whose commands the other ranks follow (`actors/trainer/rank_group.py`).
+through the `RankGroup`, whose commands the other ranks follow (`actors/trainer/rank_group.py`). The
+process around the loop (`leeway trainer`: logging, signals, ranks, `open_trainer`, which assembles a
+`Trainer` from its parts) is `actors/trainer/runtime.py`.
 
 The loop waits on one thing only: trajectory groups (`collect_batch`), which generators produce
 from admitted prompts; while it waits it re-checks admission, so a dropped group's slot is refilled
@@ -43,7 +45,7 @@ Invariants and failure behaviour:
   re-reads it in the catch-up (the stream keeps acked messages) and decides it again, once. It was
   never trained, so nothing is trained twice; within a session the open batch dedupes it by id.
 - An exception the loop cannot handle is logged and a final checkpoint is written before the
-  trainer exits non-zero (`main` returns 1), unless the exception came from inside the optimizer
+  trainer exits non-zero (`main` of `actors/trainer/runtime.py` returns 1), unless the exception came from inside the optimizer
   step: then the weights are in an unknown state and the previous checkpoint stands. If the step
   had been taken (the failure came while publishing), its groups are recorded as handled in that
   checkpoint, since its weights hold their training; unacked, they come back and are deduped.
@@ -70,24 +72,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-import torch
 
-from actors.endpoints import open_run_store, resolve_endpoints
-from actors.models import build_policy_model, load_tokenizer
-from actors.trainer.backends import StepResult, TrainBatch, TrainingBackend, build_backend
-from actors.trainer.backends.data_parallel import is_data_parallel
+from actors.trainer.backends import StepResult, TrainBatch, TrainingBackend
 from actors.trainer.checkpoints import RecentIds, TrainerState
-from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
 from actors.trainer.metrics_log import MetricsLog
 from actors.trainer.objective import CorrectedObjective
-from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
-from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, Session, build_weight_publisher
+from actors.trainer.sessions import Session
 from actors.trainer.slots import slots_to_return
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import (
@@ -106,10 +101,9 @@ from pipeline.rl.step_metrics import (
     staleness_metrics,
     timing_split,
 )
-from pipeline.tasks import get_task
-from pipeline.wire.transport import Delivery, ReplaySelection
+from pipeline.wire.transport import Delivery
 
-log = logging.getLogger("leeway.trainer")
+log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 0.25
 """One wait for groups; admission and the stop flag are re-checked between waits."""
@@ -160,7 +154,7 @@ class Trainer:
         self.backend = backend
         self.session = session
         self.stop = stop if stop is not None else asyncio.Event()
-        """Set by SIGINT/SIGTERM (see `main`): the loop finishes or abandons the step, then checkpoints."""
+        """Set by SIGINT/SIGTERM (`actors/trainer/runtime.py`): the loop finishes or abandons the step, then checkpoints."""
         self.state = TrainerState()
         """The loop's progress; `run` replaces it by the session's (a resumed run's comes from its checkpoint)."""
         self.handled = RecentIds()
@@ -456,101 +450,9 @@ class Trainer:
             self.backend.close()  # several ranks: the others stop now (after the final checkpoint)
 
 
-async def open_trainer(
-    cfg: LeewayConfig,
-    *,
-    resume: bool = False,
-    replay: ReplaySelection | None = None,
-    stop: asyncio.Event | None = None,
-) -> Trainer:
-    """Build the model and backend, connect, and open a live session (or a replay one); nothing is read yet."""
-    task = get_task(cfg.task.name, **cfg.task.args)
-    model = build_policy_model(cfg, load_tokenizer(cfg, task))
-    backend = build_backend(cfg, model)
-    link = await RunLink.open(cfg)
-    group: RankGroup | None = None
-    try:
-        session: Session
-        if replay is not None:
-            if is_data_parallel():
-                group = RankGroup(cfg, backend, link.store, None)
-                backend = LeaderBackend(group)
-            session = await ReplaySession.open(cfg, link, replay)
-        else:
-            publisher = build_weight_publisher(cfg, link.store, model)
-            try:
-                if is_data_parallel():  # rank 0 of several: the others follow its commands
-                    group = RankGroup(cfg, backend, link.store, publisher)
-                    backend = LeaderBackend(group)
-                session = await LiveSession.open(cfg, link, backend, publisher, task, resume=resume, ranks=group)
-            except BaseException:
-                publisher.close()
-                raise
-    except BaseException:
-        await link.nc.close()
-        if group is not None:
-            group.stop()
-        raise
-    return Trainer(cfg, backend, session, stop=stop)
-
-
-def _follow(cfg: LeewayConfig) -> int:
-    """Ranks 1..N-1: the same model and backend as rank 0, a store and publisher for their shares, no NATS."""
-    task = get_task(cfg.task.name, **cfg.task.args)
-    model = build_policy_model(cfg, load_tokenizer(cfg, task))
-    backend = build_backend(cfg, model)
-    store = open_run_store(cfg, resolve_endpoints(cfg))
-    publisher = build_weight_publisher(cfg, store, model)
-    try:
-        return follow(RankGroup(cfg, backend, store, publisher))
-    finally:
-        publisher.close()
-
-
 def _with_proximal(seq: TrainSequence, proximal: np.ndarray) -> TrainSequence:
     return replace(seq, proximal_logprobs=proximal)
 
 
 def _num(value: float | None) -> float:
     return float("nan") if value is None else float(value)
-
-
-def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | None = None) -> int:
-    """`leeway trainer CONFIG [--resume] [--replay SELECTION]` (the CLI parses the flags), as one process or
-    as one rank of several (RANK/WORLD_SIZE/... in the environment, `actors/trainer/distributed.py`)."""
-    rank_env = RankEnv.from_environ()
-    where = f" rank{rank_env.rank}" if rank_env.distributed else ""
-    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s %(name)s{where} %(levelname)s %(message)s")
-    torch.set_num_threads(cfg.trainer.torch_threads)
-    torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
-    if rank_env.distributed:
-        timeout_s = cfg.trainer.dist_timeout_s + cfg.trainer.queue_wait_timeout_s  # rank 0 may wait for groups
-        join_rank_group(rank_env, cfg.trainer.device, timeout_s)
-    try:
-        if not rank_env.is_leader:
-            try:
-                return _follow(cfg)
-            except Exception:  # the process boundary: the launcher names this rank and stops the others
-                log.exception("trainer rank %d exiting with an error", rank_env.rank)
-                return 1
-        return _lead(cfg, resume=resume, replay=replay)
-    finally:
-        leave_rank_group()
-
-
-def _lead(cfg: LeewayConfig, *, resume: bool, replay: ReplaySelection | None) -> int:
-    """The trainer loop (of rank 0 when there are several ranks)."""
-
-    async def _run() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        trainer = await open_trainer(cfg, resume=resume, replay=replay, stop=stop)
-        return await trainer.run()
-
-    try:
-        return asyncio.run(_run())
-    except Exception:  # the process boundary: the traceback goes to the log, the exit status says it failed
-        log.exception("trainer exiting with an error (a final checkpoint was written where the state allowed)")
-        return 1

@@ -65,7 +65,7 @@ from storage.objectstore import ObjectStore
 from storage.publisher import StagedParts
 from storage.weights import TORCH_DTYPES, WeightPublisher, WeightStoreError
 
-log = logging.getLogger("leeway.trainer")
+log = logging.getLogger(__name__)
 
 STOP, TRAIN, LOGPROBS, PUBLISH, CHECKPOINT, LOAD = "stop", "train", "logprobs", "publish", "checkpoint", "load"
 

@@ -76,7 +76,7 @@ from storage.weights import TORCH_DTYPES, WeightPublisher, WeightStoreError, lis
 if TYPE_CHECKING:
     from actors.trainer.rank_group import RankGroup
 
-log = logging.getLogger("leeway.trainer")
+log = logging.getLogger(__name__)
 
 QUEUE_INFO_TIMEOUT_S = 2.0
 """Bound on the consumer-info request behind the `queue/trajectories` metric."""

@@ -34,7 +34,7 @@ from actors.trainer.prompt_feed import admitted_index
 from pipeline.wire.names import RunNames
 from pipeline.wire.transport import H_DLQ_MSG_ID, H_DLQ_REASON
 
-log = logging.getLogger("leeway.trainer")
+log = logging.getLogger(__name__)
 
 DEAD_LETTER_READS_PER_CALL = 256
 """Dead letters read per admission round at most (they are rare; a flood is read over several rounds)."""

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from actors.tools.bench.args import add_set_argument
+
 DEFAULT_TARGET = 0.8
 DEFAULT_MAX_STEPS = 250
 """Enough to pass the target (~200 steps) and see the final reward; past it most groups agree and are filtered."""
@@ -39,14 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="optimizer steps of each run (the sample budget)"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override applied to both runs (repeatable)",
-    )
+    add_set_argument(parser, help="config override applied to both runs (repeatable)")
     parser.add_argument("--dir", default=None, help="keep both runs' directories here (default: a temp dir)")
 
 

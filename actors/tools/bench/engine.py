@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from actors.tools.bench.args import positive_int
+from actors.tools.bench.args import add_set_argument, positive_int
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -109,14 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch CPU threads for both contenders (default: the config's engine.torch_threads)",
     )
     parser.add_argument("--seed", type=int, default=PROMPT_SEED, help="seed of the random prompts")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set engine.sampling.top_k=20 (repeatable)",
-    )
+    add_set_argument(parser, help="config override, e.g. --set engine.sampling.top_k=20 (repeatable)")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from actors.tools.bench.args import positive_int
+from actors.tools.bench.args import add_set_argument, positive_int
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -107,14 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=3, help="measured optimizer steps per contender")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (allocator, kernels)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch's lengths and tokens")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. trainer.packing=false (repeatable)",
-    )
+    add_set_argument(parser, help="config override, e.g. trainer.packing=false (repeatable)")
 
 
 def _progress(message: str) -> None:

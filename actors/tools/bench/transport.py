@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import socket
 import statistics
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from infra.process import free_port
 from pipeline.wire.codec import decode_group, encode_group
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
 
@@ -165,12 +165,6 @@ def _new_nats_token() -> str:
     from infra import nats_server
 
     return nats_server.new_token()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -1,0 +1,131 @@
+"""The trainer process: a `Trainer` (`actors/trainer/loop.py`) wired to the run's servers and its rank group.
+
+```
+  leeway trainer CONFIG ─► main (logging, torch threads and seed; joins the rank group when RANK/WORLD_SIZE are set)
+      ├─ rank 0 (or the only rank) ─► _lead: SIGINT/SIGTERM -> stop ─► open_trainer ─► Trainer.run
+      │     open_trainer: task, tokenizer, model, backend, RunLink (NATS + store), then a LiveSession (weight
+      │     publisher; several ranks: a RankGroup behind a LeaderBackend) or a ReplaySession
+      └─ ranks 1..N-1 ─► _follow: the same model and backend, a store and publisher for their shares, no NATS;
+                          they run rank 0's commands until it sends STOP (`actors/trainer/rank_group.py`)
+```
+
+This mirrors `actors/generator/runtime.py`: the loop module holds the role's logic and is tested with
+the parts `open_trainer` assembles; this module is the process around it. Launching several ranks
+(`--nproc`) is `actors/trainer/distributed.py`. `main` returns 0 when the loop ends normally and 1 when
+it raised (logged with its traceback; a final checkpoint was written where the state allowed) or when a
+following rank failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import torch
+
+from actors.endpoints import open_run_store, resolve_endpoints
+from actors.models import build_policy_model, load_tokenizer
+from actors.trainer.backends import build_backend
+from actors.trainer.backends.data_parallel import is_data_parallel
+from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
+from actors.trainer.loop import Trainer
+from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
+from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, Session, build_weight_publisher
+from pipeline.config import LeewayConfig
+from pipeline.tasks import get_task
+from pipeline.wire.transport import ReplaySelection
+
+log = logging.getLogger(__name__)
+
+
+async def open_trainer(
+    cfg: LeewayConfig,
+    *,
+    resume: bool = False,
+    replay: ReplaySelection | None = None,
+    stop: asyncio.Event | None = None,
+) -> Trainer:
+    """Build the model and backend, connect, and open a live session (or a replay one); nothing is read yet."""
+    task = get_task(cfg.task.name, **cfg.task.args)
+    model = build_policy_model(cfg, load_tokenizer(cfg, task))
+    backend = build_backend(cfg, model)
+    link = await RunLink.open(cfg)
+    group: RankGroup | None = None
+    try:
+        session: Session
+        if replay is not None:
+            if is_data_parallel():
+                group = RankGroup(cfg, backend, link.store, None)
+                backend = LeaderBackend(group)
+            session = await ReplaySession.open(cfg, link, replay)
+        else:
+            publisher = build_weight_publisher(cfg, link.store, model)
+            try:
+                if is_data_parallel():  # rank 0 of several: the others follow its commands
+                    group = RankGroup(cfg, backend, link.store, publisher)
+                    backend = LeaderBackend(group)
+                session = await LiveSession.open(cfg, link, backend, publisher, task, resume=resume, ranks=group)
+            except BaseException:
+                publisher.close()
+                raise
+    except BaseException:
+        await link.nc.close()
+        if group is not None:
+            group.stop()
+        raise
+    return Trainer(cfg, backend, session, stop=stop)
+
+
+def _follow(cfg: LeewayConfig) -> int:
+    """Ranks 1..N-1: the same model and backend as rank 0, a store and publisher for their shares, no NATS."""
+    task = get_task(cfg.task.name, **cfg.task.args)
+    model = build_policy_model(cfg, load_tokenizer(cfg, task))
+    backend = build_backend(cfg, model)
+    store = open_run_store(cfg, resolve_endpoints(cfg))
+    publisher = build_weight_publisher(cfg, store, model)
+    try:
+        return follow(RankGroup(cfg, backend, store, publisher))
+    finally:
+        publisher.close()
+
+
+def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | None = None) -> int:
+    """`leeway trainer CONFIG [--resume] [--replay SELECTION]` (the CLI parses the flags), as one process or
+    as one rank of several (RANK/WORLD_SIZE/... in the environment, `actors/trainer/distributed.py`)."""
+    rank_env = RankEnv.from_environ()
+    where = f" rank{rank_env.rank}" if rank_env.distributed else ""
+    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s %(name)s{where} %(levelname)s %(message)s")
+    torch.set_num_threads(cfg.trainer.torch_threads)
+    torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
+    if rank_env.distributed:
+        timeout_s = cfg.trainer.dist_timeout_s + cfg.trainer.queue_wait_timeout_s  # rank 0 may wait for groups
+        join_rank_group(rank_env, cfg.trainer.device, timeout_s)
+    try:
+        if not rank_env.is_leader:
+            try:
+                return _follow(cfg)
+            except Exception:  # the process boundary: the launcher names this rank and stops the others
+                log.exception("trainer rank %d exiting with an error", rank_env.rank)
+                return 1
+        return _lead(cfg, resume=resume, replay=replay)
+    finally:
+        leave_rank_group()
+
+
+def _lead(cfg: LeewayConfig, *, resume: bool, replay: ReplaySelection | None) -> int:
+    """The trainer loop (of rank 0 when there are several ranks)."""
+
+    async def _run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        trainer = await open_trainer(cfg, resume=resume, replay=replay, stop=stop)
+        return await trainer.run()
+
+    try:
+        return asyncio.run(_run())
+    except Exception:  # the process boundary: the traceback goes to the log, the exit status says it failed
+        log.exception("trainer exiting with an error (a final checkpoint was written where the state allowed)")
+        return 1
