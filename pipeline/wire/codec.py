@@ -13,6 +13,7 @@ hostile offset can never make numpy read outside a buffer.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -33,6 +34,10 @@ COMPRESSION = "zstd"
 """Arrow IPC buffer compression; level 1 (Arrow's default) is the measured sweet spot."""
 
 PARQUET_COMPRESSION = "zstd"
+
+MAX_DECODED_BYTES = 2 * 1024**3
+"""Default cap on one message's decompressed size (twice the largest claim check the wire accepts
+inflated 8x); callers that know the group's size from its headers pass a tighter one."""
 
 TRAJECTORY_SCHEMA = pa.schema(
     [
@@ -107,21 +112,105 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def decode_group(data: bytes | memoryview | pa.Buffer, *, validate: bool = True) -> TrajectoryGroup:
+def decode_group(
+    data: bytes | memoryview | pa.Buffer, *, validate: bool = True, max_decoded_bytes: int = MAX_DECODED_BYTES
+) -> TrajectoryGroup:
     """Decode one message into a group whose arrays are numpy views of the decompressed Arrow buffers.
 
-    Raises `CodecError` (not a v1 group) or `TrajectoryValidationError` (a v1 group that breaks an
-    invariant). `validate=False` skips only the semantic checks of `validate_group`; structural checks
-    (schema, Arrow buffer bounds, equal list lengths) always run because the numpy views rely on them.
+    Raises `CodecError` (not a v1 group, or one that would inflate past `max_decoded_bytes`: reason
+    `too_large`, decided from the IPC metadata before anything is decompressed) or
+    `TrajectoryValidationError` (a v1 group that breaks an invariant). `validate=False` skips only the
+    semantic checks of `validate_group`; structural checks (schema, Arrow buffer bounds, equal list
+    lengths) always run because the numpy views rely on them.
     """
+    buffer = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
+    decoded = inflated_size(buffer)
+    if decoded > max_decoded_bytes:
+        raise CodecError("too_large", f"the record batch inflates to {decoded} bytes, over the {max_decoded_bytes} cap")
     try:
-        reader = pa.ipc.open_stream(data if isinstance(data, pa.Buffer) else pa.py_buffer(data))
-        batches = list(reader)
+        batches = list(pa.ipc.open_stream(buffer))
     except (pa.ArrowException, ValueError, MemoryError, OSError) as exc:
         raise CodecError("decode_error", f"not a readable Arrow IPC stream: {exc}") from exc
     if len(batches) != 1:
         raise CodecError("decode_error", f"expected exactly one record batch, got {len(batches)}")
     return group_from_record_batch(batches[0], validate=validate)
+
+
+def inflated_size(data: pa.Buffer) -> int:
+    """Bytes the stream's one record batch takes once decompressed, read from the IPC metadata alone.
+
+    Each compressed Arrow buffer starts with its uncompressed length (int64, -1 = stored raw), and the
+    batch's flatbuffer metadata says where each buffer lies in the body: so a small message that would
+    inflate to gigabytes is refused before a byte is decompressed. A stream with other than one record
+    batch is refused here too, without decoding any.
+    """
+    try:
+        messages = list(pa.ipc.MessageReader.open_stream(data))
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise CodecError("decode_error", f"not a readable Arrow IPC stream: {exc}") from exc
+    batches = [m for m in messages if m.type == "record batch"]
+    if len(batches) != 1 or len(messages) != 2 or messages[0].type != "schema":
+        kinds = [m.type for m in messages]
+        raise CodecError("decode_error", f"expected exactly one record batch after the schema, got {kinds}")
+    try:
+        return _batch_body_size(batches[0].metadata.to_pybytes(), batches[0].body.to_pybytes())
+    except (struct.error, IndexError) as exc:
+        raise CodecError("decode_error", f"malformed record batch metadata: {exc}") from exc
+
+
+def _batch_body_size(meta: bytes, body: bytes) -> int:
+    """Sum of the uncompressed sizes of a RecordBatch message's buffers (Arrow `Message.fbs`, `Schema.fbs`)."""
+    root = _offset(meta, 0)
+    header = _field(meta, root, _MESSAGE_HEADER)
+    buffers = _field(meta, header, _RECORD_BATCH_BUFFERS)
+    if not header or not buffers:
+        raise CodecError("decode_error", "record batch metadata has no buffer list")
+    compressed = bool(_field(meta, header, _RECORD_BATCH_COMPRESSION))
+    total = 0
+    for index in range(struct.unpack_from("<I", meta, buffers)[0]):
+        offset, length = struct.unpack_from("<qq", meta, buffers + 4 + 16 * index)
+        if offset < 0 or length < 0 or offset + length > len(body):
+            raise CodecError("decode_error", f"buffer {index} lies outside the message body")
+        if length == 0 or not compressed:
+            total += length
+            continue
+        if length < 8:
+            raise CodecError("decode_error", f"compressed buffer {index} is shorter than its length prefix")
+        size = struct.unpack_from("<q", body, offset)[0]
+        if size < -1:
+            raise CodecError("decode_error", f"buffer {index} claims {size} uncompressed bytes")
+        total += length - 8 if size == -1 else size
+    return total
+
+
+_MESSAGE_HEADER = 2
+"""Field index of `Message.header` (after `version`, `header_type`)."""
+_RECORD_BATCH_BUFFERS = 2
+"""Field index of `RecordBatch.buffers` (after `length`, `nodes`)."""
+_RECORD_BATCH_COMPRESSION = 3
+"""Field index of `RecordBatch.compression`: absent when the buffers are stored raw."""
+
+
+def _offset(buf: bytes, pos: int) -> int:
+    """Follow the flatbuffer uoffset stored at `pos` (hostile offsets that leave the buffer are refused)."""
+    target = pos + struct.unpack_from("<I", _within(buf, pos), pos)[0]
+    return _within(buf, target) and target
+
+
+def _within(buf: bytes, pos: int) -> bytes:
+    if not 0 <= pos < len(buf):
+        raise CodecError("decode_error", f"record batch metadata points outside itself ({pos})")
+    return buf
+
+
+def _field(buf: bytes, table: int, index: int) -> int:
+    """Position of the object an offset field of a flatbuffer table points to; 0 if the field is absent."""
+    vtable = table - struct.unpack_from("<i", buf, table)[0]
+    slot = 4 + 2 * index
+    if slot >= struct.unpack_from("<H", _within(buf, vtable), vtable)[0]:
+        return 0
+    at = struct.unpack_from("<H", buf, vtable + slot)[0]
+    return _offset(buf, table + at) if at else 0
 
 
 def check_schema(schema: pa.Schema) -> None:
