@@ -107,7 +107,8 @@ from pipeline.rl.step_metrics import (
     timing_split,
 )
 from pipeline.tasks import get_task
-from pipeline.wire.transport import Delivery, ReplaySelection
+from pipeline.wire.consumer import Delivery
+from pipeline.wire.replay import ReplaySelection
 
 log = logging.getLogger("leeway.trainer")
 
