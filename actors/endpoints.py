@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsClient
 from infra.nats_server import redact_url
 from infra.stack import StackState, load_credentials, load_state, stack_status
 from pipeline.config import LeewayConfig
-from pipeline.wire.transport import connect
+from pipeline.wire.jetstream import connect
 from storage.objectstore import ObjectStore, open_store
 
 
@@ -89,7 +89,7 @@ def open_run_store(cfg: LeewayConfig, endpoints: Endpoints | None = None) -> Obj
 
 
 async def connect_nats(cfg: LeewayConfig, endpoints: Endpoints | None = None, *, name: str) -> NatsClient:
-    """`pipeline.wire.transport.connect` (the one connect: reconnect forever, 64 MiB buffer, logged state) to
+    """`pipeline.wire.jetstream.connect` (the one connect: reconnect forever, 64 MiB buffer, logged state) to
     this config's server, with its credentials file and connect timeout."""
     endpoints = endpoints or resolve_endpoints(cfg)
     return await connect(

@@ -15,7 +15,6 @@ decides which heavy pieces to load.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+from pipeline.wire.names import validate_run_name
+
 ENV_PREFIX = "LEEWAY_"
 MiB = 1024 * 1024
 
@@ -60,9 +60,7 @@ class RunConfig(Section):
     @field_validator("name")
     @classmethod
     def _valid_name(cls, value: str) -> str:
-        if not RUN_NAME_RE.match(value):
-            raise ValueError("run name must be 1-64 letters, digits, '-' or '_', starting with a letter or digit")
-        return value
+        return validate_run_name(value)
 
     @property
     def run_dir(self) -> Path:

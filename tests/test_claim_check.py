@@ -13,32 +13,23 @@ import numpy as np
 import orjson
 import pytest
 from botocore.exceptions import EndpointConnectionError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra.stack import StackState, load_credentials
 from pipeline.config import StreamConfig
+from pipeline.wire.claim_check import CLAIM_CHECK_MAX_BYTES, ClaimUnavailable, fetch_claim, parse_claim_check
 from pipeline.wire.codec import encode_group
-from pipeline.wire.names import RunNames
-from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from pipeline.wire.transport import (
-    CLAIM_CHECK_MAX_BYTES,
-    H_CLAIM_CHECK,
-    H_DLQ_REASON,
-    H_MSG_ID,
+from pipeline.wire.consumer import (
     MAX_DELIVER_DEAD_LETTER_TRIES,
     TRAINER_MAX_DELIVER,
-    ClaimUnavailable,
-    DeadLetterError,
-    ReplayReader,
-    ReplaySelection,
     TrajectoryConsumer,
-    TrajectoryPublisher,
-    connect,
     ensure_trainer_consumer,
-    ensure_trajectory_streams,
-    fetch_claim,
-    parse_claim_check,
 )
+from pipeline.wire.headers import H_CLAIM_CHECK, H_DLQ_REASON, H_MSG_ID
+from pipeline.wire.jetstream import DeadLetterError, connect, handled_deliveries
+from pipeline.wire.names import RunNames
+from pipeline.wire.replay import ReplayReader, ReplaySelection
+from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
 from storage.objectstore import FileStore
 from storage.s3 import S3Options, S3Store
 
@@ -84,9 +75,8 @@ def _pointer(key: str, size: int, sha256: str) -> bytes:
 def test_a_pointer_must_name_exactly_its_own_runs_key_for_its_group() -> None:
     names, body = RunNames.for_run("run-a"), b"0123456789"
     sha = hashlib.sha256(body).hexdigest()
-    for key in (f"run-a/trajectories/g1.{sha}.arrow", "run-a/trajectories/g1.arrow"):  # current, legacy
-        assert parse_claim_check({H_MSG_ID: "g1", H_CLAIM_CHECK: key}, _pointer(key, 10, sha), names) == (key, 10, sha)
     own = f"run-a/trajectories/g1.{sha}.arrow"
+    assert parse_claim_check({H_MSG_ID: "g1", H_CLAIM_CHECK: own}, _pointer(own, 10, sha), names) == (own, 10, sha)
     cases = [
         ("../x", 10, sha, "claim_check_invalid"),
         ("/a", 10, sha, "claim_check_invalid"),
@@ -97,6 +87,7 @@ def test_a_pointer_must_name_exactly_its_own_runs_key_for_its_group() -> None:
         (f"run-b/trajectories/g1.{sha}.arrow", 10, sha, "claim_check_foreign"),
         (f"run-a/trajectories/g2.{sha}.arrow", 10, sha, "claim_check_foreign"),
         (f"run-a/trajectories/g1.{'0' * 64}.arrow", 10, sha, "claim_check_foreign"),
+        ("run-a/trajectories/g1.arrow", 10, sha, "claim_check_foreign"),  # a key without the digest
     ]
     for key, size, digest, reason in cases:
         with pytest.raises(DeadLetterError) as caught:
@@ -214,9 +205,17 @@ def test_a_group_redelivered_past_max_deliver_is_dead_lettered_instead_of_loopin
     asyncio.run(main())
 
 
-def test_ensure_trainer_consumer_brings_an_older_consumer_up_to_date_and_keeps_its_position(
+def test_a_consumer_handles_the_deliveries_its_server_limit_leaves_after_the_dead_letter_tries() -> None:
+    assert handled_deliveries(TRAINER_MAX_DELIVER + MAX_DELIVER_DEAD_LETTER_TRIES, MAX_DELIVER_DEAD_LETTER_TRIES) == 20
+    for unset in (None, -1, 0, MAX_DELIVER_DEAD_LETTER_TRIES):  # not made by ensure_trainer_consumer: refused
+        with pytest.raises(ValueError, match="max_deliver"):
+            handled_deliveries(unset, MAX_DELIVER_DEAD_LETTER_TRIES)
+
+
+def test_ensure_trainer_consumer_brings_an_existing_consumer_up_to_date_and_keeps_its_position(
     stack: StackState,
 ) -> None:
+    """A trainer resumed with other consumer settings updates the durable consumer; its acks stand."""
     names, stream = _names(), _stream()
 
     async def main() -> None:
@@ -224,24 +223,16 @@ def test_ensure_trainer_consumer_brings_an_older_consumer_up_to_date_and_keeps_i
         try:
             js = nc.jetstream(timeout=10)
             await ensure_trajectory_streams(js, names, stream)
-            older = ConsumerConfig(  # what versions before the delivery limit created
-                durable_name=names.trainer_consumer,
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=600.0,
-                max_ack_pending=4096,
-                filter_subject=names.trajectory_subject,
-            )
-            await js.add_consumer(names.trajectory_stream, older)
+            await ensure_trainer_consumer(js, names, max_deliver=5)
             await TrajectoryPublisher(js, names, stream).publish_many(
                 [_group(f"g{i}", seed=i, num_tokens=32) for i in range(3)]
             )
             consumer = await TrajectoryConsumer.bind(js, names, stream)
-            assert consumer.max_deliver == TRAINER_MAX_DELIVER  # unlimited on the server: enforced here
+            assert consumer.max_deliver == 5
             batch = await consumer.fetch(max_groups=1, timeout_s=5)
             assert await consumer.ack([d.seq for d in batch]) == 1
             await consumer.close()
-            await ensure_trainer_consumer(js, names)  # a resumed trainer on the new version
+            await ensure_trainer_consumer(js, names)  # the resumed trainer, with the default limit
             info = await js.consumer_info(names.trajectory_stream, names.trainer_consumer)
             assert info.config.max_deliver == TRAINER_MAX_DELIVER + MAX_DELIVER_DEAD_LETTER_TRIES
             assert info.ack_floor.stream_seq == 1

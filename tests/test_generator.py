@@ -37,10 +37,11 @@ from pipeline.tasks import Prompt, Task
 from pipeline.tasks.char_tokenizer import PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask
 from pipeline.wire.announce import announce_version, generator_metrics_subject, version_kv
+from pipeline.wire.consumer import TrajectoryConsumer, ensure_trainer_consumer
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
+from pipeline.wire.trajectories import ensure_trajectory_streams
 from pipeline.wire.trajectory import TrajectoryGroup, validate_group
-from pipeline.wire.transport import TrajectoryConsumer, ensure_trainer_consumer, ensure_trajectory_streams
 from storage.weights import WeightPublisher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -274,7 +275,8 @@ def test_a_generator_started_before_the_trainer_waits_for_version_0_then_publish
             assert report["generator_id"] == "early" and report["version"] == 0 and report["weight_pulls"] == 1
             assert report["tokens_generated"] > 0 and 0.0 <= report["idle_fraction_total"] <= 1.0
             await _until(lambda: rt.generator.metrics.groups_published == 3)
-            assert await trainer.queue.pending() == 0
+            info = await trainer.js.consumer_info(trainer.names.prompt_stream, trainer.names.generator_consumer)
+            assert info.num_pending == 0
 
     asyncio.run(main())
 

@@ -28,8 +28,8 @@ from pipeline.tasks import Prompt, Task
 from pipeline.tasks.char_tokenizer import PAD_ID
 from pipeline.tasks.reverse import ReverseDigitsTask
 from pipeline.wire.announce import announce_version
+from pipeline.wire.headers import H_DLQ_MSG_ID, H_DLQ_REASON
 from pipeline.wire.prompt_queue import queue_prompt
-from pipeline.wire.transport import H_DLQ_MSG_ID, H_DLQ_REASON
 
 DIGIT_ID = TOKENIZER.token_to_id("1")
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import orjson
 import pytest
 
 from pipeline.config import StreamConfig
+from pipeline.wire.headers import H_DLQ_DETAIL, H_DLQ_REASON
+from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import Prompt, PromptError, PromptQueue, ensure_prompt_queue
-from pipeline.wire.transport import H_DLQ_REASON, connect, ensure_trajectory_streams
+from pipeline.wire.prompts import PROMPT_SCHEMA_VERSION
+from pipeline.wire.trajectories import ensure_trajectory_streams
 
 
 def _stream(**overrides) -> StreamConfig:
@@ -32,26 +36,31 @@ def test_prompt_json_round_trip_and_validation():
     for bad, field in (
         (b"nope", "not JSON"),
         (b"[]", "JSON object"),
-        (b'{"prompt_id": "p"}', "text"),
-        (b'{"prompt_id": "a/b", "text": "x"}', "prompt_id"),
-        (b'{"prompt_id": "p", "text": "x", "token_ids": [1]}', "text"),
-        (b'{"prompt_id": "p", "token_ids": [-1]}', "token_ids"),
-        (b'{"prompt_id": "p", "text": "x", "answer": 4}', "answer"),
-        (b'{"prompt_id": "p", "text": "x", "tags": [1]}', "tags"),
-        (b'{"prompt_id": "p", "text": "x", "policy_version": "7"}', "policy_version"),
-        (b'{"prompt_id": "p", "text": "x", "extra": 1}', "extra"),
+        (b'{"schema_version": 1, "prompt_id": "p"}', "text"),
+        (b'{"schema_version": 1, "prompt_id": "a/b", "text": "x"}', "prompt_id"),
+        (b'{"schema_version": 1, "prompt_id": "p", "text": "x", "token_ids": [1]}', "text"),
+        (b'{"schema_version": 1, "prompt_id": "p", "token_ids": [-1]}', "token_ids"),
+        (b'{"schema_version": 1, "prompt_id": "p", "text": "x", "answer": 4}', "answer"),
+        (b'{"schema_version": 1, "prompt_id": "p", "text": "x", "tags": [1]}', "tags"),
+        (b'{"schema_version": 1, "prompt_id": "p", "text": "x", "policy_version": "7"}', "policy_version"),
+        (b'{"schema_version": 1, "prompt_id": "p", "text": "x", "extra": 1}', "extra"),
     ):
         with pytest.raises(PromptError, match=field):
             Prompt.from_json(bad)
 
 
-def test_a_prompt_in_the_first_wire_format_still_decodes():
-    """A queue filled before the upgrade drains: answer, tags and version used to travel in metadata."""
-    legacy = b'{"prompt_id": "p-1", "text": "12>", "token_ids": null, "metadata": {"answer": "21", "tags": ["rev"], "policy_version": 4, "level": 2}}'
-    p = Prompt.from_json(legacy)
-    assert (p.answer, p.tags, p.policy_version, dict(p.metadata)) == ("21", ("rev",), 4, {"level": 2})
-    current = Prompt("p-2", text="x", metadata={"answer": "kept in metadata"}, policy_version=1)
-    assert Prompt.from_json(current.to_json()) == current
+def test_a_prompt_without_this_builds_schema_version_is_refused_naming_the_field():
+    """No format is guessed from the fields: a record says its version, and a reader refuses one it does not know."""
+    assert orjson.loads(Prompt("p-1", text="x").to_json())["schema_version"] == PROMPT_SCHEMA_VERSION
+    first_format = b'{"prompt_id": "p-1", "text": "12>", "metadata": {"answer": "21", "policy_version": 4}}'
+    for bad, said in (
+        (first_format, "schema_version missing"),
+        (b'{"schema_version": 2, "prompt_id": "p-1", "text": "x"}', "schema_version 2 unknown"),
+        (b'{"schema_version": "1", "prompt_id": "p-1", "text": "x"}', "schema_version '1' unknown"),
+        (b'{"schema_version": true, "prompt_id": "p-1", "text": "x"}', "schema_version True unknown"),
+    ):
+        with pytest.raises(PromptError, match=said):
+            Prompt.from_json(bad)
 
 
 def test_prompts_are_done_once_and_deduped(stack):
@@ -110,15 +119,18 @@ def test_malformed_prompt_is_dead_lettered(stack):
         names, stream = RunNames.for_run(f"q-{uuid.uuid4().hex[:8]}"), _stream()
         nc, js, queue = await _queue(stack.nats_url, names, stream, "gen")
         try:
-            await js.publish(names.prompt_subject, b'{"prompt_id": 5}')
+            await js.publish(names.prompt_subject, b'{"schema_version": 1, "prompt_id": 5}')
+            await js.publish(names.prompt_subject, b'{"schema_version": 99, "prompt_id": "later", "text": "x"}')
             await queue.admit(Prompt("fine", text="x"))
             got = []
             for _ in range(5):
-                got += await queue.take(max_prompts=2, timeout_s=0.5)
+                got += await queue.take(max_prompts=3, timeout_s=0.5)
                 if got:
                     break
             assert [x.prompt.prompt_id for x in got] == ["fine"]
-            assert queue.dead_letters.counts == {"bad_prompt": 1}
+            assert queue.dead_letters.counts == {"bad_prompt": 2}
+            last = await js.get_last_msg(names.dead_letter_stream, names.prompt_dead_letter_subject)
+            assert last.headers[H_DLQ_REASON] == "bad_prompt" and "schema_version 99" in last.headers[H_DLQ_DETAIL]
         finally:
             await nc.close()
 

@@ -19,7 +19,7 @@ from pipeline.config import LeewayConfig, load_config
 from pipeline.wire.announce import announce_version, version_bucket, version_kv
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import ensure_prompt_queue
-from pipeline.wire.transport import ensure_trajectory_streams
+from pipeline.wire.trajectories import ensure_trajectory_streams
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 OBJECTS = ("weights/LATEST", "checkpoints/v00000003/state.safetensors", "trajectories/g-1.arrow")

@@ -17,19 +17,13 @@ from infra.process import free_port
 from infra.stack import load_credentials
 from pipeline.config import LeewayConfig, StreamConfig
 from pipeline.wire.codec import read_parquet
+from pipeline.wire.consumer import TrajectoryConsumer, ensure_trainer_consumer
+from pipeline.wire.headers import H_CLAIM_CHECK
+from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
+from pipeline.wire.replay import ReplayReader, ReplaySelection
+from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams, group_headers
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from pipeline.wire.transport import (
-    H_CLAIM_CHECK,
-    ReplayReader,
-    ReplaySelection,
-    TrajectoryConsumer,
-    TrajectoryPublisher,
-    connect,
-    ensure_trainer_consumer,
-    ensure_trajectory_streams,
-    group_headers,
-)
 from storage.s3 import S3Options, S3Store
 
 NUM_GROUPS = 10

@@ -392,19 +392,20 @@ def _log_tails(run_dir: Path) -> str:
 async def _recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> list[Any]:
     """Every group in the run's trajectory stream (from `from_seq`), read back through a replay."""
     from actors.endpoints import open_run_store, resolve_endpoints
-    from pipeline.wire import transport
+    from pipeline.wire.jetstream import connect
     from pipeline.wire.names import RunNames
+    from pipeline.wire.replay import ReplayReader, ReplaySelection
 
     endpoints = resolve_endpoints(cfg)
-    nc = await transport.connect(endpoints.nats_url, name="test-run-replay")
+    nc = await connect(endpoints.nats_url, name="test-run-replay")
     try:
         js = nc.jetstream()
-        reader = await transport.ReplayReader.open(
+        reader = await ReplayReader.open(
             js,
             RunNames.for_run(cfg.run.name),
             cfg.stream,
             open_run_store(cfg, endpoints),
-            transport.ReplaySelection(from_seq=from_seq),
+            ReplaySelection(from_seq=from_seq),
         )
         groups = []
         while not reader.done:
@@ -418,12 +419,12 @@ async def _recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> li
 async def _queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
     """(prompts ever admitted, ids still in the prompt work queue) of the run."""
     from actors.endpoints import resolve_endpoints
-    from pipeline.wire import transport
+    from pipeline.wire.jetstream import connect
     from pipeline.wire.names import RunNames
     from pipeline.wire.prompt_queue import Prompt
 
     names = RunNames.for_run(cfg.run.name)
-    nc = await transport.connect(resolve_endpoints(cfg).nats_url, name="test-run-prompts")
+    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-run-prompts")
     try:
         js = nc.jetstream()
         info = await js.stream_info(names.prompt_stream)

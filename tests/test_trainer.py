@@ -35,16 +35,12 @@ from pipeline.config import LeewayConfig, load_config
 from pipeline.rl.batching import GroupPolicy, ModelLimits, prepare_group
 from pipeline.tasks import get_task
 from pipeline.wire.announce import version_kv, watch_announcements
+from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptLease, PromptQueue
+from pipeline.wire.replay import ReplayReader, ReplaySelection
+from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from pipeline.wire.transport import (
-    ReplayReader,
-    ReplaySelection,
-    TrajectoryPublisher,
-    connect,
-    ensure_trajectory_streams,
-)
 from storage.objectstore import FileStore, ObjectNotFound, ObjectStore
 from storage.weights import list_versions
 

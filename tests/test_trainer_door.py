@@ -16,10 +16,12 @@ from actors.trainer.sessions import LiveSession
 from actors.trainer.slots import DeadLetterEntry, slots_to_return
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
+from pipeline.wire.headers import H_DLQ_DETAIL, H_DLQ_MSG_ID, H_DLQ_REASON
+from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptLease, PromptQueue
+from pipeline.wire.replay import ReplaySelection
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from pipeline.wire.transport import H_DLQ_DETAIL, H_DLQ_MSG_ID, H_DLQ_REASON, ReplaySelection, connect
 
 EVENT_DEADLINE_S = 60.0
 """Upper bound on waiting for an event that must happen (the test fails, naming it, if it does not)."""

@@ -25,9 +25,9 @@ from infra.stack import StackState
 from pipeline.config import LeewayConfig
 from pipeline.tasks import get_task
 from pipeline.wire.announce import generator_metrics_subject
+from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.retry import Backoff, retry_async
-from pipeline.wire.transport import connect
 from storage.manifest import manifest_key
 from storage.objectstore import ObjectStore
 

@@ -1,4 +1,4 @@
-"""Trajectory transport against a real nats-server: dedupe, claim check, shared consumer, outages, dead letters."""
+"""Trajectory transport against a real nats-server: dedupe, claim check, redelivery, outages, dead letters."""
 
 from __future__ import annotations
 
@@ -26,21 +26,14 @@ from actors.tools.bench.transport import LocalNats, local_nats
 from infra.process import free_port
 from infra.stack import load_credentials
 from pipeline.config import StreamConfig
+from pipeline.wire.claim_check import CLAIM_CHECK_MAX_BYTES
 from pipeline.wire.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch
+from pipeline.wire.consumer import TrajectoryConsumer, ensure_trainer_consumer
+from pipeline.wire.headers import H_CLAIM_CHECK, H_DLQ_REASON, H_MIN_VERSION
+from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
+from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams, group_headers
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from pipeline.wire.transport import (
-    CLAIM_CHECK_MAX_BYTES,
-    H_CLAIM_CHECK,
-    H_DLQ_REASON,
-    H_MIN_VERSION,
-    TrajectoryConsumer,
-    TrajectoryPublisher,
-    connect,
-    ensure_trainer_consumer,
-    ensure_trajectory_streams,
-    group_headers,
-)
 from storage.objectstore import FileStore
 from storage.s3 import S3Options, S3Store
 
@@ -147,24 +140,30 @@ def test_large_group_travels_by_claim_check(stack, tmp_path):
     asyncio.run(main())
 
 
-def test_trainer_ranks_share_the_durable_and_unacked_groups_come_back(stack):
+def test_groups_a_dead_trainer_held_unacked_come_back_to_the_trainer_that_resumes(stack):
+    """Rank 0 alone binds the durable consumer; when it dies holding groups, its successor gets them again."""
+
     async def main() -> None:
         names, stream = _names(), _stream(fetch_batch=4, max_msg_bytes=2**20)
         nc, js = await _setup(stack.nats_url, names, stream, ack_wait_s=1.0)
-        rank_ncs = [await connect(stack.nats_url, name=f"rank{i}") for i in range(2)]
+        first_nc = await connect(stack.nats_url, name="trainer-first")
         try:
             await TrajectoryPublisher(js, names, stream).publish_many([_group(f"g{i}") for i in range(20)])
-            ranks = [await TrajectoryConsumer.bind(r.jetstream(), names, stream) for r in rank_ncs]
-            seen = [await ranks[0].fetch(max_groups=3), await ranks[1].fetch(max_groups=3)]
-            ids = [d.group.group_id for batch in seen for d in batch]
+            first = await TrajectoryConsumer.bind(first_nc.jetstream(), names, stream)
+            seen = await first.fetch(max_groups=3) + await first.fetch(max_groups=3)
+            ids = [d.group.group_id for d in seen]
             assert len(ids) == len(set(ids)) == 6
-            await ranks[0].ack([d.seq for d in seen[0]])
-            await rank_ncs[1].close()  # rank 1 dies holding 3 groups
-            got = await _drain(ranks[0], 17, timeout_s=15)
-            assert sorted(got + [d.group.group_id for d in seen[0]]) == sorted(f"g{i}" for i in range(20))
+            assert await first.ack([d.seq for d in seen[:3]]) == 3
+            await first_nc.close()  # the trainer dies holding 3 groups unacked
+            resumed_nc = await connect(stack.nats_url, name="trainer-resumed")
+            try:
+                resumed = await TrajectoryConsumer.bind(resumed_nc.jetstream(), names, stream)
+                got = await _drain(resumed, 17, timeout_s=15)
+            finally:
+                await resumed_nc.close()
+            assert sorted(got) == sorted(set(f"g{i}" for i in range(20)) - set(ids[:3]))  # each exactly once
         finally:
-            for r in rank_ncs:
-                await r.close()
+            await first_nc.close()
             await nc.close()
 
     asyncio.run(main())
@@ -414,9 +413,10 @@ def _bad_message(kind: str, data: st.DataObject, group_id: str, names: RunNames)
         pointer = _pointer(own_key, body, len(body) + data.draw(st.sampled_from([-1, 1, 4096])))
         return _Case({**headers, H_CLAIM_CHECK: own_key}, pointer, {"claim_check_mismatch"}, {own_key: body})
     if kind == "store_down":  # transient: redelivered with backoff, delivered once the store answers
-        key = own_key if data.draw(st.booleans()) else names.trajectory_key(group_id)  # legacy keys still read
         failures = data.draw(st.integers(1, 2))
-        return _Case({**headers, H_CLAIM_CHECK: key}, _pointer(key, body), None, {key: body}, failures, good)
+        return _Case(
+            {**headers, H_CLAIM_CHECK: own_key}, _pointer(own_key, body), None, {own_key: body}, failures, good
+        )
     # Out-of-vocab ids and over-long samples are decided at the trainer's door (actors/trainer), which knows
     # the model's vocabulary and context and dead-letters them with a reason; the transport must deliver them
     # intact (decode succeeds) so that the trainer can.

@@ -84,8 +84,8 @@ from pipeline.rl.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Task, VerifierPool
 from pipeline.wire.prompt_queue import PromptLease, PromptQueue
 from pipeline.wire.prompts import Prompt
+from pipeline.wire.trajectories import TrajectoryPublisher
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from pipeline.wire.transport import TrajectoryPublisher
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from pipeline.tasks import VERIFIER_THREADS, VerifierPool, get_task
 from pipeline.wire.announce import generator_metrics_subject, version_kv, watch_announcements
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue
-from pipeline.wire.transport import TrajectoryPublisher, ensure_trajectory_streams
+from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams
 from storage.weights import WeightSubscriber
 
 log = logging.getLogger(__name__)

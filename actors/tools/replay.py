@@ -1,6 +1,6 @@
 """`leeway replay CONFIG (--from-seq N | --since TIME | --min-version V) [--until-seq N | --until TIME] [--to-parquet DIR]`.
 
-Reads a selection of the run's recorded trajectory stream (see `pipeline.wire.transport.ReplaySelection`)
+Reads a selection of the run's recorded trajectory stream (see `pipeline.wire.replay.ReplaySelection`)
 through an ephemeral consumer, which never disturbs the trainer's durable consumer. With
 `--to-parquet` the groups are written to `DIR/seq-<first>-<last>.parquet` files (rows of a group
 contiguous, readable with `pipeline.wire.codec.read_parquet`); without it, only a JSON summary is printed.
@@ -37,12 +37,7 @@ def add_selection_arguments(parser: argparse.ArgumentParser, *, required: bool) 
     start.add_argument("--from-seq", type=int, metavar="N", help="first stream sequence (inclusive)")
     start.add_argument("--since", type=_parse_time, metavar="TIME", help="groups stored at or after TIME (ISO 8601)")
     start.add_argument(
-        "--min-version",
-        "--from-version",
-        dest="min_version",
-        type=int,
-        metavar="V",
-        help="groups whose every trained token has policy version >= V",
+        "--min-version", type=int, metavar="V", help="groups whose every trained token has policy version >= V"
     )
     end = parser.add_mutually_exclusive_group()
     end.add_argument("--until-seq", type=int, metavar="N", help="last stream sequence (inclusive)")
@@ -50,8 +45,8 @@ def add_selection_arguments(parser: argparse.ArgumentParser, *, required: bool) 
 
 
 def selection_from_args(args: argparse.Namespace) -> Any:
-    """The parsed selection flags as a `pipeline.wire.transport.ReplaySelection`."""
-    from pipeline.wire.transport import ReplaySelection
+    """The parsed selection flags as a `pipeline.wire.replay.ReplaySelection`."""
+    from pipeline.wire.replay import ReplaySelection
 
     return ReplaySelection(
         from_seq=args.from_seq,
@@ -79,7 +74,7 @@ async def replay(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
     from pipeline.wire.codec import write_parquet
     from pipeline.wire.names import RunNames
-    from pipeline.wire.transport import ReplayReader
+    from pipeline.wire.replay import ReplayReader
 
     selection = selection_from_args(args)
     names = RunNames.for_run(cfg.run.name)

@@ -101,7 +101,7 @@ from pipeline.rl.step_metrics import (
     staleness_metrics,
     timing_split,
 )
-from pipeline.wire.transport import Delivery
+from pipeline.wire.consumer import Delivery
 
 log = logging.getLogger(__name__)
 

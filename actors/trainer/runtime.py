@@ -34,7 +34,7 @@ from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
 from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, Session, build_weight_publisher
 from pipeline.config import LeewayConfig
 from pipeline.tasks import get_task
-from pipeline.wire.transport import ReplaySelection
+from pipeline.wire.replay import ReplaySelection
 
 log = logging.getLogger(__name__)
 

@@ -56,19 +56,14 @@ from pipeline.config import LeewayConfig
 from pipeline.rl.staleness import admissible_prompts
 from pipeline.tasks import Task
 from pipeline.wire.announce import announce_version, generator_metrics_subject, version_kv
+from pipeline.wire.consumer import Delivery, TrajectoryConsumer, ensure_trainer_consumer
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
 from pipeline.wire.prompts import Prompt
+from pipeline.wire.replay import ReplayReader, ReplaySelection
 from pipeline.wire.retry import PERMANENT_ERRORS, retry_async
+from pipeline.wire.trajectories import ensure_trajectory_streams
 from pipeline.wire.trajectory import TrajectoryGroup
-from pipeline.wire.transport import (
-    Delivery,
-    ReplayReader,
-    ReplaySelection,
-    TrajectoryConsumer,
-    ensure_trainer_consumer,
-    ensure_trajectory_streams,
-)
 from storage.manifest import config_hash
 from storage.objectstore import ObjectStore
 from storage.weights import TORCH_DTYPES, WeightPublisher, WeightStoreError, list_versions

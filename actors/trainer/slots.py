@@ -24,33 +24,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import nats.errors
-import nats.js.errors
 from nats.js import JetStreamContext
 
 from actors.trainer.prompt_feed import admitted_index
+from pipeline.wire.jetstream import DeadLetterEntry, read_dead_letters
 from pipeline.wire.names import RunNames
-from pipeline.wire.transport import H_DLQ_MSG_ID, H_DLQ_REASON
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER_READS_PER_CALL = 256
 """Dead letters read per admission round at most (they are rare; a flood is read over several rounds)."""
-DEAD_LETTER_READ_TIMEOUT_S = 2.0
-"""Bound on one stream-info or message-get request to the dead-letter stream."""
-
-
-@dataclass(frozen=True)
-class DeadLetterEntry:
-    """One message of the run's dead-letter stream, as far as admission cares."""
-
-    seq: int
-    subject: str
-    reason: str
-    original_id: str | None
-    """The dead-lettered message's `Nats-Msg-Id` (a prompt's or a group's id); None if it had none."""
 
 
 def slots_to_return(entries: Sequence[DeadLetterEntry], *, admitted: int, is_known: Callable[[str], bool]) -> list[str]:
@@ -67,52 +52,15 @@ def slots_to_return(entries: Sequence[DeadLetterEntry], *, admitted: int, is_kno
     return out
 
 
-async def read_dead_letters(
-    js: JetStreamContext, names: RunNames, *, after_seq: int, limit: int = DEAD_LETTER_READS_PER_CALL
-) -> tuple[list[DeadLetterEntry], int]:
-    """Dead letters stored after stream sequence `after_seq` (at most `limit`), and the new watermark.
-
-    Entries removed by the stream's retention before they were read are logged (their slots cannot
-    be returned). Raises the NATS error if the server does not answer; the caller tries again later.
-    """
-    info = await js.stream_info(names.dead_letter_stream)
-    first, last = int(info.state.first_seq), int(info.state.last_seq)
-    if last <= after_seq:
-        return [], after_seq
-    if first > after_seq + 1:
-        log.warning(
-            "dead-letter stream: seqs %d..%d were removed by retention before the trainer read them; "
-            "their admission slots are not returned",
-            after_seq + 1,
-            first - 1,
-        )
-    entries: list[DeadLetterEntry] = []
-    watermark = max(after_seq, first - 1)
-    seq = watermark + 1
-    while seq <= last and len(entries) < limit:
-        try:
-            raw = await asyncio.wait_for(
-                js.get_msg(names.dead_letter_stream, seq=seq, subject=names.dead_letter_subjects, next=True),
-                DEAD_LETTER_READ_TIMEOUT_S,
-            )
-        except nats.js.errors.NotFoundError:
-            watermark = last
-            break
-        headers = raw.headers or {}
-        entries.append(
-            DeadLetterEntry(int(raw.seq), str(raw.subject), headers.get(H_DLQ_REASON, ""), headers.get(H_DLQ_MSG_ID))
-        )
-        watermark = int(raw.seq)
-        seq = watermark + 1
-    return entries, watermark
-
-
 async def read_dead_letters_quietly(
     js: JetStreamContext, names: RunNames, *, after_seq: int
 ) -> tuple[list[DeadLetterEntry], int]:
-    """`read_dead_letters`, but a server that does not answer now yields nothing (admission tries again)."""
+    """The run's dead letters after `after_seq` (`pipeline.wire.jetstream.read_dead_letters`), and the new
+    watermark; a server that does not answer now yields nothing (admission tries again next round).
+
+    Entries removed by retention before they were read are skipped (logged there): their slots cannot come back."""
     try:
-        return await read_dead_letters(js, names, after_seq=after_seq)
+        return await read_dead_letters(js, names, after_seq=after_seq, limit=DEAD_LETTER_READS_PER_CALL)
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
         log.debug("dead-letter stream not read this round: %s: %s", type(exc).__name__, exc)
         return [], after_seq

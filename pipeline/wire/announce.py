@@ -66,14 +66,6 @@ def parse_announcement(value: bytes | None) -> tuple[int, float] | None:
         return None
 
 
-async def latest_announcement(kv: Any) -> tuple[int, float] | None:
-    try:
-        entry = await kv.get(LATEST_KEY)
-    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-        return None
-    return parse_announcement(entry.value)
-
-
 async def watch_announcements(kv: Any) -> AsyncIterator[tuple[int, float]]:
     """Yield (version, published_at_s) for each announcement, starting with the current one if any."""
     watcher = await kv.watch(LATEST_KEY)

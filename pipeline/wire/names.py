@@ -16,13 +16,16 @@ import re
 from dataclasses import dataclass
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-"""Same rule as `pipeline.config.RunConfig.name`: safe in subjects, stream names and object keys."""
+"""The one rule for a run name (`pipeline.config.RunConfig.name` checks it here too): safe in subjects,
+stream names and object keys, so no '.', '*', '>', '/' or spaces."""
+RUN_NAME_RULE = "1-64 letters, digits, '-' or '_', starting with a letter or digit"
+"""`RUN_NAME_RE` in words, for the error message."""
 
 
 def validate_run_name(run: str) -> str:
-    """Return `run` if it is a valid run name, else ValueError naming it (no '.', '*', '>' or spaces)."""
+    """Return `run` if it is a valid run name, else ValueError saying what is allowed and naming `run`."""
     if not isinstance(run, str) or not RUN_NAME_RE.match(run):
-        raise ValueError(f"run name {run!r}: must be 1-64 letters, digits, '-' or '_', starting with a letter or digit")
+        raise ValueError(f"run name must be {RUN_NAME_RULE}, got {run!r}")
     return run
 
 
@@ -74,7 +77,7 @@ class RunNames:
 
     @property
     def trainer_consumer(self) -> str:
-        """Durable pull consumer shared by all trainer ranks."""
+        """Durable pull consumer of the trajectory stream, bound by the trainer's rank 0 alone."""
         return "trainer"
 
     @property
@@ -82,17 +85,10 @@ class RunNames:
         """Durable pull consumer of the prompt work queue shared by all generators."""
         return "generators"
 
-    def trajectory_key(self, group_id: str, sha256: str | None = None) -> str:
+    def trajectory_key(self, group_id: str, sha256: str) -> str:
         """Object-store key of a claim-checked group (group ids never contain '/'; see trajectory.ID_RE).
 
         The body's digest is part of the key, so a regenerated group with the same id gets its own object
-        and never overwrites the one an earlier message points to. Without `sha256`: the key pointers
-        carried before keys held the digest (still accepted when read).
+        and never overwrites the one an earlier message points to.
         """
-        if sha256 is None:
-            return f"{self.run}/trajectories/{group_id}.arrow"
         return f"{self.run}/trajectories/{group_id}.{sha256}.arrow"
-
-    def claim_keys(self, group_id: str, sha256: str) -> tuple[str, str]:
-        """The keys a claim pointer of this run for `group_id` with body digest `sha256` may name: current, legacy."""
-        return self.trajectory_key(group_id, sha256), self.trajectory_key(group_id)

@@ -5,9 +5,11 @@
     generator ◄── PromptQueue.take() ◄─────────────┘ PromptLease: in_progress() while rolling out,
                                                      done() only after the group is published
 
-One message per prompt: the `pipeline.wire.prompts.Prompt` as JSON (answer, tags, metadata and the admission
-``policy_version`` included), ``Nats-Msg-Id`` = prompt id, so admitting a prompt twice stores it once.
-A message that does not decode is dead-lettered (reason `bad_prompt`), never dropped; a generator that
+One message per prompt: the `pipeline.wire.prompts.Prompt` as JSON (its ``schema_version``, answer, tags,
+metadata and the admission ``policy_version`` included), ``Nats-Msg-Id`` = prompt id, so admitting a prompt
+twice stores it once. Publishes are bounded and retried like the trajectories' (`pipeline/wire/jetstream.py`).
+A message that does not decode, or is in a schema version this build does not read, is dead-lettered
+(reason `bad_prompt`), never dropped; a generator that
 finds a prompt it can never roll out (`PromptLease.reject`, e.g. ``invalid_token_ids``) dead-letters it too,
 so it neither comes back forever nor takes a batch down with it.
 A generator that dies holding a prompt stops heartbeating; after `prompt_ack_wait_s` the server
@@ -28,30 +30,33 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
+from pipeline.wire.headers import H_MSG_ID
+from pipeline.wire.jetstream import (
+    ACK_TIMEOUT_S,
+    DUPLICATE_WINDOW_S,
+    BoundedPublisher,
+    DeadLetterError,
+    DeadLetters,
+    PublishSettings,
+    ensure_stream,
+    pull,
+    receive,
+)
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompts import Prompt, PromptError
-from pipeline.wire.transport import (
-    DUPLICATE_WINDOW_S,
-    H_MSG_ID,
-    DeadLetters,
-    TrajectoryPublisher,
-    _ensure_stream,
-)
 
 PROMPT_FETCH_TIMEOUT_S = 1.0
 """Default long-poll of one `take`; returns [] after it."""
-ACK_TIMEOUT_S = 5.0
-"""How long `PromptLease.done` waits for the server to confirm the ack."""
+PROMPT_DEAD_LETTER_TRIES = 1
+"""Deliveries the server allows past `prompt_max_deliver`: the one that dead-letters the prompt, not run."""
 
 
-class PromptSettings(Protocol):
-    """The `stream` config fields the prompt queue reads (plus the publish ones of `StreamSettings`)."""
+class PromptSettings(PublishSettings, Protocol):
+    """The `stream` config fields (`pipeline.config.StreamConfig`) the prompt queue reads, publish ones included."""
 
     prompt_ack_wait_s: float
     prompt_max_deliver: int
     max_msg_bytes: int
-    publish_ack_timeout_s: float
-    publish_retries: int
     replicas: int
 
 
@@ -90,7 +95,7 @@ class PromptLease:
 
 async def ensure_prompt_queue(js: JetStreamContext, names: RunNames, stream: PromptSettings) -> None:
     """The work-queue stream and the generators' durable consumer (idempotent)."""
-    await _ensure_stream(
+    await ensure_stream(
         js,
         StreamConfig(
             name=names.prompt_stream,
@@ -107,7 +112,7 @@ async def ensure_prompt_queue(js: JetStreamContext, names: RunNames, stream: Pro
         durable_name=names.generator_consumer,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=stream.prompt_ack_wait_s,
-        max_deliver=stream.prompt_max_deliver + 1,
+        max_deliver=stream.prompt_max_deliver + PROMPT_DEAD_LETTER_TRIES,
         filter_subject=names.prompt_subject,
     )
     await js.add_consumer(names.prompt_stream, config)
@@ -120,15 +125,15 @@ class PromptQueue:
         self._js = js
         self._names = names
         self._stream = stream
-        self._publisher = TrajectoryPublisher(js, names, stream)  # type: ignore[arg-type]
+        self._publisher = BoundedPublisher(js, stream)
         self._sub: JetStreamContext.PullSubscription | None = None
         self.dead_letters = DeadLetters(js, names.prompt_dead_letter_subject)
 
     async def admit(self, prompt: Prompt) -> bool:
         """Enqueue a prompt (`Nats-Msg-Id` = prompt id); False if the queue already had it (deduped).
 
-        Raises `pipeline.wire.transport.PublishError` when the server does not confirm it after the retries."""
-        ack, _ = await self._publisher.publish_raw(
+        Raises `pipeline.wire.jetstream.PublishError` when the server does not confirm it after the retries."""
+        ack, _ = await self._publisher.publish(
             self._names.prompt_subject,
             prompt.to_json(),
             {H_MSG_ID: prompt.prompt_id},
@@ -147,37 +152,19 @@ class PromptQueue:
             self._sub = await self._js.pull_subscribe_bind(
                 self._names.generator_consumer, stream=self._names.prompt_stream
             )
-        try:
-            msgs = await self._sub.fetch(max_prompts, timeout=timeout_s)
-        except asyncio.TimeoutError:  # nats-py raises both its own and the plain asyncio one
-            return []
         leases = []
-        for msg in msgs:
+        for msg in await pull(self._sub, max_prompts, timeout_s):
             lease = await self._receive(msg)
             if lease is not None:
                 leases.append(lease)
         return leases
 
     async def _receive(self, msg: Msg) -> PromptLease | None:
-        delivered = msg.metadata.num_delivered
-        if delivered > self._stream.prompt_max_deliver:
-            await self.dead_letters.dispose(
-                msg,
-                "max_deliveries",
-                f"delivered {delivered} times without an ack (limit {self._stream.prompt_max_deliver})",
-            )
+        max_deliver = self._stream.prompt_max_deliver
+        prompt = await receive(msg, self.dead_letters, max_deliver=max_deliver, decode=_decode_prompt)
+        if prompt is None:
             return None
-        try:
-            prompt = Prompt.from_json(msg.data)
-        except PromptError as exc:
-            await self.dead_letters.dispose(msg, "bad_prompt", str(exc))
-            return None
-        return PromptLease(prompt, msg, delivered, self.dead_letters)
-
-    async def pending(self) -> int:
-        """Prompts waiting in the queue (not yet delivered)."""
-        info = await self._js.consumer_info(self._names.prompt_stream, self._names.generator_consumer)
-        return info.num_pending
+        return PromptLease(prompt, msg, msg.metadata.num_delivered, self.dead_letters)
 
     async def close(self) -> None:
         if self._sub is not None:
@@ -186,6 +173,14 @@ class PromptQueue:
             except nats.errors.Error:
                 pass
             self._sub = None
+
+
+async def _decode_prompt(msg: Msg) -> Prompt:
+    """The prompt of `msg`; a payload that is not a valid prompt record is a `bad_prompt` dead letter."""
+    try:
+        return Prompt.from_json(msg.data)
+    except PromptError as exc:
+        raise DeadLetterError("bad_prompt", str(exc)) from exc
 
 
 __all__: Sequence[str] = [

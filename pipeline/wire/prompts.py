@@ -2,14 +2,18 @@
 
 One record end to end: a `Task` yields it (``policy_version`` -1), the trainer stamps the version it
 held at admission (`pipeline.wire.prompt_queue.queue_prompt`) and enqueues it as JSON, a generator decodes
-it, rolls it out and hands the same record to the task's verifier. On the queue (`pipeline.wire.prompt_queue`) one prompt is one JSON object::
+it, rolls it out and hands the same record to the task's verifier. On the queue (`pipeline.wire.prompt_queue`)
+one prompt is one JSON object::
 
-    {"prompt_id": "reverse_digits-s0-41.3", "text": "4821>", "token_ids": null, "answer": "1284",
-     "tags": ["reverse"], "metadata": {"difficulty": 2}, "policy_version": 7}
+    {"schema_version": 1, "prompt_id": "reverse_digits-s0-41.3", "text": "4821>", "token_ids": null,
+     "answer": "1284", "tags": ["reverse"], "metadata": {"difficulty": 2}, "policy_version": 7}
 
 Exactly one of ``text`` and ``token_ids`` is set. ``policy_version`` is what the generator's sync floor
-reads (the rule is in `pipeline/rl/staleness.py`). A payload that fails validation raises `PromptError`
-naming the field; the queue dead-letters such a message instead of dropping it.
+reads (the rule is in `pipeline/rl/staleness.py`). ``schema_version`` is `PROMPT_SCHEMA_VERSION`: trainer
+and generators are launched independently and may run different builds, so a record says which format it
+is in, and a reader refuses one it was not built for (or one that does not say) instead of guessing from
+its fields. A payload that fails validation raises `PromptError` naming the field; the queue dead-letters
+such a message (`bad_prompt`) instead of dropping it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ import orjson
 
 from pipeline.wire.trajectory import ID_RE
 
-WIRE_FIELDS = frozenset({"prompt_id", "text", "token_ids", "answer", "tags", "metadata", "policy_version"})
+PROMPT_SCHEMA_VERSION = 1
+"""Format of the prompt JSON object, carried in its ``schema_version``; bump it on any change of the fields."""
+WIRE_FIELDS = frozenset(
+    {"schema_version", "prompt_id", "text", "token_ids", "answer", "tags", "metadata", "policy_version"}
+)
 """The keys of a prompt's JSON object; any other key makes the payload invalid."""
 
 
@@ -74,6 +82,7 @@ class Prompt:
     def to_json(self) -> bytes:
         return orjson.dumps(
             {
+                "schema_version": PROMPT_SCHEMA_VERSION,
                 "prompt_id": self.prompt_id,
                 "text": self.text,
                 "token_ids": None if self.token_ids is None else list(self.token_ids),
@@ -93,9 +102,18 @@ class Prompt:
             raise PromptError(f"not JSON: {exc}") from exc
         if not isinstance(obj, dict):
             raise PromptError(f"expected a JSON object, got {str(obj)[:80]}")
+        if "schema_version" not in obj:
+            raise PromptError(
+                f"prompt {obj.get('prompt_id')!r}: schema_version missing (this build reads {PROMPT_SCHEMA_VERSION})"
+            )
+        version = obj["schema_version"]
+        if type(version) is not int or version != PROMPT_SCHEMA_VERSION:
+            raise PromptError(
+                f"prompt {obj.get('prompt_id')!r}: schema_version {version!r} unknown "
+                f"(this build reads {PROMPT_SCHEMA_VERSION})"
+            )
         if unknown := set(obj) - WIRE_FIELDS:
             raise PromptError(f"unknown prompt fields {sorted(unknown)} (expected {sorted(WIRE_FIELDS)})")
-        obj = _lift_legacy_metadata(obj)
         tags = obj.get("tags") or ()
         if not isinstance(tags, list | tuple):
             raise PromptError(f"prompt {obj.get('prompt_id')!r}: tags must be a list")
@@ -108,23 +126,3 @@ class Prompt:
             tags=tuple(tags),
             policy_version=obj.get("policy_version", -1),
         )
-
-
-LEGACY_METADATA_FIELDS = ("answer", "tags", "policy_version")
-"""Fields the first prompt wire format (before `Prompt` was one record) carried inside ``metadata``."""
-
-
-def _lift_legacy_metadata(obj: dict[str, Any]) -> dict[str, Any]:
-    """Read a prompt written by the first wire format, so a queue filled before an upgrade still drains.
-
-    That format had no top-level ``answer``/``tags``/``policy_version``; the trainer put them into
-    ``metadata``. A payload with any of them at the top level is read as the current format.
-    """
-    metadata = obj.get("metadata")
-    if any(key in obj for key in LEGACY_METADATA_FIELDS) or not isinstance(metadata, dict):
-        return obj
-    if not any(key in metadata for key in LEGACY_METADATA_FIELDS):
-        return obj
-    metadata = dict(metadata)
-    lifted = {key: metadata.pop(key) for key in LEGACY_METADATA_FIELDS if key in metadata}
-    return {**obj, **lifted, "metadata": metadata}

@@ -234,14 +234,10 @@ def local_nats(root: str | Path | None = None) -> Iterator[LocalNats]:
 async def jetstream_stats(url: str, groups: list[TrajectoryGroup], num_groups: int) -> dict[str, float]:
     """Publish `num_groups` (acked) while a durable consumer decodes, validates and acks them; wall time of both."""
     from pipeline.config import StreamConfig
+    from pipeline.wire.consumer import TrajectoryConsumer, ensure_trainer_consumer
+    from pipeline.wire.jetstream import connect
     from pipeline.wire.names import RunNames
-    from pipeline.wire.transport import (
-        TrajectoryConsumer,
-        TrajectoryPublisher,
-        connect,
-        ensure_trainer_consumer,
-        ensure_trajectory_streams,
-    )
+    from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams
 
     names = RunNames.for_run(f"bench-{int(time.time() * 1000)}")
     stream = StreamConfig(max_bytes=4 * 1024**3)
