@@ -16,6 +16,7 @@ from pipeline.wire.codec import (
     decode_group,
     encode_group,
     group_to_record_batch,
+    inflated_size,
     read_parquet,
     write_parquet,
 )
@@ -148,6 +149,45 @@ def test_huge_declared_decompressed_length_is_a_decode_error():
     data[at : at + 8] = struct.pack("<q", 2**40)
     with pytest.raises(CodecError):
         decode_group(bytes(data))
+
+
+def test_a_decompression_bomb_is_refused_from_the_metadata_before_inflating():
+    """A few KB of zstd that would inflate to 13 MB: refused as `too_large` under a 1 MB cap."""
+    bomb = _zeros_group(1 << 20)
+    data = encode_group(bomb)
+    assert len(data) < 64 * 1024
+    assert inflated_size(pa.py_buffer(data)) >= bomb.num_tokens * 13
+    with pytest.raises(CodecError) as refused:
+        decode_group(data, max_decoded_bytes=1024 * 1024)
+    assert refused.value.reason == "too_large"
+    assert decode_group(data).num_tokens == bomb.num_tokens  # under the default cap it is an honest group
+
+
+def test_a_declared_terabyte_is_refused_as_too_large_without_allocating_it():
+    g = _group(num_samples=1)
+    data = bytearray(encode_group(g))
+    at = data.find(struct.pack("<q", g.num_tokens * 4))  # the zstd tokens buffer's uncompressed-length prefix
+    data[at : at + 8] = struct.pack("<q", 2**40)
+    with pytest.raises(CodecError) as refused:
+        decode_group(bytes(data))
+    assert refused.value.reason == "too_large"
+
+
+def test_inflated_size_counts_raw_and_compressed_buffers_alike():
+    batch = group_to_record_batch(_group())
+    raw, packed = _ipc(batch, compression=None), _ipc(batch)
+    assert inflated_size(pa.py_buffer(raw)) == inflated_size(pa.py_buffer(packed)) > 0
+
+
+def _zeros_group(num_tokens: int) -> TrajectoryGroup:
+    mask = np.r_[np.zeros(8, np.uint8), np.ones(num_tokens - 8, np.uint8)]
+    sample = Sample(
+        tokens=np.zeros(num_tokens, np.int32),
+        loss_mask=mask,
+        logprobs=np.zeros(num_tokens, np.float32),
+        versions=np.where(mask == 1, 0, -1).astype(np.int32),
+    )
+    return TrajectoryGroup.from_samples(group_id="bomb", prompt_id="p", generator_id="gen-0", samples=[sample])
 
 
 def test_truncated_streams_are_decode_errors():

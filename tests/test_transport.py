@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import struct
 import time
@@ -29,7 +30,7 @@ from pipeline.config import StreamConfig
 from pipeline.wire.claim_check import CLAIM_CHECK_MAX_BYTES
 from pipeline.wire.codec import TRAJECTORY_SCHEMA, encode_group, group_to_record_batch
 from pipeline.wire.consumer import TrajectoryConsumer, ensure_trainer_consumer
-from pipeline.wire.headers import H_CLAIM_CHECK, H_DLQ_REASON, H_MIN_VERSION
+from pipeline.wire.headers import H_CLAIM_CHECK, H_DLQ_REASON, H_MIN_VERSION, H_NUM_TOKENS
 from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams, group_headers
@@ -389,7 +390,12 @@ def _bad_message(kind: str, data: st.DataObject, group_id: str, names: RunNames)
         pattern = struct.pack("<q", good.num_tokens * 4)  # a zstd buffer's declared uncompressed length
         at = raw.find(pattern)
         raw[at : at + 8] = struct.pack("<q", data.draw(st.sampled_from([2**31, 2**40, 2**62])))
-        return _Case(headers, bytes(raw), {"decode_error"})
+        return _Case(headers, bytes(raw), {"too_large"})
+    if kind == "decompression_bomb":  # a few KB that inflate to megabytes more than the headers announce
+        return _Case(headers, _bomb_body(), {"too_large"})
+    if kind == "tokens_header_mismatch":
+        said = good.num_tokens + data.draw(st.sampled_from([-1, 1, 64]))
+        return _Case({**headers, H_NUM_TOKENS: str(said)}, encode_group(good), {"header_mismatch"})
     body = encode_group(good)
     own_key = names.trajectory_key(group_id, _sha(body))
     if kind == "missing_claim":
@@ -439,6 +445,15 @@ def _bad_message(kind: str, data: st.DataObject, group_id: str, names: RunNames)
     return _Case(junk, body, {"schema_mismatch", "bad_headers", "header_mismatch"})
 
 
+@functools.cache
+def _bomb_body() -> bytes:
+    """One sample of 2^21 zero tokens: ~27 MB decoded from a few KB (built once for every example)."""
+    bomb = _one_sample_group("bomb", np.zeros(1 << 21, np.int64))
+    body = encode_group(bomb)
+    assert len(body) < 64 * 1024
+    return body
+
+
 class _FlakyStore(FileStore):
     """A FileStore whose next `failures` reads raise ConnectionError, as an unreachable S3 endpoint does."""
 
@@ -477,6 +492,8 @@ KINDS = [
     "wrong_schema",
     "lengths_disagree",
     "huge_length",
+    "decompression_bomb",
+    "tokens_header_mismatch",
     "missing_claim",
     "invalid_claim_key",
     "foreign_claim",

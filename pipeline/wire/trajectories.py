@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from pipeline.wire.claim_check import CLAIM_CHECK_MAX_BYTES, ClaimStore, store_claim
-from pipeline.wire.codec import CodecError, decode_group, encode_group
+from pipeline.wire.codec import MAX_DECODED_BYTES, CodecError, decode_group, encode_group
 from pipeline.wire.headers import (
     H_CLAIM_CHECK,
     H_MAX_VERSION,
@@ -186,6 +186,26 @@ def int_header(headers: Mapping[str, str], name: str) -> int:
         ) from exc
 
 
+DECODED_BYTES_PER_TOKEN = 13
+"""tokens (int32) + loss_mask (uint8) + logprobs (float32) + versions (int32)."""
+DECODED_BYTES_PER_SAMPLE = 64 * 1024
+"""Generous room for one row's ids, tags, scalars and offsets; a row with more is refused as `too_large`."""
+DECODED_BYTES_PER_GROUP = 1024 * 1024
+"""Schema-independent slack: buffer padding and validity bitmaps."""
+
+
+def decoded_bytes_bound(num_samples: int, num_tokens: int) -> int:
+    """The most a group of this many samples and tokens can inflate to: the decoder's cap for its message.
+
+    Derived from the headers, so a body that would inflate past what its headers announce is refused
+    before decompression (a decompression bomb), and never more than the codec's absolute cap.
+    """
+    if num_samples < 0 or num_tokens < 0:
+        raise DeadLetterError("bad_headers", f"negative sizes in headers: {num_samples} samples, {num_tokens} tokens")
+    bound = DECODED_BYTES_PER_GROUP + num_samples * DECODED_BYTES_PER_SAMPLE + num_tokens * DECODED_BYTES_PER_TOKEN
+    return min(bound, MAX_DECODED_BYTES)
+
+
 def decode_payload(headers: Mapping[str, str] | None, data: bytes) -> TrajectoryGroup:
     """Decode an inline body and check it against its headers; raise `DeadLetterError` with the reason.
 
@@ -196,9 +216,9 @@ def decode_payload(headers: Mapping[str, str] | None, data: bytes) -> Trajectory
     if version != str(SCHEMA_VERSION):
         raise DeadLetterError("schema_mismatch", f"header {H_SCHEMA}={version!r}, expected {SCHEMA_VERSION}")
     min_v, max_v = int_header(headers, H_MIN_VERSION), int_header(headers, H_MAX_VERSION)
-    num_samples = int_header(headers, H_NUM_SAMPLES)
+    num_samples, num_tokens = int_header(headers, H_NUM_SAMPLES), int_header(headers, H_NUM_TOKENS)
     try:
-        group = decode_group(data)
+        group = decode_group(data, max_decoded_bytes=decoded_bytes_bound(num_samples, num_tokens))
     except CodecError as exc:
         raise DeadLetterError(exc.reason, str(exc)) from exc
     except TrajectoryValidationError as exc:
@@ -208,6 +228,7 @@ def decode_payload(headers: Mapping[str, str] | None, data: bytes) -> Trajectory
         (H_MIN_VERSION, min_v, group.group_min_version),
         (H_MAX_VERSION, max_v, group.group_max_version),
         (H_NUM_SAMPLES, num_samples, group.num_samples),
+        (H_NUM_TOKENS, num_tokens, group.num_tokens),
     )
     for name, said, actual in checks:
         if said != actual:
