@@ -123,7 +123,8 @@ class SamplingConfig(Section):
 
 class EngineConfig(Section):
     kind: Literal["torch"] = "torch"
-    """Inference engine: `torch` (in-process HF transformers on `engine.device`), the only one built so far."""
+    """Inference engine: `torch` (in-process on `engine.device`, its own forward over a slot KV cache:
+    `actors/generator/engines/`), the only one built so far."""
     device: str = "cpu"
     """Torch device for the torch engine (`cpu`, `cuda`, `cuda:1`)."""
     torch_threads: int = Field(1, ge=1)
@@ -158,7 +159,8 @@ class TrainerConfig(Section):
     batch_groups: int = Field(16, ge=1)
     """Trainable groups per optimizer step."""
     max_steps: int = Field(300, ge=1)
-    """Stop after publishing this many versions."""
+    """Stop once this many trainer steps (one batch each) are taken; a resume continues the checkpoint's count,
+    a replay counts its own. Not versions: each resume also publishes one, so versions run ahead of steps."""
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -172,7 +174,7 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(8192, ge=1)
     """Token budget of one packed micro-batch."""
     minibatches: int = Field(1, ge=1)
-    """Optimizer sub-steps per version (decoupled_ppo uses several)."""
+    """Optimizer updates per trainer step, each on its share of the batch (decoupled_ppo uses several)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the backend."""
     packing: bool = True
@@ -182,7 +184,7 @@ class TrainerConfig(Section):
     lm_head_chunk_tokens: int | None = Field(None, ge=0)
     """Chunked LM head: log-probs from this many tokens' logits at a time. None: 4096 on CUDA, off on CPU; 0: off."""
     checkpoint_every: int = Field(50, ge=1)
-    """Write a resumable checkpoint every this many versions."""
+    """Write a resumable checkpoint every this many trainer steps (and at the end of a session)."""
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for the trainer process."""
     device: str = "cpu"
@@ -240,7 +242,7 @@ class AdvantagesConfig(Section):
     std_normalize: bool = False
     """Divide advantages by the group's reward std."""
     loss_norm: Literal["constant", "token_mean"] = "constant"
-    """Loss divisor: a constant token budget (Dr. GRPO) or the number of trained tokens."""
+    """Loss divisor: a constant token budget (Dr. GRPO) or the minibatch's loss tokens (MIS-rejected ones included)."""
     constant_tokens: int | None = Field(None, ge=1)
     """Divisor for loss_norm=constant. None: batch_groups * group_size * max_new_tokens."""
 

@@ -1,4 +1,7 @@
-"""The `torch` training backend: an HF causal LM with fp32 master weights and AdamW, on CPU or one GPU.
+"""The `torch` training backend: an HF causal LM with fp32 master weights and AdamW, on the CPU or a GPU.
+
+One process trains alone; several ranks (`leeway trainer --nproc N`, torchrun) shard the model with
+FSDP2 and each trains its share of every minibatch (`actors/trainer/backends/data_parallel.py`).
 
 Decisions the trainer relies on:
 - Master weights and optimizer state are fp32. Autocast (bf16) is on by default only on a CUDA
