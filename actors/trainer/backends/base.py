@@ -150,6 +150,8 @@ class StepResult:
 
     @property
     def skipped_minibatches(self) -> int:
+        """Updates skipped for a non-finite gradient norm; the trainer logs it per step
+        (``trainer/skipped_minibatches``), since a skipped update otherwise only shows as a NaN norm."""
         return sum(m.skipped for m in self.minibatches)
 
 
