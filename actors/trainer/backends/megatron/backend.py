@@ -24,8 +24,11 @@ micro-batch packing and dropout rule; see `actors/trainer/backends/torch_backend
 - Pipeline parallel runs one micro-batch at a time through the stages (`stages.py`); the last
   stage computes log-probs and calls loss_fn, and its results reach every rank. A model with tied
   embeddings is refused with pipeline parallel > 1.
-- Not built: packed (THD) micro-batches (``trainer.packing`` does not apply) and activation
-  checkpointing (refused).
+- Not built: packed (THD) micro-batches, liger kernels, the chunked LM head and activation
+  checkpointing. ``trainer.packing``, ``fused_kernels`` and ``lm_head_chunk_tokens`` are never read
+  here; `pipeline/config.py` (`backend_conflicts`) refuses at load the values that ask for them
+  (``fused_kernels: on``, a positive chunk) and warns about the others. Activation checkpointing
+  is refused here.
 """
 
 from __future__ import annotations
