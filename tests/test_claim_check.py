@@ -39,7 +39,7 @@ from pipeline.wire.transport import (
     fetch_claim,
     parse_claim_check,
 )
-from storage.objectstore import FileStore
+from storage.filestore import FileStore
 from storage.s3 import S3Options, S3Store
 
 

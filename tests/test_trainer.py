@@ -44,7 +44,8 @@ from pipeline.wire.transport import (
     connect,
     ensure_trajectory_streams,
 )
-from storage.objectstore import FileStore, ObjectNotFound, ObjectStore
+from storage.filestore import FileStore
+from storage.objectstore import ObjectNotFound, ObjectStore
 from storage.weights import list_versions
 
 REPO = Path(__file__).resolve().parents[1]

@@ -34,8 +34,8 @@ from actors.trainer.rank_group import decode_batch, encode_batch, owned_tensors
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import TrainSequence
+from storage.filestore import FileStore
 from storage.manifest import Manifest, manifest_key
-from storage.objectstore import FileStore
 from storage.weights import WeightSubscriber
 
 cleanup = test_run.cleanup

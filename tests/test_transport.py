@@ -40,7 +40,7 @@ from pipeline.wire.transport import (
     ensure_trajectory_streams,
     group_headers,
 )
-from storage.objectstore import FileStore
+from storage.filestore import FileStore
 from storage.s3 import S3Options, S3Store
 
 

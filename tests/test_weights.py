@@ -11,8 +11,9 @@ import torch
 
 import storage.publisher as publisher
 from infra.stack import StackState, load_credentials
+from storage.filestore import FileStore
 from storage.manifest import Manifest, ManifestError, PartSpec, TensorSpec, config_hash, latest_key
-from storage.objectstore import FileStore, ObjectStore
+from storage.objectstore import ObjectStore
 from storage.retention import versions_to_delete
 from storage.s3 import S3Options, S3Store
 from storage.weights import PullPlan, WeightPublisher, WeightSubscriber, list_versions
