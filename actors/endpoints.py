@@ -19,7 +19,8 @@ from infra.nats_server import redact_url
 from infra.stack import StackState, load_credentials, load_state, stack_status
 from pipeline.config import LeewayConfig
 from pipeline.wire.jetstream import connect
-from storage.objectstore import ObjectStore, open_store
+from storage.objectstore import ObjectStore
+from storage.stores import open_store
 
 
 class EndpointError(RuntimeError):

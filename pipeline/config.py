@@ -6,7 +6,10 @@ precedence: the YAML file, then `LEEWAY_<SECTION>__<KEY>=value` environment vari
 `--set section.key=value` flags, each overriding the one before.
 
 Values that name parts which are planned but not built (`UNBUILT_VALUES`, `UNBUILT_KEYS`) fail at load
-time with a message that says so and names what exists instead, rather than at start-up of a role.
+time with a message that says so and names what exists instead, rather than at start-up of a role; so do
+keys that were removed (`REMOVED_KEYS`), with the reason. Settings the chosen `trainer.backend` never
+reads are checked at load too (`backend_conflicts`): refused where ignoring them would give the user
+something other than what the value asks for, logged as a warning where it would not.
 
 This module must import without torch or transformers: the CLI parses and validates a config before it
 decides which heavy pieces to load.
@@ -14,15 +17,18 @@ decides which heavy pieces to load.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.wire.names import validate_run_name
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "LEEWAY_"
 MiB = 1024 * 1024
@@ -41,6 +47,27 @@ UNBUILT_KEYS: dict[str, str] = {
     "engine.sglang_url": "there is no SGLang engine to point at; remove the key (the torch engine runs in-process)",
 }
 """Dotted keys of planned parts that have not landed -> what to do instead; any value is rejected."""
+
+REMOVED_KEYS: dict[str, str] = {
+    "logging.metrics_jsonl": (
+        "`<run.dir>/metrics.jsonl` is always written: the live view of `leeway run`, `leeway fleet status`, "
+        "the roll-back of `--resume` and the guard against reusing a run directory all read it; remove the key"
+    ),
+}
+"""Dotted keys that no longer exist -> why, and what to do; any value is rejected (not as an unknown key,
+which would read as a typo)."""
+
+
+class BackendConflicts(ValueError):
+    """Settings the chosen `trainer.backend` would ignore although their value asks for something.
+
+    `conflicts` holds (dotted key, value, why) per setting, so that `build_config` can report each
+    on its own line with the override that set it.
+    """
+
+    def __init__(self, conflicts: list[tuple[str, Any, str]]) -> None:
+        self.conflicts = conflicts
+        super().__init__("; ".join(f"{key} = {value!r}: {why}" for key, value, why in conflicts))
 
 
 class Section(BaseModel):
@@ -121,7 +148,8 @@ class SamplingConfig(Section):
 
 class EngineConfig(Section):
     kind: Literal["torch"] = "torch"
-    """Inference engine: `torch` (in-process HF transformers on `engine.device`), the only one built so far."""
+    """Inference engine: `torch` (in-process on `engine.device`, its own forward over a slot KV cache:
+    `actors/generator/engines/`), the only one built so far."""
     device: str = "cpu"
     """Torch device for the torch engine (`cpu`, `cuda`, `cuda:1`)."""
     torch_threads: int = Field(1, ge=1)
@@ -156,7 +184,8 @@ class TrainerConfig(Section):
     batch_groups: int = Field(16, ge=1)
     """Trainable groups per optimizer step."""
     max_steps: int = Field(300, ge=1)
-    """Stop after publishing this many versions."""
+    """Stop once this many trainer steps (one batch each) are taken; a resume continues the checkpoint's count,
+    a replay counts its own. Not versions: each resume also publishes one, so versions run ahead of steps."""
     lr: float = Field(1e-3, gt=0)
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -170,21 +199,24 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(8192, ge=1)
     """Token budget of one packed micro-batch."""
     minibatches: int = Field(1, ge=1)
-    """Optimizer sub-steps per version (decoupled_ppo uses several)."""
+    """Optimizer updates per trainer step, each on its share of the batch (decoupled_ppo uses several)."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the backend."""
     packing: bool = True
-    """Concatenate whole sequences into one row per micro-batch (document mask, no padding); false: right-pad."""
+    """Concatenate whole sequences into one row per micro-batch (document mask, no padding); false: right-pad.
+    Torch backend only: megatron always right-pads."""
     fused_kernels: Literal["auto", "on", "off"] = "auto"
-    """liger-kernel RoPE/RMSNorm/SwiGLU (the `gpu` extra). auto: on for CUDA when installed; on: required."""
+    """liger-kernel RoPE/RMSNorm/SwiGLU (the `gpu` extra). auto: on for CUDA when installed; on: required.
+    Torch backend only (`on` is refused under megatron)."""
     lm_head_chunk_tokens: int | None = Field(None, ge=0)
-    """Chunked LM head: log-probs from this many tokens' logits at a time. None: 4096 on CUDA, off on CPU; 0: off."""
+    """Chunked LM head: log-probs from this many tokens' logits at a time. None: 4096 on CUDA, off on CPU; 0: off.
+    Torch backend only (a positive value is refused under megatron)."""
     checkpoint_every: int = Field(50, ge=1)
-    """Write a resumable checkpoint every this many versions."""
+    """Write a resumable checkpoint every this many trainer steps (and at the end of a session)."""
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for the trainer process."""
     device: str = "cpu"
-    """Torch device of the torch backend (`cpu`, `cuda`, `cuda:1`)."""
+    """Torch device the trainer's backend trains on (`cpu`, `cuda`, `cuda:1`)."""
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend: `torch` (HF model, AdamW, FSDP2 over ranks) or `megatron` (megatron-core, the `megatron` extra)."""
     queue_wait_timeout_s: float = Field(600.0, gt=0)
@@ -196,6 +228,8 @@ class TrainerConfig(Section):
 
 
 class MegatronConfig(Section):
+    """Read only under `trainer.backend: megatron`; a non-default value under `torch` is refused."""
+
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks that split each layer (megatron-core TP); must divide the KV heads. Data parallel = world / (TP x PP)."""
     pipeline_parallel_size: int = Field(1, ge=1)
@@ -238,7 +272,7 @@ class AdvantagesConfig(Section):
     std_normalize: bool = False
     """Divide advantages by the group's reward std."""
     loss_norm: Literal["constant", "token_mean"] = "constant"
-    """Loss divisor: a constant token budget (Dr. GRPO) or the number of trained tokens."""
+    """Loss divisor: a constant token budget (Dr. GRPO) or the minibatch's loss tokens (MIS-rejected ones included)."""
     constant_tokens: int | None = Field(None, ge=1)
     """Divisor for loss_norm=constant. None: batch_groups * group_size * max_new_tokens."""
 
@@ -293,10 +327,11 @@ class StreamConfig(Section):
 
 
 class LoggingConfig(Section):
+    """`<run.dir>/metrics.jsonl`, one object per trainer step, is always written; TensorBoard and W&B get
+    the same records."""
+
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level."""
-    metrics_jsonl: bool = True
-    """Write `<run.dir>/metrics.jsonl`, one object per trainer step."""
     tensorboard: bool = False
     """Also write TensorBoard scalars under `<run.dir>/tb` (needs the tensorboard package)."""
     wandb_project: str | None = None
@@ -332,6 +367,16 @@ class LeewayConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
 
+    @model_validator(mode="after")
+    def _backend_reads_its_settings(self) -> LeewayConfig:
+        """Refuse what `trainer.backend` would ignore against the user's intent; warn about the rest."""
+        refused, ignored = backend_conflicts(self)
+        if refused:
+            raise BackendConflicts(refused)
+        for key, value, why in ignored:
+            log.warning("%s = %r has no effect: %s", key, value, why)
+        return self
+
     @property
     def uses_embedded_stack(self) -> bool:
         """True unless the config names external servers for both NATS and S3."""
@@ -340,6 +385,59 @@ class LeewayConfig(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def backend_conflicts(config: LeewayConfig) -> tuple[list[tuple[str, Any, str]], list[tuple[str, Any, str]]]:
+    """(refused, ignored): settings `config.trainer.backend` never reads, as (dotted key, value, why).
+
+    Refused: the value asks for something the backend will not do (liger kernels required, a bounded
+    LM-head memory, tensor or pipeline parallelism). Ignored: a non-default value whose absence changes
+    nothing the user asked for (the backend does that anyway, or the setting only trades speed and
+    memory for the same numbers). Default values are never reported: `to_yaml` writes every key, and
+    the roles `leeway run` starts load that file.
+    """
+    refused: list[tuple[str, Any, str]] = []
+    ignored: list[tuple[str, Any, str]] = []
+    trainer = config.trainer
+    if trainer.backend == "megatron":
+        if trainer.fused_kernels == "on":
+            refused.append(
+                (
+                    "trainer.fused_kernels",
+                    "on",
+                    "trainer.backend 'megatron' never applies liger kernels, and 'on' asks to fail without them; "
+                    "set auto or off",
+                )
+            )
+        elif trainer.fused_kernels == "off":
+            ignored.append(("trainer.fused_kernels", "off", "trainer.backend 'megatron' applies no liger kernels"))
+        if trainer.lm_head_chunk_tokens:
+            refused.append(
+                (
+                    "trainer.lm_head_chunk_tokens",
+                    trainer.lm_head_chunk_tokens,
+                    "trainer.backend 'megatron' computes the vocabulary-parallel logits of a micro-batch whole, "
+                    "so the LM-head memory would not be bounded; set 0 or null (or lower trainer.micro_batch_tokens)",
+                )
+            )
+        elif trainer.lm_head_chunk_tokens == 0:
+            ignored.append(("trainer.lm_head_chunk_tokens", 0, "trainer.backend 'megatron' never chunks the LM head"))
+        if not trainer.packing:
+            ignored.append(("trainer.packing", False, "trainer.backend 'megatron' always right-pads micro-batches"))
+    else:
+        defaults = MegatronConfig()
+        for name in MegatronConfig.model_fields:
+            value = getattr(config.megatron, name)
+            if value != getattr(defaults, name):
+                refused.append(
+                    (
+                        f"megatron.{name}",
+                        value,
+                        f"trainer.backend {trainer.backend!r} has no megatron-core parallelism or layer spec; "
+                        "set trainer.backend: megatron, or remove the key",
+                    )
+                )
+    return refused, ignored
 
 
 def _parse_scalar(text: str) -> Any:
@@ -404,11 +502,16 @@ def _source(key: str, sources: Mapping[str, str]) -> str:
 
 
 def _describe(error: Mapping[str, Any], sources: Mapping[str, str]) -> str:
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, BackendConflicts):  # a check across sections: one line per key, each with its source
+        return "\n  ".join(f"{k} = {v!r}: {why}{_source(k, sources)}" for k, v, why in cause.conflicts)
     key = ".".join(str(p) for p in error["loc"])
     source = _source(key, sources)
     if error["type"] == "extra_forbidden":
         return f"{key}: unknown key{source}"
     message = str(error["msg"]).removeprefix("Value error, ")
+    if not key:
+        return f"{message}{source}"
     return f"{key} = {error.get('input')!r}: {message}{source}"
 
 
@@ -423,7 +526,8 @@ def _lookup(tree: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
 
 
 def _unbuilt_errors(tree: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
-    """One line per key of `tree` that selects a part which is not built yet (see `UNBUILT_VALUES`)."""
+    """One line per key of `tree` that selects a part which is not built yet (see `UNBUILT_VALUES`) or
+    that was removed (`REMOVED_KEYS`)."""
     lines = []
     for (dotted, value), instead in UNBUILT_VALUES.items():
         present, found = _lookup(tree, dotted)
@@ -433,6 +537,10 @@ def _unbuilt_errors(tree: Mapping[str, Any], sources: Mapping[str, str]) -> list
         present, found = _lookup(tree, dotted)
         if present:
             lines.append(f"{dotted} = {found!r}: not built yet; {instead}{_source(dotted, sources)}")
+    for dotted, why in REMOVED_KEYS.items():
+        present, found = _lookup(tree, dotted)
+        if present:
+            lines.append(f"{dotted} = {found!r}: removed; {why}{_source(dotted, sources)}")
     return lines
 
 
@@ -441,7 +549,8 @@ def build_config(
 ) -> LeewayConfig:
     """Validate a config tree; `sources` maps overridden dotted keys to where they came from, for errors.
 
-    Unbuilt parts are reported before anything else: their keys would otherwise read as typos.
+    Unbuilt parts and removed keys are reported before anything else: their keys would otherwise read as
+    typos.
     """
     unbuilt = _unbuilt_errors(tree, sources or {})
     if unbuilt:
@@ -484,7 +593,11 @@ def config_reference() -> str:
 
 
 def _section_reference(prefix: str, model: Any) -> list[str]:
-    lines = [f"### `{prefix}`", "", "| key | default | meaning |", "| --- | --- | --- |"]
+    lines = [f"### `{prefix}`", ""]
+    doc = model.__dict__.get("__doc__")  # the section's own docstring, if it has one (not inherited)
+    if doc:
+        lines += [" ".join(doc.split()), ""]
+    lines += ["| key | default | meaning |", "| --- | --- | --- |"]
     nested = []
     for name, field in model.model_fields.items():
         annotation = field.annotation

@@ -15,9 +15,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import safetensors.torch
 import torch
@@ -31,14 +30,10 @@ from storage.manifest import (
     TensorSpec,
     manifest_key,
     part_key,
-    validate_run,
 )
 from storage.objectstore import ObjectStore, PreconditionFailed
 from storage.retention import prune_versions
-from storage.weights_base import MiB, VersionConflict, advance_latest, byte_view, dtype_name, read_latest
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from storage.weights_base import MiB, RunWeights, VersionConflict, advance_latest, byte_view, dtype_name
 
 __all__ = ["SEGMENT_ELEMS", "StagedParts", "WeightPublisher"]
 
@@ -100,7 +95,7 @@ class StagedParts:
     buffers: Mapping[str, torch.Tensor]
 
 
-class WeightPublisher:
+class WeightPublisher(RunWeights):
     """Trainer side. Keeps the previous version (CPU, served dtype) to compute exact deltas.
 
     A publisher started fresh (or after a resume) has no previous version in memory, so its first
@@ -128,7 +123,7 @@ class WeightPublisher:
     ) -> None:
         if full_every < 1 or keep_versions < 1 or part_bytes < 1 or parallelism < 1 or grace_s < 0:
             raise ValueError("full_every, keep_versions, part_bytes and parallelism must be >= 1, grace_s >= 0")
-        self.store, self.run = store, validate_run(run)
+        super().__init__(store, run, parallelism=parallelism, thread_name_prefix="weights-pub")
         self.model_config_hash, self.dtype = model_config_hash, dtype
         self.dtype_name = dtype_name(dtype)
         self.full_every, self.keep_versions, self.grace_s = full_every, keep_versions, grace_s
@@ -136,24 +131,10 @@ class WeightPublisher:
         # Retention lists and deletes a few objects; every keep_versions/2 versions keeps at most 1.5x
         # keep_versions stored at half the requests (it was a third of a tiny model's publish time).
         self.prune_every = max(1, keep_versions // 2)
-        self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="weights-pub")
         self._prev: dict[str, torch.Tensor] | None = None
         self._spare: dict[str, torch.Tensor] = {}
         self._prev_version: int | None = None
         self._manifests: dict[int, Manifest] = {}
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def latest_version(self) -> int | None:
-        """The run's `LATEST` (None if nothing was published), e.g. to choose the next version on resume."""
-        return read_latest(self.store, self.run)
 
     def publish(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> Manifest:
         """Publish `version`; returns its manifest once it exists and `LATEST` is at least `version`.

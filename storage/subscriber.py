@@ -13,21 +13,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
 from storage.delta_codec import apply_delta, tensor_bits
-from storage.manifest import Manifest, ManifestError, PartSpec, manifest_key, validate_run
+from storage.manifest import Manifest, ManifestError, PartSpec, manifest_key
 from storage.objectstore import ObjectNotFound, ObjectStore
-from storage.weights_base import DTYPE_NAMES, NoVersionError, WeightPullError, byte_view, read_latest, tensor_hash
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from storage.weights_base import DTYPE_NAMES, NoVersionError, RunWeights, WeightPullError, byte_view, tensor_hash
 
 __all__ = ["PullPlan", "WeightSubscriber"]
 
@@ -91,7 +87,7 @@ def _rollback(tensors: dict[str, torch.Tensor], undo: _Undo) -> None:
         raw[c.words * 8 :][c.tail_positions] = c.old_tail
 
 
-class WeightSubscriber:
+class WeightSubscriber(RunWeights):
     """Generator side. Holds `tensors` (CPU, served dtype) at `version` and pulls newer versions into them.
 
     `pull` changes the tensors in place (the dict and its tensor objects stay the same), so callers
@@ -111,27 +107,13 @@ class WeightSubscriber:
     ) -> None:
         if (tensors is None) != (version is None):
             raise ValueError("give both tensors and the version they hold, or neither")
-        self.store, self.run = store, validate_run(run)
+        super().__init__(store, run, parallelism=parallelism, thread_name_prefix="weights-sub")
         self.model_config_hash = model_config_hash
         self.tensors: dict[str, torch.Tensor] = tensors if tensors is not None else {}
         self.version = version
         self._hashes: dict[str, str] | None = None  # verified hashes of `tensors`, None until checked
         self._manifests: dict[int, Manifest] = {}
-        self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix="weights-sub")
         self._scratch = threading.local()  # per-thread buffer for one segment's old bytes, reused
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def latest(self) -> int | None:
-        """The run's newest published version per `LATEST`, or None if nothing was published."""
-        return read_latest(self.store, self.run)
 
     def manifest(self, version: int) -> Manifest:
         """The checked manifest of `version`; `ManifestError` if missing, invalid, or of another run/model."""
@@ -178,7 +160,7 @@ class WeightSubscriber:
     def pull(self, want: int | None = None) -> int:
         """Bring `tensors` to `want` (default: LATEST); returns the version now held. See `storage.weights`."""
         if want is None:
-            want = self.latest()
+            want = self.latest_version()
             if want is None:
                 raise NoVersionError(f"run {self.run!r} has no published weights version")
         if want == self.version:

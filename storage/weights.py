@@ -22,7 +22,7 @@ Failure behaviour:
 - Manifests of another run or model config, or that are truncated or invalid: `ManifestError`.
 
 Modules: `storage.publisher` (trainer side), `storage.subscriber` (generator side), `storage.weights_base`
-(errors, tensor hashing, dtypes, the `LATEST` pointer), `storage.manifest` (format and layout),
+(errors, tensor hashing, dtypes, the `LATEST` pointer, the sides' common base), `storage.manifest` (format and layout),
 `storage.retention` (what is deleted when). Import from here: `from storage.weights import ...`.
 """
 

@@ -1,4 +1,5 @@
-"""What both sides of the weight store share: errors, tensor hashing, dtypes, the `LATEST` pointer.
+"""What both sides of the weight store share: errors, tensor hashing, dtypes, the `LATEST` pointer, and
+`RunWeights`, the base of the publisher and the subscriber (store, run, thread pool, close, `LATEST`).
 
 Users import these from the facade `storage.weights`; `storage.publisher` and `storage.subscriber`
 import them from here.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +20,9 @@ from storage.delta_codec import tensor_bits
 from storage.manifest import ManifestError, latest_key, validate_run
 from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
 from storage.retention import scan_versions
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,30 @@ class WeightPullError(WeightStoreError):
     def __init__(self, message: str, *, version: int, part: str, tensor: str) -> None:
         super().__init__(message)
         self.version, self.part, self.tensor = version, part, tensor
+
+
+class RunWeights:
+    """What `WeightPublisher` and `WeightSubscriber` have alike: one run of one store, a thread pool for
+    parallel transfers and hashing (released by `close` or the end of a ``with`` block), and the run's
+    `LATEST`. Written once so that the two sides cannot drift apart in how they close or read it."""
+
+    def __init__(self, store: ObjectStore, run: str, *, parallelism: int, thread_name_prefix: str) -> None:
+        self.store, self.run = store, validate_run(run)
+        self._pool = ThreadPoolExecutor(max_workers=parallelism, thread_name_prefix=thread_name_prefix)
+
+    def close(self) -> None:
+        """Wait for the pool's running tasks and release its threads; the object is not used afterwards."""
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def latest_version(self) -> int | None:
+        """The run's `LATEST` (None if nothing was published yet), e.g. the next version on resume is one past it."""
+        return read_latest(self.store, self.run)
 
 
 def tensor_hash(tensor: torch.Tensor) -> str:

@@ -30,7 +30,7 @@ from pipeline.wire.names import RunNames
 from pipeline.wire.replay import ReplayReader, ReplaySelection
 from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from storage.objectstore import FileStore
+from storage.filestore import FileStore
 from storage.s3 import S3Options, S3Store
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -214,6 +215,76 @@ def test_the_built_choices_still_load() -> None:
     assert (cfg.engine.kind, cfg.trainer.backend) == ("torch", "torch")
     cfg = load_config(None, ["trainer.backend=megatron", "megatron.tensor_parallel_size=2"], environ={})
     assert (cfg.trainer.backend, cfg.megatron.tensor_parallel_size) == ("megatron", 2)
+
+
+# ---- settings the chosen backend would ignore ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key_and_value"),
+    [
+        (("trainer.backend=megatron", "trainer.fused_kernels='on'"), "trainer.fused_kernels = 'on'"),
+        (("trainer.backend=megatron", "trainer.lm_head_chunk_tokens=1024"), "trainer.lm_head_chunk_tokens = 1024"),
+        (("megatron.tensor_parallel_size=2",), "megatron.tensor_parallel_size = 2"),
+        (("megatron.pipeline_parallel_size=2",), "megatron.pipeline_parallel_size = 2"),
+        (("megatron.use_transformer_engine=false",), "megatron.use_transformer_engine = False"),
+    ],
+)
+def test_a_setting_the_backend_would_ignore_against_its_meaning_is_refused(
+    overrides: tuple[str, ...], key_and_value: str
+) -> None:
+    message = _error(None, overrides)
+    line = next(line for line in message.splitlines() if key_and_value in line)
+    assert "trainer.backend" in line and f"(from --set {key_and_value.split(' = ')[0]})" in line
+
+
+def test_every_refused_setting_gets_its_own_line_and_a_file_is_named(tmp_path: Path) -> None:
+    text = "trainer:\n  backend: megatron\n  fused_kernels: 'on'\n  lm_head_chunk_tokens: 64\n"
+    path = _write(tmp_path, text)
+    message = _error(path)
+    assert message.startswith(f"{path}: invalid config:")
+    lines = message.splitlines()[1:]
+    assert [line.split(" = ")[0].strip() for line in lines] == ["trainer.fused_kernels", "trainer.lm_head_chunk_tokens"]
+    assert "(from" not in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (("trainer.backend=megatron", "trainer.packing=false"), "trainer.packing"),
+        (("trainer.backend=megatron", "trainer.fused_kernels='off'"), "trainer.fused_kernels"),
+        (("trainer.backend=megatron", "trainer.lm_head_chunk_tokens=0"), "trainer.lm_head_chunk_tokens"),
+    ],
+)
+def test_a_harmless_setting_the_backend_ignores_loads_with_a_warning(
+    overrides: tuple[str, ...], key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="pipeline.config"):
+        load_config(None, overrides, environ={})
+    assert [r.getMessage().split(" = ")[0] for r in caplog.records] == [key]
+    assert "has no effect" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_a_written_out_config_of_either_backend_loads_again_without_warnings(
+    backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`leeway run` writes every key (defaults included) to `<run.dir>/config.yaml` and the roles load it."""
+    written = load_config(None, [f"trainer.backend={backend}"], environ={}).to_yaml()
+    with caplog.at_level(logging.WARNING, logger="pipeline.config"):
+        again = load_config(_write(tmp_path, written), environ={})
+    assert again.trainer.backend == backend and not caplog.records
+
+
+# ---- removed keys ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["false", "true"])
+def test_metrics_jsonl_is_gone_and_the_error_says_the_file_is_always_written(tmp_path: Path, value: str) -> None:
+    message = _error(_write(tmp_path, f"logging:\n  metrics_jsonl: {value}\n"))
+    assert f"logging.metrics_jsonl = {value.capitalize()}: removed" in message
+    assert "metrics.jsonl` is always written" in message and "--resume" in message
+    assert "unknown key" not in message
 
 
 # ---- reference and import weight ---------------------------------------------------------------------------

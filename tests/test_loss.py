@@ -8,7 +8,7 @@ import torch
 
 from pipeline.rl.advantages import compute_advantages, valid_mask
 from pipeline.rl.correction import corrected_token_loss
-from pipeline.rl.loss import aggregate_loss, sample_loss_mask
+from pipeline.rl.loss import aggregate_loss
 
 NUM_TOKENS = 5
 VOCAB = 7
@@ -100,7 +100,8 @@ def _step(groups: list[list[dict]], weight: torch.Tensor, *, loss_norm: str) -> 
     logp = torch.log_softmax(features @ weight, dim=-1).gather(
         -1, torch.stack([s["tokens"] for s in samples])[..., None]
     )[..., 0]
-    mask = sample_loss_mask(torch.stack([s["token_mask"] for s in samples]), torch.from_numpy(np.concatenate(valid)))
+    # as `prepare_group` does: an invalid sample's loss mask is all zeros
+    mask = torch.stack([s["token_mask"] for s in samples]) & torch.from_numpy(np.concatenate(valid))[:, None]
     adv_tokens = torch.from_numpy(np.concatenate(advantages))[:, None].expand(-1, NUM_TOKENS)
     out = corrected_token_loss(
         logp,
@@ -110,8 +111,16 @@ def _step(groups: list[list[dict]], weight: torch.Tensor, *, loss_norm: str) -> 
         staleness=torch.zeros_like(mask, dtype=torch.long),
         method="tis",
     )
-    # budget: batch_groups (2) * group_size (4) * max_new_tokens (4), the same whatever failed
-    return aggregate_loss(out.token_loss, out.trained_mask, loss_norm=loss_norm, constant_tokens=2 * 4 * 4), advantages
+    # budget: batch_groups (2) * group_size (4) * max_new_tokens (4), the same whatever failed; token_mean
+    # divides by the minibatch's loss tokens, as `CorrectedObjective` does
+    loss = aggregate_loss(
+        out.token_loss,
+        out.trained_mask,
+        loss_norm=loss_norm,
+        constant_tokens=2 * 4 * 4,
+        num_trained_tokens=int(mask.sum()),
+    )
+    return loss, advantages
 
 
 @pytest.mark.parametrize("loss_norm", ["constant", "token_mean"])

@@ -19,7 +19,7 @@ from test_run import DEMO_DEADLINE_S, ROLE_STOP_DEADLINE_S, _shared_stack_config
 
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
-from storage.objectstore import FileStore
+from storage.filestore import FileStore
 
 REPO = Path(__file__).resolve().parents[1]
 cleanup = test_run.cleanup

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -12,8 +14,10 @@ import pytest
 from botocore.exceptions import ReadTimeoutError
 
 from infra.stack import StackState, load_credentials
-from storage.objectstore import FileStore, ObjectNotFound, ObjectStore, PreconditionFailed, open_store
+from storage.filestore import FileStore
+from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
 from storage.s3 import S3Options, S3Store
+from storage.stores import open_store
 
 MiB = 1024 * 1024
 RACERS = 8
@@ -243,3 +247,15 @@ def test_open_store_picks_the_implementation_by_url(tmp_path: Path, stack: Stack
         open_store(tmp_path.as_uri(), bogus=1)
     with pytest.raises(TypeError):
         open_store("s3://b/p", bogus=1)
+
+
+def test_the_interface_imports_no_implementation_and_the_opener_no_boto3() -> None:
+    """Code that only uses a store imports `storage.objectstore`; boto3 loads when an s3:// store is opened."""
+    code = (
+        "import sys, storage.objectstore\n"
+        "loaded = [m for m in ('boto3', 'storage.s3', 'storage.filestore', 'storage.stores') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "import storage.stores\n"
+        "assert 'boto3' not in sys.modules and 'storage.s3' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

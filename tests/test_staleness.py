@@ -101,23 +101,23 @@ def test_staleness_stats_of_an_empty_batch_are_none() -> None:
 
 
 def test_admission_allows_k_plus_one_steps_of_groups_at_the_start() -> None:
-    assert admissible_prompts(version=0, max_staleness=2, batch_groups=4, outstanding=0, trained=0) == 12
-    assert admissible_prompts(version=0, max_staleness=0, batch_groups=4, outstanding=4, trained=0) == 0
+    assert admissible_prompts(steps=0, max_staleness=2, batch_groups=4, outstanding=0, trained=0) == 12
+    assert admissible_prompts(steps=0, max_staleness=0, batch_groups=4, outstanding=4, trained=0) == 0
 
 
 def test_a_discarded_group_returns_its_admission_slot() -> None:
     # 12 admitted, 4 consumed in a step: 3 trained, 1 filtered. The filtered one is neither outstanding
     # nor trained, so one more prompt may enter besides the step's batch_groups.
-    after_step = admissible_prompts(version=1, max_staleness=2, batch_groups=4, outstanding=8, trained=3)
+    after_step = admissible_prompts(steps=1, max_staleness=2, batch_groups=4, outstanding=8, trained=3)
     assert after_step == 16 - 8 - 3 == 5
 
 
 def test_admission_never_goes_negative_and_names_bad_counts() -> None:
-    assert admissible_prompts(version=0, max_staleness=0, batch_groups=1, outstanding=5, trained=0) == 0
+    assert admissible_prompts(steps=0, max_staleness=0, batch_groups=1, outstanding=5, trained=0) == 0
     with pytest.raises(ValueError, match="outstanding"):
-        admissible_prompts(version=0, max_staleness=0, batch_groups=1, outstanding=-1, trained=0)
+        admissible_prompts(steps=0, max_staleness=0, batch_groups=1, outstanding=-1, trained=0)
     with pytest.raises(ValueError, match="trainer.batch_groups"):
-        admissible_prompts(version=0, max_staleness=0, batch_groups=0, outstanding=0, trained=0)
+        admissible_prompts(steps=0, max_staleness=0, batch_groups=0, outstanding=0, trained=0)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 3])
@@ -126,7 +126,7 @@ def test_admission_keeps_in_order_consumption_inside_the_cap(max_staleness: int)
     batch, queue, trained, version = 4, [], 0, 0
     for _ in range(30):
         count = admissible_prompts(
-            version=version, max_staleness=max_staleness, batch_groups=batch, outstanding=len(queue), trained=trained
+            steps=version, max_staleness=max_staleness, batch_groups=batch, outstanding=len(queue), trained=trained
         )
         queue.extend([version] * count)
         step, queue = queue[:batch], queue[batch:]

@@ -41,7 +41,8 @@ from pipeline.wire.prompt_queue import PromptLease, PromptQueue
 from pipeline.wire.replay import ReplayReader, ReplaySelection
 from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from storage.objectstore import FileStore, ObjectNotFound, ObjectStore
+from storage.filestore import FileStore
+from storage.objectstore import ObjectNotFound, ObjectStore
 from storage.weights import list_versions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,6 +231,7 @@ def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: Sta
     assert sorted(set(announced)) == [0, 1, 2, 3]
     assert list_versions(store, cfg.run.name)[-4:] == [0, 1, 2, 3]
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
+    assert all(r["trainer/skipped_minibatches"] == 0 for r in records)
 
 
 def test_masked_tokens_policy_keeps_the_fresh_samples(stack: StackState, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from actors.trainer.metrics_log import roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
 from pipeline.config import LeewayConfig
 from pipeline.tasks import get_task
-from storage.objectstore import FileStore
+from storage.filestore import FileStore
 
 RUN = "ckpt-run"
 

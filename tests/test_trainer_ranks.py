@@ -35,8 +35,8 @@ from infra.process import free_port
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import TrainSequence
+from storage.filestore import FileStore
 from storage.manifest import Manifest, manifest_key
-from storage.objectstore import FileStore
 from storage.weights import WeightSubscriber
 
 cleanup = test_run.cleanup

@@ -11,8 +11,9 @@ import torch
 
 import storage.publisher as publisher
 from infra.stack import StackState, load_credentials
+from storage.filestore import FileStore
 from storage.manifest import Manifest, ManifestError, PartSpec, TensorSpec, config_hash, latest_key
-from storage.objectstore import FileStore, ObjectStore
+from storage.objectstore import ObjectStore
 from storage.retention import versions_to_delete
 from storage.s3 import S3Options, S3Store
 from storage.weights import PullPlan, WeightPublisher, WeightSubscriber, list_versions
@@ -101,7 +102,7 @@ def test_a_subscriber_following_every_version_is_bit_exact_and_keeps_its_tensor_
         assert sub.pull(v) == v
         assert _bits_equal(sub.tensors, versions[v])
         assert all(sub.tensors[n] is held[n] for n in held)
-    assert sub.latest() == 5 and list_versions(store, "run1") == [0, 1, 2, 3, 4, 5]
+    assert sub.latest_version() == 5 and list_versions(store, "run1") == [0, 1, 2, 3, 4, 5]
     sub.close()
 
 
@@ -147,7 +148,7 @@ def test_latest_never_moves_backward(tmp_path: Path) -> None:
     with WeightPublisher(store, "run4", model_config_hash=CONFIG_HASH) as late:
         late.publish(7, versions[2])
         late.publish(5, versions[1])  # a slow publisher finishing an older version
-    assert WeightSubscriber(store, "run4").latest() == 7
+    assert WeightSubscriber(store, "run4").latest_version() == 7
 
 
 def test_a_resumed_publisher_starts_with_a_full_snapshot_whose_parent_is_the_latest(tmp_path: Path) -> None:

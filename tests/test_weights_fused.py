@@ -11,7 +11,7 @@ import torch
 import storage.publisher as publisher
 import storage.subscriber as subscriber
 import storage.weights as weights
-from storage.objectstore import FileStore
+from storage.filestore import FileStore
 from storage.weights import WeightPublisher, WeightPullError, WeightSubscriber
 from storage.weights_base import byte_view
 

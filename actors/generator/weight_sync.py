@@ -98,7 +98,7 @@ class StoreWeightSource:
         self._subscriber = subscriber
 
     def latest(self) -> int | None:
-        return self._subscriber.latest()
+        return self._subscriber.latest_version()
 
     def pull(self, version: int) -> Pulled:
         have = self._subscriber.version

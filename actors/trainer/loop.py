@@ -401,6 +401,7 @@ class Trainer:
             "time_s": time.time() - self.started_at_s,
             "loss": result.loss,
             "grad_norm": result.grad_norm,
+            "trainer/skipped_minibatches": result.skipped_minibatches,
             "entropy": result.entropy_mean,
             **reward_metrics(batch.consumed),
             **counts,

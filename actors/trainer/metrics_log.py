@@ -25,11 +25,14 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricsLog:
-    """One JSON object per step in `path` (flushed per line), plus TensorBoard / W&B when configured."""
+    """One JSON object per step in `path` (flushed per line), plus TensorBoard / W&B when configured.
+
+    The file is always written: the live view, `leeway fleet status`, the resume roll-back and the
+    run-directory guard of `leeway run` read it, so it is not optional (TensorBoard and W&B are extras).
+    """
 
     def __init__(self, cfg: LeewayConfig, path: Path) -> None:
         self.path = path
-        self._jsonl = cfg.logging.metrics_jsonl
         self._tb: SummaryWriter | None = None
         self._wandb: Any = None  # a wandb run; wandb is optional, so it stays untyped here
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,12 +53,11 @@ class MetricsLog:
             self._wandb = wandb.init(
                 project=cfg.logging.wandb_project, name=cfg.run.name, config=cfg.model_dump(mode="json"), resume="allow"
             )
-        self._file = open(path, "ab") if self._jsonl else None  # closed in close()
+        self._file = open(path, "ab")  # closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-            self._file.flush()
+        self._file.write(orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        self._file.flush()
         step = int(record["step"])
         if self._tb is not None:
             for key, value in _scalars(record).items():
@@ -64,8 +66,7 @@ class MetricsLog:
             self._wandb.log(_scalars(record), step=step)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -322,7 +322,7 @@ class LiveSession:
         assert self.prompt_feed is not None, "admit before start"
         dropped = state.discarded_groups + state.dead_lettered_groups + pending_dropped
         count = admissible_prompts(
-            version=state.step,
+            steps=state.step,
             max_staleness=self.cfg.staleness.max_staleness,
             batch_groups=self.cfg.trainer.batch_groups,
             outstanding=max(0, state.admitted - state.trained_groups - dropped),

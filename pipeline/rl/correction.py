@@ -27,8 +27,9 @@ Invariants:
   sample and on tokens cut by the staleness cap. Stats are means over ``loss_mask`` tokens only,
   so masked samples never dilute them (the RL360 codebase, see ``docs/design.md``, logged
   ``train/tis`` as ``1 - masked/kept`` because its means counted masked tokens).
-- MIS-masked tokens are *not trained*: ``trained_mask`` excludes them, their loss is 0 and the
-  ``token_mean`` normaliser in ``pipeline.rl.loss`` does not count them.
+- MIS-masked tokens are *not trained*: ``trained_mask`` excludes them and their loss is 0. They
+  still count in the trainer's ``token_mean`` divisor, the minibatch's loss tokens (see
+  ``pipeline.rl.loss``).
 - Values at positions outside ``loss_mask`` (NaN log-probs on prompt tokens, garbage staleness)
   never reach the loss, the stats or the gradient.
 """

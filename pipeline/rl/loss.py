@@ -5,8 +5,12 @@
 - ``constant`` (Dr. GRPO, default): ``sum(token_loss) / constant_tokens``, with a fixed token
   budget such as ``batch_groups * group_size * max_new_tokens``. No length bias, and the gradient
   scale of a step does not depend on how many samples failed, were filtered or were masked.
-- ``token_mean``: ``sum(token_loss) / number of trained tokens``. Trained tokens are the loss
-  tokens of valid samples that correction did not reject (``CorrectedLoss.trained_mask``).
+- ``token_mean``: ``sum(token_loss) / number of loss tokens``. The trainer
+  (`actors/trainer/objective.py`) passes the minibatch's loss-token count as ``num_trained_tokens``
+  (`LossExtras.minibatch_loss_tokens`): the loss tokens of valid samples, *including* tokens MIS
+  rejected, because a divisor that depended on the correction would need a pass over the whole
+  minibatch before the first backward. Only without ``num_trained_tokens`` (one call over a whole
+  batch) is the divisor ``trained_mask``'s count, which excludes the rejected tokens.
 
 Invariant (RL360's step 70; RL360 is the open-source RL codebase behind the K2 Horizon models, see
 `docs/design.md`, "Rewards, groups and failures"): masked samples (infra failures, missing rewards,
@@ -14,9 +18,12 @@ dropped by the staleness cap) never enter a denominator. Adding them to a batch 
 the gradient; ``tests/test_loss.py`` checks this with autograd. RL360 divided by the sample count
 including masked samples and shrank one step's gradient by x0.59.
 
-With gradient accumulation or data parallelism, ``token_mean`` must divide by the *step's* trained
-token count, not a micro-batch's: pass it as ``num_trained_tokens`` (summed over micro-batches and
-all-reduced over ranks).
+With gradient accumulation or data parallelism, ``token_mean`` must divide by the minibatch's token
+count, not a micro-batch's: pass it as ``num_trained_tokens`` (counted over every micro-batch and
+rank; the backends hand it to the loss_fn as `LossExtras.minibatch_loss_tokens`).
+
+Invalid samples reach this module with a loss mask of zeros: `pipeline.rl.batching.prepare_group`
+zeroes it before the trainer builds its batch.
 """
 
 from __future__ import annotations
@@ -28,20 +35,6 @@ from torch import Tensor
 
 LossNorm = Literal["constant", "token_mean"]
 LOSS_NORMS: tuple[str, ...] = ("constant", "token_mean")
-
-
-def sample_loss_mask(loss_mask: Tensor, sample_valid: Tensor) -> Tensor:
-    """``loss_mask [samples, tokens]`` with every token of an invalid sample zeroed, as bool.
-
-    Build the mask handed to ``pipeline.rl.correction`` with this, so a masked sample's tokens are
-    out of the loss, the stats and the ``token_mean`` count at once.
-    """
-    if loss_mask.dim() != 2 or sample_valid.shape != loss_mask.shape[:1]:
-        raise ValueError(
-            f"loss_mask must be [samples, tokens] and sample_valid [samples]; got {tuple(loss_mask.shape)} "
-            f"and {tuple(sample_valid.shape)}"
-        )
-    return loss_mask.bool() & sample_valid.bool()[:, None]
 
 
 def loss_denominator(
@@ -73,8 +66,8 @@ def aggregate_loss(
 ) -> Tensor:
     """Scalar loss: the sum of ``token_loss`` over ``trained_mask``, divided per ``loss_norm``.
 
-    ``num_trained_tokens`` overrides the ``token_mean`` count (for micro-batches and ranks; see
-    the module docstring); it is ignored under ``constant``.
+    ``num_trained_tokens`` overrides the ``token_mean`` count (for micro-batches and ranks, and
+    the trainer's MIS-inclusive divisor; see the module docstring); it is ignored under ``constant``.
     """
     if token_loss.shape != trained_mask.shape:
         raise ValueError(f"token_loss has shape {tuple(token_loss.shape)}, trained_mask {tuple(trained_mask.shape)}")

@@ -6,11 +6,14 @@ the trainer holds version ``V``, a token sampled with the weights of version ``v
 little work is wasted (pacing is preferred to dropping: dropping starves slow, hard prompts):
 
 1. **Admission** (trainer, `admissible_prompts`): prompts enter the prompt queue only while
-   ``outstanding + trained <= (V + K + 1) * batch_groups`` (AReaL-style; counts in groups, one
-   prompt = one group; ``outstanding`` = admitted and not yet consumed, ``trained`` = groups that
-   entered an optimizer step). When each step trains ``batch_groups`` groups, at most ``K + 1``
-   steps' worth of groups are outstanding, so a prompt admitted at ``V`` is consumed by a step
-   starting at ``V + K`` at the latest. A group consumed without training (filtered, capped away,
+   ``outstanding + trained <= (S + K + 1) * batch_groups``, ``S`` = optimizer steps the trainer has
+   taken (AReaL-style; counts in groups, one prompt = one group; ``outstanding`` = admitted and not
+   yet consumed, ``trained`` = groups that entered an optimizer step). ``S`` is not ``V``: a resume
+   publishes its checkpoint's weights as one more version, so ``V`` runs ahead of ``S`` afterwards,
+   and a replay takes steps without publishing; the rule paces groups per step of training, so it
+   counts steps. When each step trains ``batch_groups`` groups, at most ``K + 1`` steps' worth of
+   groups are outstanding, so a prompt admitted after ``S`` steps is consumed by a step starting
+   after ``S + K`` steps at the latest. A group consumed without training (filtered, capped away,
    invalid) leaves ``outstanding`` without entering ``trained``: its slot returns.
 2. **Sync floor** (generator, `sync_floor`): before a rollout starts, the engine must hold a
    version ``>= max(newest known, every prompt's admission version) - K``. With ``K = 0`` every
@@ -60,19 +63,20 @@ Weights = TypeVar("Weights")
 # ---- 1. admission (trainer) --------------------------------------------------------------------------
 
 
-def admission_capacity(*, version: int, max_staleness: int, batch_groups: int) -> int:
-    """Groups the rule allows in total at trainer version `version`: ``(V + K + 1) * batch_groups``."""
-    return (version + max_staleness + 1) * batch_groups
+def admission_capacity(*, steps: int, max_staleness: int, batch_groups: int) -> int:
+    """Groups the rule allows in total after `steps` optimizer steps: ``(S + K + 1) * batch_groups``."""
+    return (steps + max_staleness + 1) * batch_groups
 
 
-def admissible_prompts(*, version: int, max_staleness: int, batch_groups: int, outstanding: int, trained: int) -> int:
+def admissible_prompts(*, steps: int, max_staleness: int, batch_groups: int, outstanding: int, trained: int) -> int:
     """How many new prompts may enter the prompt queue now (never negative).
 
-    `version` counts the optimizer steps taken (published or, in replay, not); `outstanding` the
-    admitted groups not yet consumed; `trained` the groups that entered an optimizer step.
+    `steps` (``S``) counts the optimizer steps taken, not the version (see the module docstring);
+    `outstanding` the admitted groups not yet consumed; `trained` the groups that entered an
+    optimizer step.
     """
     for name, value in (
-        ("version", version),
+        ("steps", steps),
         ("outstanding", outstanding),
         ("trained", trained),
         ("staleness.max_staleness", max_staleness),
@@ -81,7 +85,7 @@ def admissible_prompts(*, version: int, max_staleness: int, batch_groups: int, o
             raise ValueError(f"{name}={value!r} must be >= 0")
     if batch_groups < 1:
         raise ValueError(f"trainer.batch_groups={batch_groups!r} must be >= 1")
-    capacity = admission_capacity(version=version, max_staleness=max_staleness, batch_groups=batch_groups)
+    capacity = admission_capacity(steps=steps, max_staleness=max_staleness, batch_groups=batch_groups)
     return max(0, capacity - outstanding - trained)
 
 
@@ -102,14 +106,6 @@ def sync_floor(newest_known: int, max_staleness: int, policy_versions: Sequence[
 def crosses_cap(start_version: int, newest_known: int, max_staleness: int) -> bool:
     """True when tokens sampled at `start_version` are already staler than the cap."""
     return newest_known - start_version > max_staleness
-
-
-# ---- 5. the decay term (trainer's correction) --------------------------------------------------------
-
-
-def decay_weight(staleness: Weights, gamma: float) -> Weights:
-    """``gamma ** staleness``, elementwise (numpy or torch); callers zero the staleness of non-loss tokens."""
-    return gamma**staleness  # type: ignore[operator,return-value]
 
 
 # ---- 4. the cap at the loss (trainer) ----------------------------------------------------------------
@@ -133,7 +129,8 @@ class CapDecision:
 
     @property
     def frac_dropped(self) -> float:
-        """Fraction of samples the cap dropped (logged every step)."""
+        """Fraction of this decision's samples the cap dropped. The trainer applies the cap per group and logs
+        counts instead (`samples/dropped_by_cap` in `pipeline/rl/step_metrics.py`), not this fraction."""
         return self.num_dropped / self.num_samples if self.num_samples else 0.0
 
 
@@ -213,6 +210,17 @@ def staleness_stats(
         versions_spanned=np.array(spanned, dtype=np.int64),
         num_tokens=int(every.size),
     )
+
+
+# ---- the soft term: staleness decay (trainer's correction) ------------------------------------------
+
+
+def decay_weight(staleness: Weights, gamma: float) -> Weights:
+    """``gamma ** staleness``, elementwise (numpy or torch); callers zero the staleness of non-loss tokens."""
+    return gamma**staleness  # type: ignore[operator,return-value]
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
 
 
 def _pairs(versions: Sequence[np.ndarray], loss_masks: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -12,16 +12,21 @@ Weights: a graph reads the model's Parameter tensors by address, so the engine's
 inputs (token ids, positions) are copied into static buffers before each replay; the output logits
 buffer is the graph's own and is consumed (sampled) before the next replay. Each graph has its own memory
 pool, so no replay can overwrite another bucket's output.
+
+The cache knows nothing of the runner that owns it: it gets the dense decode step as a callable, with the
+slot count, the longest sequence and the device that size its buffers and buckets, so `slot_runner.py`
+imports this module and not the reverse.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from actors.generator.engines.slot_runner import FastSlotRunner
+DenseDecode = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""``decode(tokens [n], positions [n], kv_len) -> logits [n, vocab]`` for the dense slots ``[0, n)``, with
+static shapes for a given ``(n, kv_len)`` (`FastSlotRunner.decode_dense` in `slot_runner.py`)."""
 
 MIN_KV_BUCKET = 64
 """Smallest attended length a graph is captured for."""
@@ -34,19 +39,25 @@ def _next_power_of_two(n: int) -> int:
 
 
 class DecodeGraphs:
-    """Captured `FastSlotRunner.decode_dense` calls, keyed by bucket; `run` replays the one that fits."""
+    """Captured `decode` calls, keyed by bucket; `run` replays the one that fits.
 
-    def __init__(self, runner: FastSlotRunner) -> None:
-        self._runner = runner
-        slots = runner.num_slots
-        self._tokens = torch.zeros(slots, dtype=torch.long, device=runner.device)
-        self._positions = torch.zeros(slots, dtype=torch.long, device=runner.device)
+    ``num_slots`` bounds the batch bucket and sizes the static input buffers, ``max_len`` bounds the
+    length bucket, and ``device`` is the CUDA device every graph is captured and replayed on.
+    """
+
+    def __init__(self, decode: DenseDecode, *, num_slots: int, max_len: int, device: torch.device) -> None:
+        self._decode = decode
+        self._num_slots = num_slots
+        self._max_len = max_len
+        self._device = device
+        self._tokens = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self._positions = torch.zeros(num_slots, dtype=torch.long, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def buckets(self, width: int, kv_len: int) -> tuple[int, int]:
         """The (batch, length) bucket a step of ``width`` dense rows attending ``kv_len`` positions runs in."""
-        batch = min(self._runner.num_slots, _next_power_of_two(width))
-        length = min(self._runner.max_len, max(MIN_KV_BUCKET, _next_power_of_two(kv_len)))
+        batch = min(self._num_slots, _next_power_of_two(width))
+        length = min(self._max_len, max(MIN_KV_BUCKET, _next_power_of_two(kv_len)))
         return batch, length
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -58,7 +69,7 @@ class DecodeGraphs:
         self._tokens[:width].copy_(tokens)
         self._positions[:width].copy_(positions)
         key = (batch, length)
-        with torch.cuda.device(self._runner.device):  # the engine thread's current device may be another one
+        with torch.cuda.device(self._device):  # the engine thread's current device may be another one
             if key not in self._graphs:
                 self._graphs[key] = self._capture(batch, length)
             graph, logits = self._graphs[key]
@@ -66,15 +77,15 @@ class DecodeGraphs:
         return logits[:width]
 
     def _capture(self, batch: int, length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        runner = self._runner
+        device = self._device
         tokens, positions = self._tokens[:batch], self._positions[:batch]
-        side = torch.cuda.Stream(device=runner.device)
-        side.wait_stream(torch.cuda.current_stream(runner.device))
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(WARMUP_RUNS):
-                runner.decode_dense(tokens, positions, length)
-        torch.cuda.current_stream(runner.device).wait_stream(side)
+                self._decode(tokens, positions, length)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = runner.decode_dense(tokens, positions, length)
+            logits = self._decode(tokens, positions, length)
         return graph, logits

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from actors.generator.engines.cuda_graphs import DecodeGraphs
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 """``config.model_type`` values `FastSlotRunner` runs as Llama-like decoders (RMSNorm, RoPE, gated MLP, GQA)."""
 
@@ -106,11 +108,9 @@ class FastSlotRunner(SlotRunner):
         ``[slots, kv_heads, positions, head_dim]`` contiguous, so attention reads a slice without a copy."""
         self.key_index = torch.arange(max_len, device=self.device)
         self.row_index = torch.arange(num_slots, device=self.device)
-        self._graphs: Any = None
+        self._graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
-            from actors.generator.engines.cuda_graphs import DecodeGraphs
-
-            self._graphs = DecodeGraphs(self)
+            self._graphs = DecodeGraphs(self.decode_dense, num_slots=num_slots, max_len=max_len, device=self.device)
 
     def _attention(self, block: torch.nn.Module) -> Any:
         return block.attn if self._gpt2 else block.self_attn

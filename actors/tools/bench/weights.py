@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from actors.tools.bench.weights_workload import codec_stats, synthetic_versions
-from storage.objectstore import ObjectStore, open_store
+from storage.objectstore import ObjectStore
+from storage.stores import open_store
 from storage.weights import WeightPublisher, WeightSubscriber
 
 DEFAULT_PARAMS = 100_000_000

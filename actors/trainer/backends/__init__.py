@@ -1,4 +1,4 @@
-"""Training backends: the interface in `base`, the CPU/single-GPU `torch` backend, checkpoint bytes.
+"""Training backends: the interface in `base`, the `torch` backend (CPU or GPU, FSDP2 over several ranks), checkpoint bytes.
 
 `build_backend` picks the backend named by ``trainer.backend``; callers never import a concrete
 backend by hand; the ``megatron`` backend (`actors/trainer/backends/megatron/`) is imported only when

@@ -5,7 +5,8 @@ The trainer owns the objective: importance correction, PPO clipping and loss nor
 a ``loss_fn`` callback (built from ``pipeline.rl.correction`` and ``pipeline.rl.loss``), so the torch
 backend and the Megatron-core one implement the same interface with their own packing and
 parallelism and hand the same ``loss_fn`` the padded ``[S, T]`` layout below. What both do the same
-way around their own forward (the micro-batch layout, the minibatch loop, the dropout and autocast
+way around their own forward (the options they read from the config, the micro-batch layout, the
+minibatch loop, the skip of an update with a non-finite gradient norm, the dropout and autocast
 policy) is written once, at the end of this module.
 
 The record of one sequence, `TrainSequence`, lives in `pipeline/rl/batching.py` (which produces it; its
@@ -32,18 +33,22 @@ A loss_fn built from ``pipeline.rl.correction`` and ``pipeline.rl.loss`` (``vers
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from pipeline.config import LeewayConfig
 from pipeline.rl.batching import ModelLimits, TrainSequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,6 +155,8 @@ class StepResult:
 
     @property
     def skipped_minibatches(self) -> int:
+        """Updates skipped for a non-finite gradient norm; the trainer logs it per step
+        (``trainer/skipped_minibatches``), since a skipped update otherwise only shows as a NaN norm."""
         return sum(m.skipped for m in self.minibatches)
 
 
@@ -242,7 +249,66 @@ def pack_by_token_budget(lengths: Sequence[int], budget_tokens: int) -> list[lis
     return packs
 
 
-# ---- shared by the backends: micro-batch layout, minibatch loop, dropout and autocast policy -----------
+# ---- shared by the backends: options, micro-batch layout, minibatch loop, update, dropout and autocast ---
+
+
+class BackendOptions(TypedDict):
+    """The keyword arguments every backend's constructor takes from the config alike (`backend_options`);
+    each backend's ``from_config`` adds its own (packing, parallel sizes, ...)."""
+
+    lr: float
+    betas: tuple[float, float]
+    adam_eps: float
+    weight_decay: float
+    grad_clip: float
+    micro_batch_tokens: int
+    gradient_checkpointing: bool
+    device: str
+    temperature: float
+
+
+def backend_options(config: LeewayConfig) -> BackendOptions:
+    """AdamW, clipping and micro-batch settings from ``trainer``; the temperature from the sampler (the
+    recomputed log-probs must be those of the distribution the generator sampled from)."""
+    t = config.trainer
+    return BackendOptions(
+        lr=t.lr,
+        betas=t.betas,
+        adam_eps=t.adam_eps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        micro_batch_tokens=t.micro_batch_tokens,
+        gradient_checkpointing=t.gradient_checkpointing,
+        device=t.device,
+        temperature=config.engine.sampling.temperature,
+    )
+
+
+def check_options(temperature: float, grad_clip: float) -> None:
+    """Refuse a temperature or a clip no backend can train with (ValueError naming the value)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (greedy sampling has no log-prob to correct)")
+    if grad_clip <= 0:
+        raise ValueError(f"trainer.grad_clip={grad_clip} must be > 0")
+
+
+def step_unless_non_finite(
+    optimizer: torch.optim.Optimizer, grad_norm: float, clip: Callable[[], None] | None = None
+) -> tuple[float, bool]:
+    """The end of every update: with a finite global `grad_norm`, `clip` (if the backend scales the
+    gradients only now) and the optimizer step; with a non-finite one, no step at all (weights and
+    optimizer state untouched, reported rather than hidden). Gradients are cleared either way.
+    Returns (grad_norm, skipped), as `train_minibatches`' ``optimizer_update`` does."""
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        log.warning("non-finite gradient norm %s: optimizer update skipped", grad_norm)
+    else:
+        if clip is not None:
+            clip()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
 
 _DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
 

@@ -1,4 +1,7 @@
-"""The `torch` training backend: an HF causal LM with fp32 master weights and AdamW, on CPU or one GPU.
+"""The `torch` training backend: an HF causal LM with fp32 master weights and AdamW, on the CPU or a GPU.
+
+One process trains alone; several ranks (`leeway trainer --nproc N`, torchrun) shard the model with
+FSDP2 and each trains its share of every minibatch (`actors/trainer/backends/data_parallel.py`).
 
 Decisions the trainer relies on:
 - Master weights and optimizer state are fp32. Autocast (bf16) is on by default only on a CUDA
@@ -24,8 +27,6 @@ Decisions the trainer relies on:
 from __future__ import annotations
 
 import json
-import logging
-import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -42,12 +43,15 @@ from actors.trainer.backends.base import (
     StepResult,
     TrainBatch,
     TrainingBackend,
+    backend_options,
     bf16_autocast,
     check_loss,
+    check_options,
     default_autocast,
     pack_by_token_budget,
     padded_micro_batch,
     reject_dropout,
+    step_unless_non_finite,
     train_minibatches,
 )
 from actors.trainer.backends.checkpoint_state import (
@@ -85,8 +89,6 @@ from actors.trainer.backends.packing import (
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import ModelLimits
 
-log = logging.getLogger(__name__)
-
 STATE_FORMAT = 1
 """Version of the layout of `state_tensors` / `state_meta`; `load_state` refuses others."""
 
@@ -112,10 +114,7 @@ class TorchBackend(TrainingBackend):
         fused_kernels: FusedSetting = "auto",
         lm_head_chunk_tokens: int | None = None,
     ) -> None:
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (greedy sampling has no log-prob to correct)")
-        if grad_clip <= 0:
-            raise ValueError(f"trainer.grad_clip={grad_clip} must be > 0")
+        check_options(temperature, grad_clip)
         reject_dropout(model)
         self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=torch.float32).eval()
@@ -138,20 +137,13 @@ class TorchBackend(TrainingBackend):
 
     @classmethod
     def from_config(cls, config: LeewayConfig, model: PreTrainedModel, *, autocast: bool | None = None) -> TorchBackend:
-        """The backend of a run: optimizer and packing from ``trainer``, temperature from the sampler."""
+        """The backend of a run: the options every backend reads (`backend_options`), then packing, liger
+        kernels and the chunked LM head, which only this backend reads."""
         t = config.trainer
         return cls(
             model,
-            lr=t.lr,
-            betas=t.betas,
-            adam_eps=t.adam_eps,
-            weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip,
-            micro_batch_tokens=t.micro_batch_tokens,
-            gradient_checkpointing=t.gradient_checkpointing,
-            device=t.device,
+            **backend_options(config),
             autocast=autocast,
-            temperature=config.engine.sampling.temperature,
             packing=t.packing,
             fused_kernels=t.fused_kernels,
             lm_head_chunk_tokens=t.lm_head_chunk_tokens,
@@ -312,13 +304,7 @@ class TorchBackend(TrainingBackend):
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # global over ranks
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            log.warning("non-finite gradient norm %s: optimizer update skipped", grad_norm)
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, skipped
+        return step_unless_non_finite(self.optimizer, grad_norm)
 
     # -- weights and checkpoint state ------------------------------------------------------------
 

@@ -24,13 +24,15 @@ micro-batch packing and dropout rule; see `actors/trainer/backends/torch_backend
 - Pipeline parallel runs one micro-batch at a time through the stages (`stages.py`); the last
   stage computes log-probs and calls loss_fn, and its results reach every rank. A model with tied
   embeddings is refused with pipeline parallel > 1.
-- Not built: packed (THD) micro-batches (``trainer.packing`` does not apply) and activation
-  checkpointing (refused).
+- Not built: packed (THD) micro-batches, liger kernels, the chunked LM head and activation
+  checkpointing. ``trainer.packing``, ``fused_kernels`` and ``lm_head_chunk_tokens`` are never read
+  here; `pipeline/config.py` (`backend_conflicts`) refuses at load the values that ask for them
+  (``fused_kernels: on``, a positive chunk) and warns about the others. Activation checkpointing
+  is refused here.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -48,12 +50,15 @@ from actors.trainer.backends.base import (
     StepResult,
     TrainBatch,
     TrainingBackend,
+    backend_options,
     bf16_autocast,
     check_loss,
+    check_options,
     default_autocast,
     pack_by_token_budget,
     padded_micro_batch,
     reject_dropout,
+    step_unless_non_finite,
     train_minibatches,
 )
 from actors.trainer.backends.checkpoint_state import (
@@ -79,8 +84,6 @@ from actors.trainer.backends.megatron.parallel import init_model_parallel, init_
 from actors.trainer.backends.megatron.stages import Stages, all_gather_json
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import ModelLimits
-
-log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 """Version of the layout of `state_tensors` / `state_meta`; `load_state` refuses others."""
@@ -108,10 +111,7 @@ class MegatronBackend(TrainingBackend):
         gradient_checkpointing: bool = False,
         seed: int = 0,
     ) -> None:
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (greedy sampling has no log-prob to correct)")
-        if grad_clip <= 0:
-            raise ValueError(f"trainer.grad_clip={grad_clip} must be > 0")
+        check_options(temperature, grad_clip)
         if gradient_checkpointing:
             raise ValueError("trainer.gradient_checkpointing: not built for trainer.backend=megatron; set it false")
         reject_dropout(model)
@@ -164,23 +164,16 @@ class MegatronBackend(TrainingBackend):
     def from_config(
         cls, config: LeewayConfig, model: PreTrainedModel, *, autocast: bool | None = None
     ) -> MegatronBackend:
-        """The backend of a run: parallel sizes from ``megatron``, the rest as the torch backend's."""
-        t, m = config.trainer, config.megatron
+        """The backend of a run: the options every backend reads (`backend_options`), then the parallel sizes
+        and layer spec from ``megatron``."""
+        m = config.megatron
         return cls(
             model,
+            **backend_options(config),
             tensor_parallel_size=m.tensor_parallel_size,
             pipeline_parallel_size=m.pipeline_parallel_size,
             use_transformer_engine=None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
-            lr=t.lr,
-            betas=t.betas,
-            adam_eps=t.adam_eps,
-            weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip,
-            micro_batch_tokens=t.micro_batch_tokens,
-            device=t.device,
             autocast=autocast,
-            temperature=config.engine.sampling.temperature,
-            gradient_checkpointing=t.gradient_checkpointing,
             seed=config.run.seed,
         )
 
@@ -370,15 +363,11 @@ class MegatronBackend(TrainingBackend):
         if self.layout.tp_size * self.layout.pp_size > 1:
             dist.all_reduce(square, group=self._model_parallel_group)
         grad_norm = float(square.sqrt())
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            log.warning("non-finite gradient norm %s: optimizer update skipped", grad_norm)
-        else:
-            coef = min(self.grad_clip / (grad_norm + 1e-6), 1.0)
-            torch._foreach_mul_(grads, coef)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, skipped
+
+        def clip() -> None:  # only for a finite norm
+            torch._foreach_mul_(grads, min(self.grad_clip / (grad_norm + 1e-6), 1.0))
+
+        return step_unless_non_finite(self.optimizer, grad_norm, clip)
 
     # -- weights and checkpoint state ------------------------------------------------------------
 
