@@ -92,7 +92,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_reference(args: argparse.Namespace) -> int:
-    from pipeline.config import config_reference
+    from pipeline.config_reference import config_reference
 
     print(config_reference(), end="")
     return 0

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from actors.cli import build_parser, main
-from pipeline.config import config_reference
+from pipeline.config_reference import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, config_reference, load_config
+from pipeline.config import ConfigError, load_config
+from pipeline.config_reference import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
