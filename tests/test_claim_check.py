@@ -15,7 +15,7 @@ import pytest
 from botocore.exceptions import EndpointConnectionError
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from infra.stack import StackState, load_credentials
+from infra.stack import StackState
 from pipeline.config import StreamConfig
 from pipeline.wire.codec import encode_group
 from pipeline.wire.names import RunNames
@@ -40,7 +40,7 @@ from pipeline.wire.transport import (
     parse_claim_check,
 )
 from storage.objectstore import FileStore
-from storage.s3 import S3Options, S3Store
+from tests.support.stores import s3_store
 
 
 def _group(group_id: str, seed: int, num_tokens: int = 2000) -> TrajectoryGroup:
@@ -61,17 +61,6 @@ def _stream(**overrides: object) -> StreamConfig:
 
 def _names() -> RunNames:
     return RunNames.for_run(f"c-{uuid.uuid4().hex[:10]}")
-
-
-def _s3(stack: StackState, prefix: str) -> S3Store:
-    creds = load_credentials(stack.dir)
-    options = S3Options(
-        endpoint=stack.s3_endpoint,
-        region=stack.region,
-        access_key_id=creds.access_key_id,
-        secret_access_key=creds.secret_access_key,
-    )
-    return S3Store(stack.bucket, prefix, options)
 
 
 # --- pure: the pointer and the fetch ----------------------------------------------------------------------------
@@ -150,7 +139,7 @@ def test_a_regenerated_group_never_overwrites_the_claim_object_of_the_first(stac
     """Same group id, other bytes (a prompt redelivered after its generator died): the stream keeps the first
     message (deduped by id), and that message and its replay must still read the first bytes."""
     names, stream = _names(), _stream()
-    store = _s3(stack, f"test-claims/{uuid.uuid4().hex}")
+    store = s3_store(stack, f"test-claims/{uuid.uuid4().hex}")
     first, second = _group("g", seed=1), _group("g", seed=2)
 
     async def main() -> None:
