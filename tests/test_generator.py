@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,7 +32,7 @@ from pipeline.rl.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Prompt
 from pipeline.tasks.char_tokenizer import PAD_ID
 from pipeline.wire.announce import generator_metrics_subject
-from pipeline.wire.prompt_queue import queue_prompt
+from pipeline.wire.prompt_queue import PromptLease, PromptQueue, queue_prompt
 from pipeline.wire.trajectory import TrajectoryGroup, validate_group
 from tests.support.builders import REPO
 from tests.support.generators import (
@@ -141,7 +141,13 @@ def test_a_generator_started_before_the_trainer_waits_for_version_0_then_publish
 
             await trainer.nc.subscribe(generator_metrics_subject(trainer.names), cb=on_report)
             prompt_ids = await trainer.admit(3, policy_version=0)
-            await asyncio.sleep(1.0)
+            admitted_at_s = time.time()
+            # the generator's next report, made after the prompts were queued: running, nothing taken
+            await until(lambda: any(r["time_s"] > admitted_at_s for r in reports))
+            report = next(r for r in reports if r["time_s"] > admitted_at_s)
+            assert (report["version"], report["newest_known_version"], report["rollouts_in_flight"]) == (-1, -1, 0)
+            info = await trainer.prompt_consumer()
+            assert (info.num_pending, info.num_ack_pending) == (3, 0), "a prompt was taken before version 0"
             assert rt.weights.engine_version == -1 and await trainer.stored_groups() == 0
             await trainer.publish(0)
             groups = await trainer.groups(3)
@@ -179,9 +185,21 @@ class _HoldAtStep:
             time.sleep(self.slow_s)
 
 
-def _engine(hook: _HoldAtStep) -> TorchEngine:
+class _AbortNotingEngine(TorchEngine):
+    """The real engine, noting (`aborted`) when the generator tells it to abort."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.aborted = threading.Event()
+
+    def abort(self, request_ids: Collection[str] | None = None) -> None:
+        super().abort(request_ids)
+        self.aborted.set()
+
+
+def _engine(hook: _HoldAtStep) -> _AbortNotingEngine:
     model = build_model(MODEL, vocab_size=TOKENIZER.get_vocab_size(), seed=123, dtype=torch.float32)
-    return TorchEngine(model, pad_token_id=PAD_ID, seed=7, version=-1, on_decode_step=hook)
+    return _AbortNotingEngine(model, pad_token_id=PAD_ID, seed=7, version=-1, on_decode_step=hook)
 
 
 def _reference_logprobs(
@@ -301,6 +319,18 @@ def test_a_late_generator_catches_up_through_the_delta_chain_and_syncs_past_the_
     asyncio.run(main())
 
 
+async def _take_until(
+    queue: PromptQueue, wanted: Callable[[PromptLease], bool], proc: subprocess.Popen[bytes]
+) -> list[PromptLease]:
+    """Take prompts (as a generator would, never heartbeating them) until one is `wanted`; all of them."""
+    taken: list[PromptLease] = []
+    deadline = time.monotonic() + WAIT_S
+    while not any(wanted(lease) for lease in taken):
+        assert time.monotonic() < deadline and proc.poll() is None, f"no wanted prompt among {len(taken)} taken"
+        taken += await queue.take(max_prompts=2, timeout_s=0.5)
+    return taken
+
+
 def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_partial_group(stack, tmp_path) -> None:
     cfg = generator_cfg(stack, unique_run(), "stream.prompt_ack_wait_s=2", "generator.concurrency=1")
     config_path = tmp_path / "config.yaml"
@@ -337,7 +367,17 @@ def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_part
                         break
                     await asyncio.sleep(0.1)
                 assert info is not None and info.num_ack_pending == 1, log_path.read_text()[-3000:]
-                await asyncio.sleep(3.0)  # past the ack wait: heartbeats keep it held while it verifies
+                # a probe taken after the victim's prompt and never heartbeated: when the queue hands it out
+                # again, its ack wait ran out, and so did the victim's prompt's, which only heartbeats held
+                (probe_id,) = await trainer.admit(1, policy_version=0)
+                first = await _take_until(trainer.queue, lambda lease: True, victim)
+                assert [lease.prompt.prompt_id for lease in first] == [probe_id]
+                again = await _take_until(trainer.queue, lambda lease: lease.prompt.prompt_id == probe_id, victim)
+                assert [(lease.prompt.prompt_id, lease.num_delivered) for lease in again] == [(probe_id, 2)], (
+                    "the victim's prompt was handed out again while its generator heartbeated it"
+                )
+                assert (await trainer.prompt_consumer()).num_ack_pending == 2  # the victim's and the probe
+                await again[0].done()
                 assert await trainer.stored_groups() == 0
             finally:
                 victim.kill()
@@ -359,12 +399,14 @@ def test_shutdown_aborts_a_batch_that_outlives_the_grace_and_hands_its_prompts_t
         async with FakeTrainer(cfg) as trainer:
             prompt_ids = await trainer.admit(2, policy_version=0)
             await trainer.publish(0)
-            async with GeneratorRuntime.open(cfg, generator_id="stopping", engine=_engine(hook)) as rt:
+            engine = _engine(hook)
+            async with GeneratorRuntime.open(cfg, generator_id="stopping", engine=engine) as rt:
                 rt.generator.shutdown_grace_s = 0.3
                 run = asyncio.create_task(rt.generator.run())
                 assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
                 rt.generator.request_stop()
-                await asyncio.sleep(1.0)  # past the grace: the engine is told to abort
+                # past the grace the running batch is aborted: release the held decode step only then
+                assert await asyncio.to_thread(engine.aborted.wait, WAIT_S), "the engine was never told to abort"
                 hook.release.set()
                 await asyncio.wait_for(run, timeout=WAIT_S)
                 assert rt.generator.metrics.groups_aborted == 2 and await trainer.stored_groups() == 0
