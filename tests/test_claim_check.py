@@ -19,7 +19,6 @@ from infra.stack import StackState
 from pipeline.config import StreamConfig
 from pipeline.wire.codec import encode_group
 from pipeline.wire.names import RunNames
-from pipeline.wire.trajectory import Sample, TrajectoryGroup
 from pipeline.wire.transport import (
     CLAIM_CHECK_MAX_BYTES,
     H_CLAIM_CHECK,
@@ -40,19 +39,8 @@ from pipeline.wire.transport import (
     parse_claim_check,
 )
 from storage.objectstore import FileStore
+from tests.support.builders import wire_group
 from tests.support.stores import s3_store
-
-
-def _group(group_id: str, seed: int, num_tokens: int = 2000) -> TrajectoryGroup:
-    rng = np.random.default_rng(seed)
-    mask = np.r_[np.zeros(8, np.uint8), np.ones(num_tokens - 8, np.uint8)]
-    sample = Sample(
-        tokens=rng.integers(0, 151_936, num_tokens).astype(np.int32),
-        loss_mask=mask,
-        logprobs=np.where(mask == 1, -0.5, 0).astype(np.float32),
-        versions=np.where(mask == 1, 1, -1).astype(np.int32),
-    )
-    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id="p", generator_id="gen", samples=[sample])
 
 
 def _stream(**overrides: object) -> StreamConfig:
@@ -140,7 +128,10 @@ def test_a_regenerated_group_never_overwrites_the_claim_object_of_the_first(stac
     message (deduped by id), and that message and its replay must still read the first bytes."""
     names, stream = _names(), _stream()
     store = s3_store(stack, f"test-claims/{uuid.uuid4().hex}")
-    first, second = _group("g", seed=1), _group("g", seed=2)
+    first, second = (
+        wire_group("g", seed="1", num_samples=1, num_tokens=2000),
+        wire_group("g", seed="2", num_samples=1, num_tokens=2000),
+    )
 
     async def main() -> None:
         nc = await connect(stack.nats_url, name="test")
@@ -179,7 +170,7 @@ def test_a_group_redelivered_past_max_deliver_is_dead_lettered_instead_of_loopin
             js = nc.jetstream(timeout=10)
             await ensure_trajectory_streams(js, names, stream)
             await ensure_trainer_consumer(js, names, max_deliver=2)
-            await TrajectoryPublisher(js, names, stream).publish(_group("poison", seed=3, num_tokens=32))
+            await TrajectoryPublisher(js, names, stream).publish(wire_group("poison", num_samples=1, num_tokens=32))
             for delivery in (1, 2):  # each trainer takes it and dies before the step commits
                 consumer = await TrajectoryConsumer.bind(js, names, stream)
                 assert consumer.max_deliver == 2
@@ -223,7 +214,7 @@ def test_ensure_trainer_consumer_brings_an_older_consumer_up_to_date_and_keeps_i
             )
             await js.add_consumer(names.trajectory_stream, older)
             await TrajectoryPublisher(js, names, stream).publish_many(
-                [_group(f"g{i}", seed=i, num_tokens=32) for i in range(3)]
+                [wire_group(f"g{i}", num_samples=1, num_tokens=32) for i in range(3)]
             )
             consumer = await TrajectoryConsumer.bind(js, names, stream)
             assert consumer.max_deliver == TRAINER_MAX_DELIVER  # unlimited on the server: enforced here

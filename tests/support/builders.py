@@ -1,7 +1,8 @@
 """Builders of the trainer tests: the char-tokenizer groups a tiny-llama trainer trains on, the config of a run
 on the session stack, and the ways a test runs a trainer (in-process, or `leeway trainer` as a process).
 
-A group here is two samples of `PROMPT` plus four generated tokens; its rewards decide whether it trains
+`wire_group` is the transport tests' group instead: random ids of a large vocabulary, sized by `num_tokens`.
+A trainer group is two samples of `PROMPT` plus four generated tokens; its rewards decide whether it trains
 (`(1.0, 0.0)`: they disagree) or is filtered (`(1.0, 1.0)`), its `version` where the staleness cap puts it.
 """
 
@@ -12,6 +13,7 @@ import os
 import subprocess
 import sys
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -86,6 +88,28 @@ def make_group(group_id: str, version: int = 0, rewards: Sequence[float] = (1.0,
     seed = int.from_bytes(group_id.encode()[-6:], "little")
     samples = [make_sample(r, version, seed + i) for i, r in enumerate(rewards)]
     return TrajectoryGroup.from_samples(group_id=group_id, prompt_id=group_id, generator_id="test", samples=samples)
+
+
+def wire_group(
+    group_id: str, version: int = 3, num_samples: int = 2, num_tokens: int = 48, seed: str | None = None
+) -> TrajectoryGroup:
+    """A group for the wire (transport, claim checks): random tokens of a large vocabulary (8 of them prompt)
+    and random log-probs, seeded by `seed` (default: the group id); `num_tokens` sets its encoded size."""
+    rng = np.random.default_rng(zlib.crc32((seed or group_id).encode()))
+    samples = []
+    for _ in range(num_samples):
+        mask = np.r_[np.zeros(8, np.uint8), np.ones(num_tokens - 8, np.uint8)]
+        samples.append(
+            Sample(
+                tokens=rng.integers(0, 151_936, num_tokens).astype(np.int32),
+                loss_mask=mask,
+                logprobs=np.where(mask == 1, -rng.exponential(0.3, num_tokens), 0).astype(np.float32),
+                versions=np.where(mask == 1, version, -1).astype(np.int32),
+                reward=1.0,
+                reward_source="verifier",
+            )
+        )
+    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id="p", generator_id="gen-0", samples=samples)
 
 
 async def publish_groups(cfg: LeewayConfig, groups: Sequence[TrajectoryGroup]) -> None:
