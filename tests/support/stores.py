@@ -23,7 +23,8 @@ from storage.s3 import S3Options, S3Store
 
 Fault = Callable[[str, str], BaseException | None]
 """`fault(method, key)`: the exception the call raises instead of running, or None to let it through."""
-WRITE_METHODS = frozenset({"put", "put_if_absent", "put_if_match", "delete"})
+WRITE_METHODS = frozenset({"put", "put_if_absent", "put_if_match"})
+"""The calls that write an object (a fault meant for writes leaves reads and deletes alone)."""
 
 
 def s3_store(stack: StackState, prefix: str, **options: Any) -> S3Store:
@@ -122,7 +123,7 @@ class ResponseLosingProxy:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                proxy._serve(self.request)
+                proxy.serve_connection(self.request)
 
         self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
@@ -138,7 +139,8 @@ class ResponseLosingProxy:
         self._server.server_close()
         self._thread.join()
 
-    def _serve(self, client: socket.socket) -> None:
+    def serve_connection(self, client: socket.socket) -> None:
+        """Relay one client connection (request by request) to a connection of its own upstream."""
         with client, socket.create_connection(self.upstream) as upstream:
             client_in, upstream_in = client.makefile("rb"), upstream.makefile("rb")
             while True:
