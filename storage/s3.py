@@ -139,8 +139,9 @@ class S3Store(ObjectStore):
             response_checksum_validation="when_required",
         )
         self._client = session.client("s3", endpoint_url=opts.endpoint, config=config)
-        # Conditional writes retry in `_conditional_put`, which must see every failed attempt.
-        once = config.merge(Config(retries={"max_attempts": 1, "mode": "standard"}))
+        # Conditional writes retry in `_conditional_put`, which must see every failed attempt: one attempt in
+        # all (botocore's `max_attempts` counts retries, so `max_attempts: 1` would retry once out of our sight).
+        once = config.merge(Config(retries={"total_max_attempts": 1, "mode": "standard"}))
         self._once_client = session.client("s3", endpoint_url=opts.endpoint, config=once)
         self._pool = ThreadPoolExecutor(max_workers=opts.max_concurrency, thread_name_prefix="s3-transfer")
 

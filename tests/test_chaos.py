@@ -16,7 +16,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,8 +27,10 @@ import pytest
 
 from infra import nats_server
 from infra.process import is_running
-from infra.stack import StackState, load_state, start_stack, stop_stack
+from infra.stack import StackState, load_state
 from pipeline.config import load_config
+from tests.support.runs import leeway_argv
+from tests.support.stacks import running_stack
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 20261130
@@ -42,13 +43,8 @@ PROGRESS_TIMEOUT_S = 240.0
 """A generous bound on waiting for steps after an event; only a stuck run gets near it."""
 STOP_TIMEOUT_S = 60.0
 NUM_GENERATORS = 2
-STACK_STOP_TIMEOUT_S = 2.0
 READY_TRAINER = b"trainer ready"
 READY_GENERATOR = b"serving version"
-
-
-def _leeway(*args: str) -> list[str]:
-    return [sys.executable, "-m", "actors.cli", *args]
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -87,7 +83,7 @@ class Roles:
         self.log_offsets[name] = path.stat().st_size if path.exists() else 0
         with open(path, "ab") as log:
             proc = subprocess.Popen(
-                _leeway(*args),
+                leeway_argv(*args),
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -193,12 +189,8 @@ def _port_free(port: int) -> bool:
 @pytest.fixture
 def chaos_stack(tmp_path: Path) -> Iterator[StackState]:
     """A stack of the chaos test's own: its nats-server is killed and restarted, which others must not see."""
-    stack_dir = tmp_path / "stack"
-    state = start_stack(stack_dir)
-    try:
+    with running_stack(tmp_path / "stack") as state:
         yield state
-    finally:
-        stop_stack(stack_dir, timeout_s=STACK_STOP_TIMEOUT_S)
 
 
 @pytest.mark.slow
@@ -296,7 +288,7 @@ def _check_records(run_dir: Path, config_path: Path, export: Path, batch_groups:
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
 
     replay = subprocess.run(
-        _leeway("replay", str(config_path), "--from-seq", "1", "--to-parquet", str(export)),
+        leeway_argv("replay", str(config_path), "--from-seq", "1", "--to-parquet", str(export)),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -27,14 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_run import (
-    COMMON,
-    DEMO,
-    _processes_mentioning,
-    _queued_prompt_ids,
-    _recorded_groups,
-    _unconsumed_from,
-)
 
 from actors.fleet import placement
 from actors.fleet.commands import FleetState, resolve_address
@@ -43,8 +35,16 @@ from actors.launcher.run import read_metrics
 from actors.tools.bench.e2e import steps_to_target
 from infra.stack import StackState
 from pipeline.config import ConfigError, LeewayConfig, load_config
+from tests.support.runs import (
+    COMMON,
+    DEMO,
+    REPO,
+    processes_mentioning,
+    queued_prompt_ids,
+    recorded_groups,
+    unconsumed_from,
+)
 
-REPO = Path(__file__).resolve().parents[1]
 EVENT_DEADLINE_S = 180.0
 """Generous bound on one event of the run (a report, a restart); each wait ends as soon as it happens."""
 RUN_DEADLINE_S = 600.0
@@ -341,7 +341,7 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
         down = _fleet("down", str(config_path), "--address", address)
     elapsed = time.monotonic() - started
     assert down.returncode == 0, down.stdout + down.stderr
-    assert not _processes_mentioning(str(run_dir)), _processes_mentioning(str(run_dir))
+    assert not processes_mentioning(str(run_dir)), processes_mentioning(str(run_dir))
     assert all(_gone(pid) for pid in seen_pids), [pid for pid in seen_pids if not _gone(pid)]
 
     records = _metrics(run_dir)
@@ -350,12 +350,12 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
     trained = [g for r in records for g in r["trained_group_ids"]]
     dropped = [g for r in records for g in r["dropped_group_ids"]]
     assert len(trained) == len(set(trained)) == steps * cfg.trainer.batch_groups, "a group trained twice"
-    recorded = {g.group_id: g for g in asyncio.run(_recorded_groups(cfg))}
+    recorded = {g.group_id: g for g in asyncio.run(recorded_groups(cfg))}
     assert set(trained) <= set(recorded), "a trained group is not in the stream"
     assert {recorded[g].generator_id for g in trained} >= {"gen-0", "gen-1", "gen-2"}
 
-    admitted_count, queued = asyncio.run(_queued_prompt_ids(cfg))
-    unconsumed = {g.group_id for g in asyncio.run(_recorded_groups(cfg, _unconsumed_from(cfg)))}
+    admitted_count, queued = asyncio.run(queued_prompt_ids(cfg))
+    unconsumed = {g.group_id for g in asyncio.run(recorded_groups(cfg, unconsumed_from(cfg)))}
     from actors.trainer.prompt_feed import PromptFeed
     from pipeline.tasks import get_task
 
@@ -413,5 +413,5 @@ def test_fleet_up_starts_a_local_cluster_and_stack_with_two_trainer_ranks_and_do
     assert down.returncode == 0, down.stdout + down.stderr
     assert "stopped the local Ray cluster" in down.stdout and "stopped the embedded stack" in down.stdout
     assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid)]
-    assert not _processes_mentioning(str(run_dir)), _processes_mentioning(str(run_dir))
+    assert not processes_mentioning(str(run_dir)), processes_mentioning(str(run_dir))
     assert not (run_dir / "fleet.json").exists()

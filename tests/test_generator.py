@@ -8,16 +8,13 @@ consumer to read groups. Each test has its own run name, so streams, buckets and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import subprocess
 import sys
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,30 +22,29 @@ import orjson
 import pytest
 import torch
 
-from actors.endpoints import connect_nats, open_run_store
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine, sampling_logprobs
 from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
 from actors.generator.runtime import GeneratorRuntime, sampling_params
 from actors.models import build_model
-from pipeline.config import LeewayConfig, load_config
+from pipeline.config import LeewayConfig
 from pipeline.rl.staleness import crosses_cap, sync_floor
-from pipeline.tasks import Prompt, Task
-from pipeline.tasks.char_tokenizer import PAD_ID, load_char_tokenizer
-from pipeline.tasks.reverse import ReverseDigitsTask
-from pipeline.wire.announce import announce_version, generator_metrics_subject, version_kv
-from pipeline.wire.consumer import TrajectoryConsumer, ensure_trainer_consumer
-from pipeline.wire.names import RunNames
-from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
-from pipeline.wire.trajectories import ensure_trajectory_streams
+from pipeline.tasks import Prompt
+from pipeline.tasks.char_tokenizer import PAD_ID
+from pipeline.wire.announce import generator_metrics_subject
+from pipeline.wire.prompt_queue import PromptLease, PromptQueue, queue_prompt
 from pipeline.wire.trajectory import TrajectoryGroup, validate_group
-from storage.weights import WeightPublisher
-
-REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = load_char_tokenizer()
-MODEL = "tiny-llama-2x64"
-WAIT_S = 30.0
-
+from tests.support.builders import REPO
+from tests.support.generators import (
+    MODEL,
+    TOKENIZER,
+    WAIT_S,
+    FakeTrainer,
+    generator_cfg,
+    running_generator,
+    unique_run,
+    until,
+)
 
 # ---- pure pieces --------------------------------------------------------------------------------------
 
@@ -125,129 +121,16 @@ def test_metered_submit_keeps_the_engine_busy_until_the_last_request_of_a_call_f
     assert metrics.tokens_generated == 5 and report["idle_fraction"] == pytest.approx(0.5)
 
 
-# ---- the fake trainer ---------------------------------------------------------------------------------
-
-
-def _cfg(stack: Any, run: str, *sets: str) -> LeewayConfig:
-    return load_config(
-        None,
-        [
-            f"run.name={run}",
-            f"nats.stack_dir={stack.dir}",
-            f"store.url=s3://{stack.bucket}/test-generator",
-            f"model.name_or_path={MODEL}",
-            "model.dtype=float32",
-            "advantages.group_size=4",
-            "generator.concurrency=2",
-            "generator.poll_interval_s=0.5",
-            "engine.sampling.max_new_tokens=12",
-            "task.args={num_digits: 4}",
-            "stream.max_bytes=16777216",  # JetStream reserves max_bytes per stream: keep the session stack roomy
-            *sets,
-        ],
-        environ={},
-    )
-
-
-class FakeTrainer:
-    """Publishes versions (random perturbations of one tiny model), admits prompts, reads groups."""
-
-    def __init__(self, cfg: LeewayConfig) -> None:
-        self.cfg = cfg
-        self.names = RunNames.for_run(cfg.run.name)
-        self.model = build_model(MODEL, vocab_size=TOKENIZER.get_vocab_size(), seed=0, dtype=torch.float32)
-        self.versions: dict[int, dict[str, torch.Tensor]] = {}
-        self.store = open_run_store(cfg)
-        self.publisher = WeightPublisher(
-            self.store, cfg.run.name, model_config_hash="test", dtype=torch.float32, full_every=50
-        )
-        self.prompts = ReverseDigitsTask(num_digits=4, seed=int(uuid.uuid4().int % 10_000)).prompts()
-
-    async def __aenter__(self) -> FakeTrainer:
-        self.nc = await connect_nats(self.cfg, name="test-fake-trainer")
-        js = self.nc.jetstream()
-        await ensure_trajectory_streams(js, self.names, self.cfg.stream)
-        await ensure_trainer_consumer(js, self.names)
-        await ensure_prompt_queue(js, self.names, self.cfg.stream)
-        self.js = js
-        self.queue = PromptQueue(js, self.names, self.cfg.stream)
-        self.consumer = await TrajectoryConsumer.bind(js, self.names, self.cfg.stream, self.store)
-        self.kv = await version_kv(js, self.names)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.consumer.close()
-        await self.nc.drain()
-        self.publisher.close()
-
-    async def publish(self, version: int, *, announce: bool = True) -> None:
-        if version > 0:
-            with torch.no_grad():
-                generator = torch.Generator().manual_seed(version)
-                for name, param in self.model.named_parameters():
-                    if name.endswith(("lm_head.weight", "q_proj.weight")):
-                        param.add_(torch.randn(param.shape, generator=generator) * 0.3)
-        tensors = {name: t.detach().clone() for name, t in self.model.state_dict().items()}
-        self.versions[version] = tensors
-        await asyncio.to_thread(self.publisher.publish, version, tensors)
-        if announce:
-            await announce_version(self.kv, version)
-
-    async def admit(self, count: int, policy_version: int) -> list[str]:
-        prompts = [next(self.prompts) for _ in range(count)]
-        for p in prompts:
-            await self.queue.admit(queue_prompt(p, policy_version))
-        return [p.prompt_id for p in prompts]
-
-    async def groups(self, count: int, timeout_s: float = WAIT_S) -> list[TrajectoryGroup]:
-        out: list[TrajectoryGroup] = []
-        deadline = time.monotonic() + timeout_s
-        while len(out) < count and time.monotonic() < deadline:
-            try:
-                deliveries = await self.consumer.fetch(count - len(out), timeout_s=0.5)
-            except asyncio.TimeoutError:  # nats-py may raise a bare one that transport does not catch
-                continue
-            out.extend(d.group for d in deliveries)
-            await self.consumer.ack([d.seq for d in deliveries])
-        assert len(out) == count, f"expected {count} groups within {timeout_s} s, got {len(out)}"
-        return out
-
-    async def stored_groups(self) -> int:
-        return (await self.js.stream_info(self.names.trajectory_stream)).state.messages
-
-
-@contextlib.asynccontextmanager
-async def running_generator(cfg: LeewayConfig, generator_id: str, engine: Any = None) -> AsyncIterator[Any]:
-    async with GeneratorRuntime.open(cfg, generator_id=generator_id, engine=engine) as rt:
-        task = asyncio.create_task(rt.generator.run())
-        try:
-            yield rt
-        finally:
-            rt.generator.request_stop()
-            await asyncio.wait_for(task, timeout=WAIT_S)
-
-
-async def _until(predicate: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
 def _loss_versions(group: TrajectoryGroup, sample: int) -> np.ndarray:
     s = group.token_slice(sample)
     return group.versions[s][group.loss_mask[s].astype(bool)]
-
-
-def _unique_run() -> str:
-    return f"gen-{uuid.uuid4().hex[:10]}"
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
 
 
 def test_a_generator_started_before_the_trainer_waits_for_version_0_then_publishes_valid_groups(stack) -> None:
-    cfg = _cfg(stack, _unique_run())
+    cfg = generator_cfg(stack, unique_run())
 
     async def main() -> None:
         async with FakeTrainer(cfg) as trainer, running_generator(cfg, "early") as rt:
@@ -258,7 +141,13 @@ def test_a_generator_started_before_the_trainer_waits_for_version_0_then_publish
 
             await trainer.nc.subscribe(generator_metrics_subject(trainer.names), cb=on_report)
             prompt_ids = await trainer.admit(3, policy_version=0)
-            await asyncio.sleep(1.0)
+            admitted_at_s = time.time()
+            # the generator's next report, made after the prompts were queued: running, nothing taken
+            await until(lambda: any(r["time_s"] > admitted_at_s for r in reports))
+            report = next(r for r in reports if r["time_s"] > admitted_at_s)
+            assert (report["version"], report["newest_known_version"], report["rollouts_in_flight"]) == (-1, -1, 0)
+            info = await trainer.prompt_consumer()
+            assert (info.num_pending, info.num_ack_pending) == (3, 0), "a prompt was taken before version 0"
             assert rt.weights.engine_version == -1 and await trainer.stored_groups() == 0
             await trainer.publish(0)
             groups = await trainer.groups(3)
@@ -270,11 +159,11 @@ def test_a_generator_started_before_the_trainer_waits_for_version_0_then_publish
                 assert set(group.status) <= {"ok", "truncated", "format_error"}
                 assert set(group.reward_source) == {"verifier"} and not np.isnan(group.reward).any()
                 assert all((_loss_versions(group, i) == 0).all() for i in range(group.num_samples))
-            await _until(lambda: bool(reports) and reports[-1]["groups_published"] == 3, timeout_s=10)
+            await until(lambda: bool(reports) and reports[-1]["groups_published"] == 3, timeout_s=10)
             report = reports[-1]
             assert report["generator_id"] == "early" and report["version"] == 0 and report["weight_pulls"] == 1
             assert report["tokens_generated"] > 0 and 0.0 <= report["idle_fraction_total"] <= 1.0
-            await _until(lambda: rt.generator.metrics.groups_published == 3)
+            await until(lambda: rt.generator.metrics.groups_published == 3)
             info = await trainer.js.consumer_info(trainer.names.prompt_stream, trainer.names.generator_consumer)
             assert info.num_pending == 0
 
@@ -297,9 +186,21 @@ class _HoldAtStep:
             time.sleep(self.slow_s)
 
 
-def _engine(hook: _HoldAtStep) -> TorchEngine:
+class _AbortNotingEngine(TorchEngine):
+    """The real engine, noting (`aborted`) when the generator tells it to abort."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.aborted = threading.Event()
+
+    def abort(self, request_ids: Collection[str] | None = None) -> None:
+        super().abort(request_ids)
+        self.aborted.set()
+
+
+def _engine(hook: _HoldAtStep) -> _AbortNotingEngine:
     model = build_model(MODEL, vocab_size=TOKENIZER.get_vocab_size(), seed=123, dtype=torch.float32)
-    return TorchEngine(model, pad_token_id=PAD_ID, seed=7, version=-1, on_decode_step=hook)
+    return _AbortNotingEngine(model, pad_token_id=PAD_ID, seed=7, version=-1, on_decode_step=hook)
 
 
 def _reference_logprobs(
@@ -334,7 +235,7 @@ def _reference_logprobs(
 
 
 def test_a_version_published_mid_generation_switches_versions_inside_sequences_with_exact_logprobs(stack) -> None:
-    cfg = _cfg(stack, _unique_run(), "engine.sampling.max_new_tokens=40")
+    cfg = generator_cfg(stack, unique_run(), "engine.sampling.max_new_tokens=40")
     hook = _HoldAtStep()
 
     async def main() -> None:
@@ -343,7 +244,7 @@ def test_a_version_published_mid_generation_switches_versions_inside_sequences_w
             await trainer.publish(0)
             assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
             await trainer.publish(1)
-            await _until(lambda: rt.weights.newest_known >= 1)
+            await until(lambda: rt.weights.newest_known >= 1)
             hook.release.set()
             groups = await trainer.groups(2)
             switched = 0
@@ -363,9 +264,9 @@ def test_a_version_published_mid_generation_switches_versions_inside_sequences_w
 
 
 def test_abort_in_flight_naks_a_batch_that_crosses_the_cap_and_redoes_it_with_fresh_weights(stack) -> None:
-    cfg = _cfg(
+    cfg = generator_cfg(
         stack,
-        _unique_run(),
+        unique_run(),
         "engine.sampling.max_new_tokens=40",
         "staleness.max_staleness=0",
         "staleness.abort_in_flight=true",
@@ -378,7 +279,7 @@ def test_abort_in_flight_naks_a_batch_that_crosses_the_cap_and_redoes_it_with_fr
             await trainer.publish(0)
             assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
             await trainer.publish(1)
-            await _until(lambda: rt.weights.newest_known >= 1)
+            await until(lambda: rt.weights.newest_known >= 1)
             hook.release.set()
             groups = await trainer.groups(2)
             assert sorted(g.group_id for g in groups) == sorted(prompt_ids)
@@ -392,8 +293,8 @@ def test_abort_in_flight_naks_a_batch_that_crosses_the_cap_and_redoes_it_with_fr
 
 
 def test_a_late_generator_catches_up_through_the_delta_chain_and_syncs_past_the_cap_before_a_rollout(stack) -> None:
-    cfg = _cfg(
-        stack, _unique_run(), "weights.announce=false", "generator.poll_interval_s=60", "staleness.max_staleness=1"
+    cfg = generator_cfg(
+        stack, unique_run(), "weights.announce=false", "generator.poll_interval_s=60", "staleness.max_staleness=1"
     )
 
     async def main() -> None:
@@ -401,7 +302,7 @@ def test_a_late_generator_catches_up_through_the_delta_chain_and_syncs_past_the_
             for version in range(4):
                 await trainer.publish(version, announce=False)
             async with running_generator(cfg, "late") as rt:
-                await _until(lambda: rt.weights.engine_version == 3)
+                await until(lambda: rt.weights.engine_version == 3)
                 first = rt.weights.last_pull
                 assert first is not None and first.full  # newest snapshot (v0) + the deltas after it
                 for version in range(4, 7):
@@ -419,19 +320,20 @@ def test_a_late_generator_catches_up_through_the_delta_chain_and_syncs_past_the_
     asyncio.run(main())
 
 
-class _SlowVerifier(ReverseDigitsTask):
-    def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> Any:
-        time.sleep(120)
-        return super().verify(prompt, completion_text, completion_ids)
-
-
-def slow_reverse_digits(**kwargs: Any) -> Task:
-    """A task whose verifier never returns in time: its generator is always mid-rollout (tests/SIGKILL)."""
-    return _SlowVerifier(**kwargs)
+async def _take_until(
+    queue: PromptQueue, wanted: Callable[[PromptLease], bool], proc: subprocess.Popen[bytes]
+) -> list[PromptLease]:
+    """Take prompts (as a generator would, never heartbeating them) until one is `wanted`; all of them."""
+    taken: list[PromptLease] = []
+    deadline = time.monotonic() + WAIT_S
+    while not any(wanted(lease) for lease in taken):
+        assert time.monotonic() < deadline and proc.poll() is None, f"no wanted prompt among {len(taken)} taken"
+        taken += await queue.take(max_prompts=2, timeout_s=0.5)
+    return taken
 
 
 def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_partial_group(stack, tmp_path) -> None:
-    cfg = _cfg(stack, _unique_run(), "stream.prompt_ack_wait_s=2", "generator.concurrency=1")
+    cfg = generator_cfg(stack, unique_run(), "stream.prompt_ack_wait_s=2", "generator.concurrency=1")
     config_path = tmp_path / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     argv = [
@@ -443,7 +345,7 @@ def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_part
         "--set",
         "generator.id=victim",
         "--set",
-        "task.name=tests.test_generator:slow_reverse_digits",
+        "task.name=tests.support.tasks:slow_reverse_digits",
         "--set",
         "generator.heartbeat_s=0.3",
         "--set",
@@ -466,7 +368,17 @@ def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_part
                         break
                     await asyncio.sleep(0.1)
                 assert info is not None and info.num_ack_pending == 1, log_path.read_text()[-3000:]
-                await asyncio.sleep(3.0)  # past the ack wait: heartbeats keep it held while it verifies
+                # a probe taken after the victim's prompt and never heartbeated: when the queue hands it out
+                # again, its ack wait ran out, and so did the victim's prompt's, which only heartbeats held
+                (probe_id,) = await trainer.admit(1, policy_version=0)
+                first = await _take_until(trainer.queue, lambda lease: True, victim)
+                assert [lease.prompt.prompt_id for lease in first] == [probe_id]
+                again = await _take_until(trainer.queue, lambda lease: lease.prompt.prompt_id == probe_id, victim)
+                assert [(lease.prompt.prompt_id, lease.num_delivered) for lease in again] == [(probe_id, 2)], (
+                    "the victim's prompt was handed out again while its generator heartbeated it"
+                )
+                assert (await trainer.prompt_consumer()).num_ack_pending == 2  # the victim's and the probe
+                await again[0].done()
                 assert await trainer.stored_groups() == 0
             finally:
                 victim.kill()
@@ -481,19 +393,21 @@ def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_part
 
 
 def test_shutdown_aborts_a_batch_that_outlives_the_grace_and_hands_its_prompts_to_another_generator(stack) -> None:
-    cfg = _cfg(stack, _unique_run(), "engine.sampling.max_new_tokens=40")
+    cfg = generator_cfg(stack, unique_run(), "engine.sampling.max_new_tokens=40")
     hook = _HoldAtStep()
 
     async def main() -> None:
         async with FakeTrainer(cfg) as trainer:
             prompt_ids = await trainer.admit(2, policy_version=0)
             await trainer.publish(0)
-            async with GeneratorRuntime.open(cfg, generator_id="stopping", engine=_engine(hook)) as rt:
+            engine = _engine(hook)
+            async with GeneratorRuntime.open(cfg, generator_id="stopping", engine=engine) as rt:
                 rt.generator.shutdown_grace_s = 0.3
                 run = asyncio.create_task(rt.generator.run())
                 assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
                 rt.generator.request_stop()
-                await asyncio.sleep(1.0)  # past the grace: the engine is told to abort
+                # past the grace the running batch is aborted: release the held decode step only then
+                assert await asyncio.to_thread(engine.aborted.wait, WAIT_S), "the engine was never told to abort"
                 hook.release.set()
                 await asyncio.wait_for(run, timeout=WAIT_S)
                 assert rt.generator.metrics.groups_aborted == 2 and await trainer.stored_groups() == 0

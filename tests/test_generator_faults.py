@@ -12,24 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import pytest
 import torch
-from test_generator import MODEL, TOKENIZER, WAIT_S, FakeTrainer, _cfg, _unique_run, _until, running_generator
 
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import MAX_POSITION_EMBEDDINGS, build_model
-from pipeline.tasks import Prompt, Task
+from pipeline.tasks import Prompt
 from pipeline.tasks.char_tokenizer import PAD_ID
-from pipeline.tasks.reverse import ReverseDigitsTask
 from pipeline.wire.announce import announce_version
 from pipeline.wire.headers import H_DLQ_MSG_ID, H_DLQ_REASON
 from pipeline.wire.prompt_queue import queue_prompt
+from tests.support.generators import (
+    MODEL,
+    TOKENIZER,
+    WAIT_S,
+    FakeTrainer,
+    generator_cfg,
+    running_generator,
+    unique_run,
+    until,
+)
+from tests.support.tasks import VERIFIER_CALLS, VERIFIER_RELEASE
 
 DIGIT_ID = TOKENIZER.token_to_id("1")
 
@@ -45,10 +52,6 @@ async def _prompt_dead_letters(trainer: FakeTrainer) -> dict[str, str]:
     return out
 
 
-async def _consumer(trainer: FakeTrainer) -> Any:
-    return await trainer.js.consumer_info(trainer.names.prompt_stream, trainer.names.generator_consumer)
-
-
 def _warnings(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and needle in r.getMessage()]
 
@@ -57,7 +60,7 @@ def _warnings(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
 
 
 def test_prompts_that_can_never_run_are_dead_lettered_alone_and_their_batch_is_published_once(stack) -> None:
-    cfg = _cfg(stack, _unique_run(), "generator.concurrency=4")
+    cfg = generator_cfg(stack, unique_run(), "generator.concurrency=4")
     out_of_vocab = Prompt("poison-oov", token_ids=(DIGIT_ID, TOKENIZER.get_vocab_size() + 3), answer="1")
     too_long = Prompt("poison-long", token_ids=(DIGIT_ID,) * MAX_POSITION_EMBEDDINGS, answer="1")
 
@@ -70,11 +73,11 @@ def test_prompts_that_can_never_run_are_dead_lettered_alone_and_their_batch_is_p
             good += await trainer.admit(1, policy_version=0)  # one batch: good, poison, poison, good
             async with running_generator(cfg, "poisoned") as rt:
                 groups = await trainer.groups(2)
-                await _until(lambda: rt.generator.metrics.groups_published == 2)
+                await until(lambda: rt.generator.metrics.groups_published == 2)
                 assert sorted(g.group_id for g in groups) == sorted(good)
                 dead = await _prompt_dead_letters(trainer)
                 assert dead == {"poison-oov": "invalid_token_ids", "poison-long": "prompt_too_long"}
-                info = await _consumer(trainer)
+                info = await trainer.prompt_consumer()
                 assert info.num_redelivered == 0  # the good prompts were never handed back
                 assert info.num_pending == 0 and info.num_ack_pending == 0
             assert await trainer.stored_groups() == 2
@@ -98,7 +101,7 @@ class _FailsOnMarker(TorchEngine):
 
 
 def test_a_prompt_whose_rollout_fails_is_naked_alone_while_the_rest_of_its_batch_is_published(stack) -> None:
-    cfg = _cfg(stack, _unique_run(), "generator.concurrency=3", "stream.prompt_max_deliver=2")
+    cfg = generator_cfg(stack, unique_run(), "generator.concurrency=3", "stream.prompt_max_deliver=2")
     marker = (DIGIT_ID, DIGIT_ID, DIGIT_ID)
     breaker = Prompt("breaker", token_ids=marker, answer="111")
 
@@ -127,33 +130,18 @@ def test_a_prompt_whose_rollout_fails_is_naked_alone_while_the_rest_of_its_batch
 
 # ---- hung verifiers ------------------------------------------------------------------------------------
 
-_VERIFIER_RELEASE = threading.Event()
-_VERIFIER_CALLS: list[str] = []
-
-
-class _HangingVerifier(ReverseDigitsTask):
-    def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> Any:
-        _VERIFIER_CALLS.append(threading.current_thread().name)
-        _VERIFIER_RELEASE.wait()
-        return super().verify(prompt, completion_text, completion_ids)
-
-
-def hanging_reverse_digits(**kwargs: Any) -> Task:
-    """A task whose verifier blocks until the test sets `_VERIFIER_RELEASE`."""
-    return _HangingVerifier(**kwargs)
-
 
 def test_a_hung_verifier_blocks_neither_the_next_generate_call_nor_a_weight_pull(stack) -> None:
-    cfg = _cfg(
+    cfg = generator_cfg(
         stack,
-        _unique_run(),
-        "task.name=test_generator_faults:hanging_reverse_digits",
+        unique_run(),
+        "task.name=tests.support.tasks:hanging_reverse_digits",
         "advantages.group_size=2",
         "generator.concurrency=1",
         "generator.verifier_timeout_s=0.3",
     )
-    _VERIFIER_RELEASE.clear()
-    _VERIFIER_CALLS.clear()
+    VERIFIER_RELEASE.clear()
+    VERIFIER_CALLS.clear()
 
     async def main() -> None:
         # the event loop's default executor (generate calls, weight pulls) as small as on a 2-core machine:
@@ -167,15 +155,15 @@ def test_a_hung_verifier_blocks_neither_the_next_generate_call_nor_a_weight_pull
                     (group,) = await asyncio.wait_for(trainer.groups(1), WAIT_S)
                     assert group.group_id == first
                     assert list(group.status) == ["infra_error"] * 2 and list(group.reward_source) == ["none"] * 2
-                    assert not _VERIFIER_RELEASE.is_set() and len(_VERIFIER_CALLS) >= 2
+                    assert not VERIFIER_RELEASE.is_set() and len(VERIFIER_CALLS) >= 2
                     await asyncio.wait_for(trainer.publish(1), WAIT_S)
-                    await _until(lambda: rt.weights.engine_version == 1)  # a weight pull ran
+                    await until(lambda: rt.weights.engine_version == 1)  # a weight pull ran
                     (group,) = await asyncio.wait_for(trainer.groups(1), WAIT_S)  # so did the next generate
                     assert group.group_id == second and list(group.status) == ["infra_error"] * 2
-                    assert all(name.startswith("leeway-verifier") for name in _VERIFIER_CALLS)
-                    assert rt.generator.verifiers.stuck == len(_VERIFIER_CALLS) == 4
+                    assert all(name.startswith("leeway-verifier") for name in VERIFIER_CALLS)
+                    assert rt.generator.verifiers.stuck == len(VERIFIER_CALLS) == 4
                 finally:
-                    _VERIFIER_RELEASE.set()
+                    VERIFIER_RELEASE.set()
 
     asyncio.run(main())
 
@@ -184,14 +172,14 @@ def test_a_hung_verifier_blocks_neither_the_next_generate_call_nor_a_weight_pull
 
 
 def test_a_stale_kv_announcement_is_reported_and_never_waited_for(stack, caplog) -> None:
-    cfg = _cfg(stack, _unique_run())
+    cfg = generator_cfg(stack, unique_run())
     caplog.set_level(logging.WARNING, logger="actors.generator.weight_sync")
 
     async def main() -> None:
         async with FakeTrainer(cfg) as trainer:
             await announce_version(trainer.kv, 7)  # left from an earlier run: the store has no version at all
             async with running_generator(cfg, "stale-kv") as rt:
-                await _until(lambda: bool(_warnings(caplog, "KV announces version 7")))
+                await until(lambda: bool(_warnings(caplog, "KV announces version 7")))
                 (message,) = _warnings(caplog, "KV announces version 7")
                 assert repr(cfg.run.name) in message and "LATEST is missing" in message
                 assert "purge" in message and "new run.name" in message
@@ -206,7 +194,7 @@ def test_a_stale_kv_announcement_is_reported_and_never_waited_for(stack, caplog)
 
 
 def test_a_prompt_admitted_at_a_version_the_store_lacks_is_released_with_a_warning(stack, caplog) -> None:
-    cfg = _cfg(stack, _unique_run(), "stream.prompt_max_deliver=2", "staleness.max_staleness=2")
+    cfg = generator_cfg(stack, unique_run(), "stream.prompt_max_deliver=2", "staleness.max_staleness=2")
     caplog.set_level(logging.WARNING, logger="actors.generator.loop")
     stale = Prompt("from-an-earlier-run", text="1234>", answer="4321", policy_version=9)
 
@@ -219,7 +207,7 @@ def test_a_prompt_admitted_at_a_version_the_store_lacks_is_released_with_a_warni
                 (good,) = await trainer.admit(1, policy_version=0)
                 (group,) = await trainer.groups(1)
                 assert group.group_id == good
-                await _until(lambda: bool(_warnings(caplog, "prompts admitted at version 9")))
+                await until(lambda: bool(_warnings(caplog, "prompts admitted at version 9")))
                 message = _warnings(caplog, "prompts admitted at version 9")[0]
                 assert repr(cfg.run.name) in message and "LATEST is 0" in message and "from-an-earlier-run" in message
 
@@ -231,7 +219,7 @@ def test_a_prompt_admitted_at_a_version_the_store_lacks_is_released_with_a_warni
                         break
                     await asyncio.sleep(0.1)
                 assert await stale_dead()  # released each time, never held: the queue's limit ends it
-                assert (await _consumer(trainer)).num_ack_pending == 0
+                assert (await trainer.prompt_consumer()).num_ack_pending == 0
             assert await trainer.stored_groups() == 1
 
     asyncio.run(main())

@@ -7,46 +7,27 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from botocore.exceptions import ReadTimeoutError
 
 from infra.stack import StackState, load_credentials
 from storage.filestore import FileStore
 from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
-from storage.s3 import S3Options, S3Store
+from storage.s3 import S3Store
 from storage.stores import open_store
+from tests.support.stores import ResponseLosingProxy, s3_store
 
 MiB = 1024 * 1024
 RACERS = 8
 RACE_TRIALS = 3
 
 
-def s3_store_for(stack: StackState, prefix: str, **options: object) -> S3Store:
-    """An S3Store on the test stack under a fresh prefix (small multipart sizes to exercise the parallel paths)."""
-    creds = load_credentials(stack.dir)
-    opts = S3Options(
-        endpoint=stack.s3_endpoint,
-        region=stack.region,
-        access_key_id=creds.access_key_id,
-        secret_access_key=creds.secret_access_key,
-        multipart_threshold_bytes=6 * MiB,
-        part_size_bytes=5 * MiB,
-        **options,  # type: ignore[arg-type]
-    )
-    return S3Store(stack.bucket, prefix, opts)
-
-
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
-    if request.param == "file":
-        s: ObjectStore = FileStore(tmp_path / "store")
-    else:
-        s = s3_store_for(request.getfixturevalue("stack"), f"test-objectstore/{uuid.uuid4().hex}")
-    with s:
-        yield s
+@pytest.fixture
+def s3_options() -> dict[str, Any]:
+    """Small multipart sizes for the `store` fixture's S3 store, to exercise the parallel paths."""
+    return {"multipart_threshold_bytes": 6 * MiB, "part_size_bytes": 5 * MiB}
 
 
 def test_put_then_get_returns_the_bytes_and_the_same_etag(store: ObjectStore) -> None:
@@ -114,24 +95,20 @@ def test_create_only_write_refuses_an_existing_key(store: ObjectStore) -> None:
 
 
 def test_a_retried_create_only_write_whose_first_attempt_landed_is_not_a_lost_race(stack: StackState) -> None:
-    """The first PUT lands but its response is lost (read timeout); the retry gets 412 and must succeed."""
-    store = s3_store_for(stack, f"test-objectstore/{uuid.uuid4().hex}")
-    real_put = store._once_client.put_object
-    calls: list[int] = []
+    """The first PUT lands but its response is lost (the connection closes); the retry gets 412 and must succeed."""
+    prefix = f"test-objectstore/{uuid.uuid4().hex}"
 
-    def put_then_lose_the_response(**kwargs: object) -> object:
-        calls.append(1)
-        response = real_put(**kwargs)  # the retry gets 412 from the server here
-        if len(calls) == 1:
-            raise ReadTimeoutError(endpoint_url=stack.s3_endpoint)
-        return response
+    def is_the_manifest_put(request_line: str) -> bool:
+        return request_line.startswith("PUT ") and "/manifest.json" in request_line
 
-    store._once_client.put_object = put_then_lose_the_response  # type: ignore[method-assign]
-    with store:
-        store.put_if_absent("manifest.json", b"ours")
-        assert len(calls) == 2 and store.get("manifest.json") == b"ours"
-        with pytest.raises(PreconditionFailed):  # a first-attempt 412 is always a lost race, even for equal bytes
+    with ResponseLosingProxy(stack.s3_endpoint, lose=is_the_manifest_put) as proxy:
+        with s3_store(stack, prefix, endpoint=proxy.endpoint) as store:
             store.put_if_absent("manifest.json", b"ours")
+            puts = [line for line in proxy.request_lines if is_the_manifest_put(line)]
+            assert len(proxy.lost) == 1 and len(puts) == 2, proxy.request_lines  # the first landed, unanswered
+            assert store.get("manifest.json") == b"ours"
+            with pytest.raises(PreconditionFailed):  # a first-attempt 412 is always a lost race, even for equal bytes
+                store.put_if_absent("manifest.json", b"ours")
 
 
 def test_a_create_only_write_of_equal_bytes_by_a_second_writer_still_loses(store: ObjectStore) -> None:

@@ -15,14 +15,12 @@ Integration part (real servers, real processes):
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +42,23 @@ from actors.launcher.run_dir import RUN_MARKER, RunDirInUse, RunDirRefused, prep
 from infra.process import is_running, start_ticks, stop_processes
 from infra.stack import StackState, load_state, start_stack
 from pipeline.config import LeewayConfig, load_config
+from tests.support.runs import (
+    COMMON,
+    DEMO,
+    DEMO_DEADLINE_S,
+    REPO,
+    ROLE_STOP_DEADLINE_S,
+    alive,
+    leeway_argv,
+    log_tails,
+    processes_mentioning,
+    queued_prompt_ids,
+    recorded_groups,
+    run_records,
+    shared_stack_config,
+    unconsumed_from,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO / "configs" / "demo.yaml"
-
-# Small, bounded versions of the demo (2 CI cores): fewer steps, a stream that reserves little.
-COMMON = ["stream.max_bytes=67108864", "trainer.queue_wait_timeout_s=120", "logging.level=INFO"]
 DEMO_STEPS = 120
 """The demo's reward sits near chance (~0.08) for its first ~60 steps, then climbs (0.15 by step 100)."""
 EDGE = 10
@@ -60,12 +69,8 @@ UNBOUNDED_STEPS = 1_000_000
 """trainer.max_steps of a run that a test stops itself, once the events it waits for were seen."""
 EVENT_DEADLINE_S = 150.0
 """Generous bound on waiting for one event of a run (a step, a report); the wait ends as soon as it happens."""
-ROLE_STOP_DEADLINE_S = 120.0
-"""Generous bound on a role's (or a whole run's) clean stop after SIGTERM; waits end as soon as it exited."""
 GONE_DEADLINE_S = 60.0
 """Generous bound on a SIGKILLed process disappearing."""
-DEMO_DEADLINE_S = 540.0
-"""Generous bound on the short demo (about 40 s on 2 cores); the test ends when the run does."""
 
 
 # ------------------------------------------------------------------------------------ synthetic
@@ -297,22 +302,11 @@ def test_stop_roles_kills_the_whole_group_of_a_role_ignoring_sigterm(tmp_path: P
 # ------------------------------------------------------------------------------------ helpers
 
 
-def _alive(pid: int, ticks: int | None = None) -> bool:
-    """Running and not a zombie (and, given `ticks`, still the same process)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    if stat.rsplit(")", 1)[1].split()[0] == "Z":
-        return False
-    return ticks is None or start_ticks(pid) == ticks
-
-
 def _wait_gone(pids: list[int], timeout_s: float = GONE_DEADLINE_S) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "processes left running"
+    assert not [p for p in pids if alive(p)], "processes left running"
 
 
 def _children_of(pid: int) -> dict[int, int | None]:
@@ -328,25 +322,6 @@ def _children_of(pid: int) -> dict[int, int | None]:
         if int(fields[1]) == pid:
             out[int(entry.name)] = start_ticks(int(entry.name))
     return out
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes that mention `text` (e.g. a run directory)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if text in cmdline and _alive(int(entry.name)):
-            found.append(f"{entry.name}: {cmdline}")
-    return found
-
-
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _last_step(records: list[dict[str, Any]]) -> int:
@@ -378,157 +353,6 @@ def _wait_for_records(
         time.sleep(0.2)
 
 
-def _leeway(*args: str) -> list[str]:
-    return [sys.executable, "-m", "actors.cli", *args]
-
-
-def _log_tails(run_dir: Path) -> str:
-    out = []
-    for log in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
-        out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-20:]))
-    return "\n".join(out)
-
-
-async def _recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> list[Any]:
-    """Every group in the run's trajectory stream (from `from_seq`), read back through a replay."""
-    from actors.endpoints import open_run_store, resolve_endpoints
-    from pipeline.wire.jetstream import connect
-    from pipeline.wire.names import RunNames
-    from pipeline.wire.replay import ReplayReader, ReplaySelection
-
-    endpoints = resolve_endpoints(cfg)
-    nc = await connect(endpoints.nats_url, name="test-run-replay")
-    try:
-        js = nc.jetstream()
-        reader = await ReplayReader.open(
-            js,
-            RunNames.for_run(cfg.run.name),
-            cfg.stream,
-            open_run_store(cfg, endpoints),
-            ReplaySelection(from_seq=from_seq),
-        )
-        groups = []
-        while not reader.done:
-            groups += [d.group for d in await reader.fetch(max_groups=64, timeout_s=1.0)]
-        await reader.close()
-        return groups
-    finally:
-        await nc.close()
-
-
-async def _queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
-    """(prompts ever admitted, ids still in the prompt work queue) of the run."""
-    from actors.endpoints import resolve_endpoints
-    from pipeline.wire.jetstream import connect
-    from pipeline.wire.names import RunNames
-    from pipeline.wire.prompt_queue import Prompt
-
-    names = RunNames.for_run(cfg.run.name)
-    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-run-prompts")
-    try:
-        js = nc.jetstream()
-        info = await js.stream_info(names.prompt_stream)
-        queued = set()
-        for seq in range(info.state.first_seq, info.state.last_seq + 1):
-            try:
-                msg = await js.get_msg(names.prompt_stream, seq)
-            except Exception:  # acked (deleted from the work queue) meanwhile
-                continue
-            queued.add(Prompt.from_json(msg.data).prompt_id)
-        return int(info.state.last_seq), queued
-    finally:
-        await nc.close()
-
-
-def _unconsumed_from(cfg: LeewayConfig) -> int:
-    """First trajectory-stream sequence a resumed trainer reads again: its newest checkpoint's watermark + 1.
-
-    Not the consumer's ack floor: a group that will not train is acked as soon as it is decided, but
-    recorded only at the commit of its step; a stop that abandons the step leaves it acked, unrecorded
-    and after the watermark, where a resume decides it again (`actors/trainer/loop.py`)."""
-    from actors.endpoints import open_run_store
-    from actors.trainer.checkpoints import load_latest_checkpoint
-
-    latest = load_latest_checkpoint(open_run_store(cfg), cfg.run.name)
-    return (latest[0].consumed_seq if latest is not None else 0) + 1
-
-
-def _shared_stack_config(tmp_path: Path, stack: StackState, name: str, steps: int, *extra: str) -> LeewayConfig:
-    return load_config(
-        str(DEMO),
-        [
-            *COMMON,
-            f"run.name={name}",
-            f"run.dir={tmp_path / 'run'}",
-            f"nats.stack_dir={stack.dir}",
-            f"trainer.max_steps={steps}",
-            *extra,
-        ],
-    )
-
-
-def best_window_mean(records: list[dict[str, Any]], window: int) -> float:
-    """The best mean unfiltered reward over `window` consecutive steps (0 before there are that many)."""
-    rewards = [float(r["reward/unfiltered_mean"]) for r in records]
-    return max((statistics.mean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)), default=0.0)
-
-
-def run_demo_to_target(
-    cfg: LeewayConfig, tmp_path: Path, procs: list[subprocess.Popen[bytes]], target: float, window: int
-) -> list[dict[str, Any]]:
-    """`leeway run` with `cfg` until the `window`-step mean reward reaches `target`, then Ctrl-C; the records.
-
-    Past the target nearly every group agrees and is filtered, so the steps left to `trainer.max_steps`
-    are the slowest of a run and prove nothing more: a learning test ends on the event. Fails, with the
-    rewards, when the run ends at its `trainer.max_steps` without reaching the target."""
-    config_path = tmp_path / "demo.yaml"
-    config_path.write_text(cfg.to_yaml())
-    output, run_dir = tmp_path / "run.out", cfg.run.run_dir
-    with output.open("wb") as sink:  # a file, not a pipe: nobody reads the output while the run goes on
-        proc = subprocess.Popen(
-            _leeway("run", str(config_path), "--no-live", "--fresh"),
-            cwd=REPO,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    procs.append(proc)
-    deadline = time.monotonic() + DEMO_DEADLINE_S
-    while True:
-        records = read_metrics(run_dir / "metrics.jsonl", 0)[0]
-        if best_window_mean(records, window) >= target or proc.poll() is not None:
-            break
-        assert time.monotonic() < deadline, f"reward {target} not reached within {DEMO_DEADLINE_S} s"
-        time.sleep(0.2)
-    reached = best_window_mean(records, window) >= target
-    if reached and proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # the trainer finishes or abandons its step and checkpoints
-    proc.wait(timeout=ROLE_STOP_DEADLINE_S)
-    assert proc.returncode in (0, 130), output.read_text(errors="replace") + _log_tails(run_dir)
-    records = _records(run_dir)
-    rewards = [round(float(r["reward/unfiltered_mean"]), 2) for r in records]
-    assert reached, f"best {window}-step reward {best_window_mean(records, window):.3f}: {rewards}"
-    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
-    assert len(records) <= cfg.trainer.max_steps
-    assert statistics.mean(rewards[:window]) < 0.3, "the demo must start near chance for the rise to mean anything"
-    assert "checkpoint written" in (run_dir / "logs" / "trainer.log").read_text(), "the trainer stopped cleanly"
-    return records
-
-
-@pytest.fixture
-def cleanup() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test started; killed (with their groups) if the test fails half-way."""
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-
-
 # ---------------------------------------------------------------------------------- integration
 
 
@@ -538,13 +362,13 @@ def test_short_demo_learns_within_the_cap(
     tmp_path: Path, stack: StackState, cleanup: list[subprocess.Popen[bytes]]
 ) -> None:
     """`leeway run` on the demo task, fewer steps, on a running stack (found at nats.stack_dir and left up)."""
-    cfg = _shared_stack_config(tmp_path, stack, "run-demo", DEMO_STEPS)
+    cfg = shared_stack_config(tmp_path, stack, "run-demo", DEMO_STEPS)
     assert cfg.staleness.policy == "drop_trajectory"
     run_dir = cfg.run.run_dir
     config_path = tmp_path / "demo.yaml"
     config_path.write_text(cfg.to_yaml())
     proc = subprocess.Popen(
-        _leeway("run", str(config_path), "--no-live", "--fresh"),
+        leeway_argv("run", str(config_path), "--no-live", "--fresh"),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -553,7 +377,7 @@ def test_short_demo_learns_within_the_cap(
     cleanup.append(proc)
     out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
     text = out.decode(errors="replace")
-    assert proc.returncode == 0, text + _log_tails(run_dir)
+    assert proc.returncode == 0, text + log_tails(run_dir)
     assert f"step {DEMO_STEPS}/{DEMO_STEPS} reward" in text
 
     # the report
@@ -565,7 +389,7 @@ def test_short_demo_learns_within_the_cap(
     # the reward rises: last steps against first steps, by a margin well above the step-to-step noise.
     # Per-step noise from successive differences (a slow trend barely inflates it): sigma ~ sd(diff)/sqrt(2);
     # the difference of two means of EDGE steps then has standard error sigma * sqrt(2 / EDGE).
-    records = _records(run_dir)
+    records = run_records(run_dir)
     assert [r["step"] for r in records] == list(range(1, DEMO_STEPS + 1))
     rewards = [float(r["reward/unfiltered_mean"]) for r in records]
     first, last = rewards[:EDGE], rewards[-EDGE:]
@@ -575,7 +399,7 @@ def test_short_demo_learns_within_the_cap(
     assert rise > margin, f"reward rose by {rise:.3f} (needed {margin:.3f}): {[round(r, 3) for r in rewards]}"
 
     # every trained token is within the cap: checked on the recorded groups, not the trainer's metric
-    groups = {g.group_id: g for g in asyncio.run(_recorded_groups(cfg))}
+    groups = {g.group_id: g for g in asyncio.run(recorded_groups(cfg))}
     cap = cfg.staleness.max_staleness
     checked = 0
     for record in records:
@@ -604,7 +428,7 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
     without a step limit and is stopped (SIGTERM: it finishes or abandons its step and checkpoints)
     once everything was seen.
     """
-    cfg = _shared_stack_config(tmp_path, stack, "run-roles", UNBOUNDED_STEPS)
+    cfg = shared_stack_config(tmp_path, stack, "run-roles", UNBOUNDED_STEPS)
     run_dir = cfg.run.run_dir
     run_dir.mkdir(parents=True)
     config_path = run_dir / "config.yaml"
@@ -619,7 +443,7 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
     def trained_from(generator_id: str, records: list[dict[str, Any]]) -> bool:
         trained = {g for r in records for g in r["trained_group_ids"]}
         return bool(trained) and any(
-            g.generator_id == generator_id and g.group_id in trained for g in asyncio.run(_recorded_groups(cfg))
+            g.generator_id == generator_id and g.group_id in trained for g in asyncio.run(recorded_groups(cfg))
         )
 
     gen_a = role("generator", "gen-a", "generator.id=gen-a")
@@ -639,8 +463,8 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
             [gen_a.popen, gen_b.popen, trainer.popen],
         )
         stop_roles([gen_a], timeout_s=ROLE_STOP_DEADLINE_S)
-        assert gen_a.popen.returncode == 0, _log_tails(run_dir)
-        left_at = _last_step(_records(run_dir))
+        assert gen_a.popen.returncode == 0, log_tails(run_dir)
+        left_at = _last_step(run_records(run_dir))
         _wait_for_records(
             run_dir,
             f"3 steps after step {left_at}, when gen-a left",
@@ -648,14 +472,14 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
             [gen_b.popen, trainer.popen],
         )
         stop_roles([trainer], timeout_s=ROLE_STOP_DEADLINE_S)
-        assert trainer.popen.returncode == 0, _log_tails(run_dir)
+        assert trainer.popen.returncode == 0, log_tails(run_dir)
         stop_roles([gen_b], timeout_s=ROLE_STOP_DEADLINE_S)
-        assert gen_b.popen.returncode == 0, _log_tails(run_dir)
+        assert gen_b.popen.returncode == 0, log_tails(run_dir)
     except BaseException:
-        print(_log_tails(run_dir))
+        print(log_tails(run_dir))
         raise
 
-    records = _records(run_dir)
+    records = run_records(run_dir)
     steps = len(records)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert _reporters(records) == {"gen-a", "gen-b"}
@@ -665,8 +489,8 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
     dropped = [g for r in records for g in r["dropped_group_ids"]]
     assert len(trained) == len(set(trained)) == steps * cfg.trainer.batch_groups
     assert not set(trained) & set(dropped)
-    admitted_count, queued = asyncio.run(_queued_prompt_ids(cfg))
-    unconsumed = {g.group_id for g in asyncio.run(_recorded_groups(cfg, _unconsumed_from(cfg)))}
+    admitted_count, queued = asyncio.run(queued_prompt_ids(cfg))
+    unconsumed = {g.group_id for g in asyncio.run(recorded_groups(cfg, unconsumed_from(cfg)))}
     from actors.trainer.prompt_feed import PromptFeed
     from pipeline.tasks import get_task
 
@@ -677,7 +501,7 @@ def test_roles_launched_separately_late_and_stopped_generators_lose_no_prompt(
     assert accounted <= admitted, "a group that was never admitted"
 
     # both generators produced trained groups: the late one joined, the stopped one counted until it left
-    by_generator = {g.group_id: g.generator_id for g in asyncio.run(_recorded_groups(cfg))}
+    by_generator = {g.group_id: g.generator_id for g in asyncio.run(recorded_groups(cfg))}
     assert {by_generator[g] for g in trained} == {"gen-a", "gen-b"}
 
 
@@ -686,7 +510,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path, cleanup: list[subprocess.Popen[
     """SIGINT after the first steps: exit 130, every role and the private stack are gone, a report is written."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        _leeway(
+        leeway_argv(
             "run",
             str(DEMO),
             "--no-live",
@@ -715,7 +539,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path, cleanup: list[subprocess.Popen[
         if len(records) >= 2 or proc.poll() is not None:
             break
         time.sleep(0.2)
-    assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode() + _log_tails(run_dir)
+    assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode() + log_tails(run_dir)
     seen.update(_children_of(proc.pid))
     state = load_state(run_dir / "stack")
     assert state is not None and len(state.processes) == 3, "a private stack in <run.dir>/stack"
@@ -728,9 +552,9 @@ def test_ctrl_c_stops_everything(tmp_path: Path, cleanup: list[subprocess.Popen[
     text = out.decode(errors="replace")
     assert proc.returncode == 130, text
     assert "interrupted" in text
-    left = [pid for pid, ticks in {**seen, **stack_pids}.items() if _alive(pid, ticks)]
+    left = [pid for pid, ticks in {**seen, **stack_pids}.items() if alive(pid, ticks)]
     assert not left, f"left running: {left}"
-    assert not _processes_mentioning(str(run_dir)), _processes_mentioning(str(run_dir))
+    assert not processes_mentioning(str(run_dir)), processes_mentioning(str(run_dir))
     assert (run_dir / "summary.md").exists() and (run_dir / "report.png").exists()
     assert not load_state(run_dir / "stack").processes  # type: ignore[union-attr]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()

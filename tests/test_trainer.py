@@ -4,14 +4,10 @@ sessions' server-free parts, and the golden loss."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,92 +19,37 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from actors.endpoints import open_run_store, resolve_endpoints
-from actors.models import build_model, build_policy_model, load_tokenizer
+from actors.models import build_model
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend, build_backend
 from actors.trainer.checkpoints import RecentIds, TrainerState, complete_checkpoints
 from actors.trainer.loop import Trainer
 from actors.trainer.objective import CorrectedObjective
 from actors.trainer.runtime import open_trainer
-from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, build_weight_publisher
+from actors.trainer.sessions import LiveSession, ReplaySession, RunLink
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
 from pipeline.rl.batching import GroupPolicy, ModelLimits, prepare_group
-from pipeline.tasks import get_task
 from pipeline.wire.announce import version_kv, watch_announcements
 from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptLease, PromptQueue
 from pipeline.wire.replay import ReplayReader, ReplaySelection
-from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_streams
-from pipeline.wire.trajectory import Sample, TrajectoryGroup
+from pipeline.wire.trajectory import TrajectoryGroup
 from storage.filestore import FileStore
 from storage.objectstore import ObjectNotFound, ObjectStore
 from storage.weights import list_versions
-
-REPO = Path(__file__).resolve().parents[1]
-PROMPT = [1, 5, 6, 7, 8, 18]  # <bos> 1 2 3 4 >  (char tokenizer ids)
-
-
-def _cfg(stack: StackState, tmp_path: Path, *overrides: str) -> LeewayConfig:
-    run = f"tr-{uuid.uuid4().hex[:10]}"
-    base = [
-        f"run.name={run}",
-        f"run.dir={tmp_path / run}",
-        f"nats.stack_dir={stack.dir}",
-        "model.name_or_path=tiny-llama-1x32",
-        "model.dtype=float32",
-        "advantages.group_size=2",
-        "trainer.batch_groups=2",
-        "trainer.max_steps=3",
-        "trainer.checkpoint_every=2",
-        "trainer.lr=0.01",
-        "trainer.queue_wait_timeout_s=60",
-        "engine.sampling.max_new_tokens=4",
-        "stream.max_bytes=8388608",
-        "weights.grace_s=0",
-        "logging.level=WARNING",
-    ]
-    return load_config(None, [*base, *overrides], environ={})
-
-
-def _sample(reward: float, version: int, seed: int) -> Sample:
-    rng = np.random.default_rng(seed)
-    completion = rng.integers(4, 14, 4)
-    n = len(PROMPT) + len(completion)
-    mask = np.r_[np.zeros(len(PROMPT), np.uint8), np.ones(len(completion), np.uint8)]
-    return Sample(
-        tokens=np.r_[PROMPT, completion].astype(np.int32),
-        loss_mask=mask,
-        logprobs=np.where(mask == 1, -rng.uniform(2.0, 3.5, n), 0).astype(np.float32),
-        versions=np.where(mask == 1, version, -1).astype(np.int32),
-        reward=reward,
-        reward_source="verifier",
-        status="ok",
-    )
-
-
-def _group(group_id: str, version: int = 0, rewards: tuple[float, float] = (1.0, 0.0)) -> TrajectoryGroup:
-    seed = int.from_bytes(group_id.encode()[-6:], "little")
-    samples = [_sample(r, version, seed + i) for i, r in enumerate(rewards)]
-    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id=group_id, generator_id="test", samples=samples)
-
-
-async def _publish(cfg: LeewayConfig, groups: list[TrajectoryGroup]) -> None:
-    names = RunNames.for_run(cfg.run.name)
-    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-publisher")
-    try:
-        js = nc.jetstream()
-        await ensure_trajectory_streams(js, names, cfg.stream)
-        publisher = TrajectoryPublisher(js, names, cfg.stream)
-        for group in groups:  # one by one: stream order is the order given
-            await publisher.publish(group)
-    finally:
-        await nc.drain()
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
-
+from tests.support.builders import (
+    BACKENDS,
+    Backend,
+    live_trainer,
+    make_group,
+    make_sample,
+    metrics_records,
+    publish_groups,
+    run_trainer,
+    spawn_trainer,
+    trainer_cfg,
+)
 
 # ---- integration: train, cap, versions out, acks after publish --------------------------------------------
 
@@ -143,17 +84,6 @@ class _RecordingBackend(TrainingBackend):
         return self.inner.model_limits()
 
 
-async def _live_trainer(cfg: LeewayConfig, wrap: Callable[[TrainingBackend], TrainingBackend]) -> Trainer:
-    """`open_trainer`'s live path, assembled from its public parts with the backend wrapped by `wrap`."""
-    task = get_task(cfg.task.name, **cfg.task.args)
-    model = build_policy_model(cfg, load_tokenizer(cfg, task))
-    backend = wrap(build_backend(cfg, model))
-    link = await RunLink.open(cfg)
-    publisher = build_weight_publisher(cfg, link.store, model)
-    session = await LiveSession.open(cfg, link, backend, publisher, task, resume=False)
-    return Trainer(cfg, backend, session)
-
-
 async def _watch_acks(nc: NatsClient, cfg: LeewayConfig, store: ObjectStore, acks: dict[int, int]) -> None:
     """Record, for each trajectory ack the trainer sends, the store's LATEST at the moment it is seen.
 
@@ -170,24 +100,24 @@ async def _watch_acks(nc: NatsClient, cfg: LeewayConfig, store: ObjectStore, ack
 
 
 def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: StackState, tmp_path: Path) -> None:
-    cfg = _cfg(stack, tmp_path, "staleness.max_staleness=1", "trainer.max_steps=3")
+    cfg = trainer_cfg(stack, tmp_path, "staleness.max_staleness=1", "trainer.max_steps=3")
     # step 1 at V0: a, b | step 2 at V1: c, d | step 3 at V2: stale (v0, staleness 2 > 1), same (filtered), e, f
     groups = [
-        _group("a"),
-        _group("b"),
-        _group("c"),
-        _group("d", version=1),
-        _group("stale", version=0),
-        _group("same", version=2, rewards=(1.0, 1.0)),
-        _group("e", version=2),
-        _group("f", version=1),
+        make_group("a"),
+        make_group("b"),
+        make_group("c"),
+        make_group("d", version=1),
+        make_group("stale", version=0),
+        make_group("same", version=2, rewards=(1.0, 1.0)),
+        make_group("e", version=2),
+        make_group("f", version=1),
     ]
     step_of_seq = {1: 1, 2: 1, 3: 2, 4: 2, 5: 3, 6: 3, 7: 3, 8: 3}  # stream seq -> the step that consumes it
     store = open_run_store(cfg)
     names = RunNames.for_run(cfg.run.name)
 
     async def scenario() -> tuple[list[str], list[int], dict[int, int], Any]:
-        await _publish(cfg, groups)
+        await publish_groups(cfg, groups)
         nc = await connect(resolve_endpoints(cfg).nats_url, name="test-watch")
         kv = await version_kv(nc.jetstream(), names)
         announced: list[int] = []
@@ -199,7 +129,7 @@ def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: Sta
 
         watcher = asyncio.create_task(watch())
         await _watch_acks(nc, cfg, store, acks)
-        trainer = await _live_trainer(cfg, _RecordingBackend)
+        trainer = await live_trainer(cfg, wrap_backend=_RecordingBackend)
         await asyncio.wait_for(trainer.run(), timeout=90)
         await nc.flush()
         deadline = time.monotonic() + 5
@@ -213,7 +143,7 @@ def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: Sta
         return trainer.backend.trained_sample_ids, announced, acks, info
 
     trained_sample_ids, announced, acks, info = asyncio.run(scenario())
-    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3] and [r["version"] for r in records] == [1, 2, 3]
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["c", "d"], ["e", "f"]]
     assert records[2]["dropped_group_ids"] == {"stale": "staleness_cap", "same": "no_disagreement"}
@@ -235,37 +165,33 @@ def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: Sta
 
 
 def test_masked_tokens_policy_keeps_the_fresh_samples(stack: StackState, tmp_path: Path) -> None:
-    cfg = _cfg(stack, tmp_path, "staleness.max_staleness=0", "staleness.policy=mask_tokens", "trainer.max_steps=2")
+    cfg = trainer_cfg(
+        stack, tmp_path, "staleness.max_staleness=0", "staleness.policy=mask_tokens", "trainer.max_steps=2"
+    )
     # step 2 runs at V1 with K=0: "mix" keeps only its fresh sample, so its valid samples cannot disagree
     mix = TrajectoryGroup.from_samples(
-        group_id="mix", prompt_id="mix", generator_id="t", samples=[_sample(1.0, 1, 1), _sample(0.0, 0, 2)]
+        group_id="mix", prompt_id="mix", generator_id="t", samples=[make_sample(1.0, 1, 1), make_sample(0.0, 0, 2)]
     )
-    future = _group("future", version=5)  # newer than any version the trainer published: refused, not fatal
-    groups = [_group("a"), _group("b"), mix, future, _group("c", version=1), _group("d", version=1)]
-    asyncio.run(_publish(cfg, groups))
-    asyncio.run(_run_trainer(cfg))
-    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    future = make_group("future", version=5)  # newer than any version the trainer published: refused, not fatal
+    groups = [make_group("a"), make_group("b"), mix, future, make_group("c", version=1), make_group("d", version=1)]
+    asyncio.run(publish_groups(cfg, groups))
+    asyncio.run(run_trainer(cfg))
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["c", "d"]]
     assert records[1]["dropped_group_ids"] == {"mix": "staleness_cap", "future": "invalid"}
-
-
-async def _run_trainer(cfg: LeewayConfig, replay: ReplaySelection | None = None) -> Trainer:
-    trainer = await open_trainer(cfg, replay=replay)
-    await asyncio.wait_for(trainer.run(), timeout=60)
-    return trainer
 
 
 def test_filtered_groups_refill_admission_before_the_stream_runs_dry(stack: StackState, tmp_path: Path) -> None:
     """Low water: while groups keep arriving, the slots of filtered ones are refilled, not only once a fetch
     comes back empty (at a saturated reward nearly every group is filtered and the generators ran dry)."""
-    cfg = _cfg(stack, tmp_path, "staleness.max_staleness=1", "trainer.max_steps=1")
+    cfg = trainer_cfg(stack, tmp_path, "staleness.max_staleness=1", "trainer.max_steps=1")
     # (K + 1) * B = 4 admitted at step 0; three agree (filtered), then two train
-    groups = [_group(f"same{i}", rewards=(1.0, 1.0)) for i in range(3)] + [_group("a"), _group("b")]
+    groups = [make_group(f"same{i}", rewards=(1.0, 1.0)) for i in range(3)] + [make_group("a"), make_group("b")]
     fetches: list[tuple[int, int]] = []  # (prompts admitted when the fetch began, groups it returned)
 
     async def scenario() -> Trainer:
-        await _publish(cfg, groups)
-        trainer = await _live_trainer(cfg, lambda backend: backend)
+        await publish_groups(cfg, groups)
+        trainer = await live_trainer(cfg)
         fetch = trainer.session.fetch
 
         async def recording_fetch(*, max_groups: int, timeout_s: float) -> Any:
@@ -279,7 +205,7 @@ def test_filtered_groups_refill_admission_before_the_stream_runs_dry(stack: Stac
         return trainer
 
     trainer = asyncio.run(scenario())
-    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     assert [r["trained_group_ids"] for r in records] == [["a", "b"]]
     assert set(records[0]["dropped_group_ids"]) == {"same0", "same1", "same2"}
     assert fetches[0][0] == 4, fetches
@@ -289,8 +215,10 @@ def test_filtered_groups_refill_admission_before_the_stream_runs_dry(stack: Stac
 
 
 def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: StackState, tmp_path: Path) -> None:
-    cfg = _cfg(stack, tmp_path, "trainer.max_steps=10", "trainer.checkpoint_every=50", "staleness.max_staleness=1")
-    asyncio.run(_publish(cfg, [_group("a"), _group("b"), _group("c")]))
+    cfg = trainer_cfg(
+        stack, tmp_path, "trainer.max_steps=10", "trainer.checkpoint_every=50", "staleness.max_staleness=1"
+    )
+    asyncio.run(publish_groups(cfg, [make_group("a"), make_group("b"), make_group("c")]))
     names = RunNames.for_run(cfg.run.name)
     metrics_path = cfg.run.run_dir / "metrics.jsonl"
 
@@ -303,7 +231,7 @@ def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: Sta
         task = asyncio.create_task(trainer.run())
         # step 1 is written and "c" is held for step 2: held by the session's consumer, not merely delivered
         # (a message still in the client's buffer is not the trainer's yet, and no nak can reach it)
-        while not (metrics_path.exists() and _records(metrics_path) and session.consumer.held_seqs):
+        while not (metrics_path.exists() and metrics_records(metrics_path) and session.consumer.held_seqs):
             assert not task.done(), task
             await asyncio.sleep(0.02)
         trainer.stop.set()
@@ -324,7 +252,7 @@ def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: Sta
 
     leases = asyncio.run(scenario())
     assert complete_checkpoints(open_run_store(cfg), cfg.run.name) == [1]
-    records = _records(metrics_path)
+    records = metrics_records(metrics_path)
     assert [r["trained_group_ids"] for r in records] == [["a", "b"]]
     # admission: (K + 1) * batch_groups prompts at version 0, then more once step 1 was published
     versions = [lease.prompt.policy_version for lease in leases]
@@ -347,8 +275,8 @@ def _replay_session(tmp_path: Path, *overrides: str) -> ReplaySession:
 def test_replay_counts_staleness_against_the_newest_version_recorded_so_far(tmp_path: Path) -> None:
     session = _replay_session(tmp_path)
     assert session.current_version(trainer_version=0) == 0
-    assert session.cap_version(_group("a", version=3), trainer_version=0) == 3
-    assert session.cap_version(_group("b", version=1), trainer_version=7) == 3  # the trainer's own is ignored
+    assert session.cap_version(make_group("a", version=3), trainer_version=0) == 3
+    assert session.cap_version(make_group("b", version=1), trainer_version=7) == 3  # the trainer's own is ignored
     assert session.current_version(trainer_version=7) == 3
     assert session.staleness_cap == 2
     assert _replay_session(tmp_path, "staleness.cap_in_replay=false").staleness_cap is None
@@ -374,18 +302,6 @@ def test_replay_admits_publishes_acks_and_checkpoints_nothing(tmp_path: Path) ->
 # ---- resume: SIGKILL at random points, then --resume -------------------------------------------------------
 
 
-def _spawn(config_path: Path, log_path: Path, *extra: str) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "actors.cli", "trainer", str(config_path), *extra],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
-
 def _latest(store: Any, run: str) -> int:
     try:
         return int(orjson.loads(store.get(f"{run}/weights/LATEST"))["version"])
@@ -394,9 +310,13 @@ def _latest(store: Any, run: str) -> int:
 
 
 @pytest.mark.slow
-def test_resume_after_sigkills_trains_every_group_exactly_once(stack: StackState, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_after_sigkills_trains_every_group_exactly_once(
+    stack: StackState, tmp_path: Path, backend: Backend
+) -> None:
+    """Every trainer process of the run (fresh, then each `--resume`) on `backend`."""
     max_steps, kills = 12, 3
-    cfg = _cfg(
+    cfg = trainer_cfg(
         stack,
         tmp_path,
         f"trainer.max_steps={max_steps}",
@@ -404,20 +324,24 @@ def test_resume_after_sigkills_trains_every_group_exactly_once(stack: StackState
         "trainer.checkpoint_every=2",
         "weights.full_every=5",
         "logging.level=INFO",
+        backend=backend,
     )
     rng = random.Random(7)
     trainable = [f"g{i:03d}" for i in range(max_steps * cfg.trainer.batch_groups)]
     filtered = [f"f{i:03d}" for i in range(6)]
     ids = trainable + filtered
     rng.shuffle(ids)
-    asyncio.run(_publish(cfg, [_group(g, rewards=(1.0, 1.0) if g.startswith("f") else (1.0, 0.0)) for g in ids]))
+    asyncio.run(
+        publish_groups(cfg, [make_group(g, rewards=(1.0, 1.0) if g.startswith("f") else (1.0, 0.0)) for g in ids])
+    )
     config_path = tmp_path / "trainer.yaml"
     config_path.write_text(cfg.to_yaml())
+    assert f"backend: {backend}" in config_path.read_text(), "the config every trainer process runs with"
     log_path = tmp_path / "trainer.log"
     store = open_run_store(cfg)
     seen_latest: list[int] = []
     for attempt in range(kills):
-        proc = _spawn(config_path, log_path, *(["--resume"] if attempt else []))
+        proc = spawn_trainer(config_path, log_path, *(["--resume"] if attempt else []))
         start = _latest(store, cfg.run.name)
         deadline = time.monotonic() + 60
         # wait for the (re)published version and at least one step after it, then kill at a random moment
@@ -429,11 +353,11 @@ def test_resume_after_sigkills_trains_every_group_exactly_once(stack: StackState
             break
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    proc = _spawn(config_path, log_path, "--resume")
+    proc = spawn_trainer(config_path, log_path, "--resume")
     assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     seen_latest.append(_latest(store, cfg.run.name))
 
-    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     trained = [g for r in records for g in r["trained_group_ids"]]
     dropped = {g: reason for r in records for g, reason in r["dropped_group_ids"].items()}
     context = f"kills at LATEST {seen_latest}; log tail:\n{log_path.read_text()[-4000:]}"
@@ -450,13 +374,13 @@ def test_resume_after_sigkills_trains_every_group_exactly_once(stack: StackState
 
 
 def test_two_replays_of_the_same_range_give_the_same_losses(stack: StackState, tmp_path: Path) -> None:
-    cfg = _cfg(stack, tmp_path, "trainer.max_steps=100", "staleness.max_staleness=1", "correction.method=tis")
-    groups = [_group(f"r{i}", version=i // 3, rewards=(1.0, 0.0) if i % 4 else (0.0, 1.0)) for i in range(10)]
-    asyncio.run(_publish(cfg, [*groups[:9], _group("late", version=0), groups[9]]))
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=100", "staleness.max_staleness=1", "correction.method=tis")
+    groups = [make_group(f"r{i}", version=i // 3, rewards=(1.0, 0.0) if i % 4 else (0.0, 1.0)) for i in range(10)]
+    asyncio.run(publish_groups(cfg, [*groups[:9], make_group("late", version=0), groups[9]]))
 
     def replay(until: int | None) -> list[dict[str, Any]]:
-        trainer = asyncio.run(_run_trainer(cfg, ReplaySelection(from_seq=1, until_seq=until)))
-        return _records(trainer.session.metrics_path)
+        trainer = asyncio.run(run_trainer(cfg, ReplaySelection(from_seq=1, until_seq=until)))
+        return metrics_records(trainer.session.metrics_path)
 
     first, second = replay(None), replay(None)
     assert len(first) == 5
@@ -479,7 +403,7 @@ def test_golden_loss_of_a_fixed_tiny_batch() -> None:
         {"model": {"name_or_path": "tiny-llama-1x32"}, "trainer": {"lr": 0.01}, "advantages": {"group_size": 2}}
     )
     backend = build_backend(cfg, build_model("tiny-llama-1x32", vocab_size=21, seed=0))
-    groups = [_group("a", version=0), _group("b", version=1, rewards=(0.25, 1.0))]
+    groups = [make_group("a", version=0), make_group("b", version=1, rewards=(0.25, 1.0))]
     prepared = [prepare_group(g, version=1, policy=GroupPolicy(max_staleness=2)) for g in groups]
     batch = TrainBatch(tuple(s for p in prepared for s in p.samples))  # what batching yields, as the backend takes it
     objective = CorrectedObjective(cfg.correction, cfg.advantages, version=1, constant_tokens=16)

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from test_trainer import _cfg, _group, _publish, _records, _run_trainer, _sample
 
 from actors.endpoints import resolve_endpoints
 from actors.trainer.runtime import open_trainer
@@ -22,6 +21,7 @@ from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptLease, PromptQueue
 from pipeline.wire.replay import ReplaySelection
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
+from tests.support.builders import make_group, make_sample, metrics_records, publish_groups, run_trainer, trainer_cfg
 
 EVENT_DEADLINE_S = 60.0
 """Upper bound on waiting for an event that must happen (the test fails, naming it, if it does not)."""
@@ -40,7 +40,7 @@ def _bad_group(group_id: str, tokens: list[int]) -> TrajectoryGroup:
         status="ok",
     )
     return TrajectoryGroup.from_samples(
-        group_id=group_id, prompt_id=group_id, generator_id="test", samples=[_sample(1.0, 0, 2), bad]
+        group_id=group_id, prompt_id=group_id, generator_id="test", samples=[make_sample(1.0, 0, 2), bad]
     )
 
 
@@ -62,14 +62,14 @@ async def _dead_letters(cfg: LeewayConfig) -> list[dict[str, str]]:
 def test_groups_past_the_vocabulary_or_the_context_are_dead_lettered_and_the_step_goes_on(
     stack: StackState, tmp_path: Path
 ) -> None:
-    cfg = _cfg(stack, tmp_path, "trainer.max_steps=2", "staleness.max_staleness=1")
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=2", "staleness.max_staleness=1")
     # the char tokenizer has 21 ids and tiny-llama has 128 positions; ids "x.<i>" look admitted (slots!)
     oov = _bad_group("x.0", [1, 5, 6, 999, 7])
     long = _bad_group("x.1", [1, 5, *([6] * 198)])
-    asyncio.run(_publish(cfg, [oov, _group("a"), long, _group("b"), _group("c"), _group("d")]))
-    trainer = asyncio.run(_run_trainer(cfg))
+    asyncio.run(publish_groups(cfg, [oov, make_group("a"), long, make_group("b"), make_group("c"), make_group("d")]))
+    trainer = asyncio.run(run_trainer(cfg))
 
-    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["c", "d"]]
     assert records[0]["refused_group_ids"] == {"x.0": "token_out_of_vocab", "x.1": "sample_too_long"}
     assert records[0]["groups/refused/token_out_of_vocab"] == 1 and records[0]["groups/refused"] == 2
@@ -83,15 +83,17 @@ def test_groups_past_the_vocabulary_or_the_context_are_dead_lettered_and_the_ste
     assert trainer.state.dead_letter_seq == 2
 
     # a replay of the same range skips and counts them, and dead-letters nothing more
-    replay = asyncio.run(_run_trainer(cfg, ReplaySelection(from_seq=1)))
-    replayed = _records(replay.session.metrics_path)
+    replay = asyncio.run(run_trainer(cfg, ReplaySelection(from_seq=1)))
+    replayed = metrics_records(replay.session.metrics_path)
     assert replayed[0]["refused_group_ids"] == {"x.0": "token_out_of_vocab", "x.1": "sample_too_long"}
     assert len(asyncio.run(_dead_letters(cfg))) == 2
 
 
 def test_a_prompt_dead_lettered_at_max_deliver_gives_its_admission_slot_back(stack: StackState, tmp_path: Path) -> None:
     # capacity at step 0: (0 + K + 1) * B = 2 prompts; nothing is ever trained here
-    cfg = _cfg(stack, tmp_path, "staleness.max_staleness=0", "stream.prompt_max_deliver=1", "trainer.max_steps=1")
+    cfg = trainer_cfg(
+        stack, tmp_path, "staleness.max_staleness=0", "stream.prompt_max_deliver=1", "trainer.max_steps=1"
+    )
     names = RunNames.for_run(cfg.run.name)
 
     async def scenario() -> tuple[list[str], int]:

@@ -5,31 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from test_trainer import _cfg, _group, _publish, _records
 
 from actors.endpoints import open_run_store, resolve_endpoints
-from actors.models import build_policy_model, load_tokenizer
-from actors.trainer.backends import build_backend
 from actors.trainer.checkpoints import complete_checkpoints, load_latest_checkpoint
 from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, parse_report
 from actors.trainer.loop import QueueWaitTimeout, Trainer
 from actors.trainer.runtime import open_trainer
-from actors.trainer.sessions import LiveSession, RunLink, build_weight_publisher
+from actors.trainer.sessions import LiveSession
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
-from pipeline.tasks import get_task
 from pipeline.wire.announce import generator_metrics_subject
 from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.retry import Backoff, retry_async
 from storage.manifest import manifest_key
-from storage.objectstore import ObjectStore
+from tests.support.builders import live_trainer, make_group, metrics_records, publish_groups, trainer_cfg
+from tests.support.stores import WRITE_METHODS, Fault, FaultyStore
 
 EVENT_DEADLINE_S = 60.0
 """Upper bound on waiting for an event that must happen."""
@@ -73,7 +70,7 @@ def test_reports_expire_so_a_silent_generator_leaves_the_metrics() -> None:
 
 
 def test_a_malformed_generator_report_is_ignored_and_the_trainer_goes_on(stack: StackState, tmp_path: Path) -> None:
-    cfg = _cfg(stack, tmp_path, "trainer.max_steps=1")
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=1")
     names = RunNames.for_run(cfg.run.name)
 
     async def scenario() -> int:
@@ -91,11 +88,11 @@ def test_a_malformed_generator_report_is_ignored_and_the_trainer_goes_on(stack: 
             assert asyncio.get_running_loop().time() < deadline, (reports.num_rejected, reports.current())
             await asyncio.sleep(0.02)
         await nc.drain()
-        await _publish(cfg, [_group("a"), _group("b")])
+        await publish_groups(cfg, [make_group("a"), make_group("b")])
         return await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
 
     assert asyncio.run(scenario()) == 0
-    [record] = _records(cfg.run.run_dir / "metrics.jsonl")
+    [record] = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     assert set(record["generators"]) == {"good"} and record["generators/tokens_per_s"] == 40.0
 
 
@@ -139,76 +136,29 @@ def test_retry_backs_off_with_jitter_and_gives_up_after_the_bound() -> None:
     assert len(calls) == 1
 
 
-class _FailingStore(ObjectStore):
-    """The run's store, but `fail(method, key)` decides, write by write, to raise instead."""
-
-    def __init__(self, inner: ObjectStore, fail: Callable[[str, str], BaseException | None]) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.fail = fail
-
-    def _check(self, method: str, key: str) -> None:
-        exc = self.fail(method, key)
-        if exc is not None:
-            raise exc
-
-    def put(self, key: str, data: bytes) -> str:
-        self._check("put", key)
-        return self.inner.put(key, data)
-
-    def put_if_absent(self, key: str, data: bytes) -> str:
-        self._check("put_if_absent", key)
-        return self.inner.put_if_absent(key, data)
-
-    def put_if_match(self, key: str, data: bytes, etag: str) -> str:
-        self._check("put_if_match", key)
-        return self.inner.put_if_match(key, data, etag)
-
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
-        return self.inner.get_with_etag(key)
-
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        return self.inner.get_range(key, start, end)
-
-    def size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self.inner.list(prefix)
-
-
-async def _trainer_with_store(cfg: LeewayConfig, fail: Callable[[str, str], BaseException | None]) -> Trainer:
-    """`open_trainer`'s live path with the weight publisher writing through a `_FailingStore`."""
-    task = get_task(cfg.task.name, **cfg.task.args)
-    model = build_policy_model(cfg, load_tokenizer(cfg, task))
-    backend = build_backend(cfg, model)
-    link = await RunLink.open(cfg)
-    publisher = build_weight_publisher(cfg, _FailingStore(link.store, fail), model)
-    session = await LiveSession.open(cfg, link, backend, publisher, task, resume=False)
-    return Trainer(cfg, backend, session)
+def _trainer_with_store(cfg: LeewayConfig, fault: Fault) -> Coroutine[Any, Any, Trainer]:
+    """A live trainer whose weight publisher writes through a `FaultyStore` asking `fault`."""
+    return live_trainer(cfg, wrap_store=lambda store: FaultyStore(store, fault))
 
 
 def test_weight_publish_is_retried_through_a_store_outage(stack: StackState, tmp_path: Path) -> None:
-    cfg = _cfg(stack, tmp_path, "trainer.max_steps=2")
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=2")
     outages = {manifest_key(cfg.run.name, 1): 2}  # the manifest of version 1 fails twice, then goes through
 
     def fail(method: str, key: str) -> BaseException | None:
-        if outages.get(key, 0) > 0:
+        if method in WRITE_METHODS and outages.get(key, 0) > 0:
             outages[key] -= 1
             return ConnectionError(f"store unreachable writing {key}")
         return None
 
-    asyncio.run(_publish(cfg, [_group(g) for g in "abcd"]))
+    asyncio.run(publish_groups(cfg, [make_group(g) for g in "abcd"]))
 
     async def scenario() -> int:
         trainer = await _trainer_with_store(cfg, fail)
         return await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
 
     assert asyncio.run(scenario()) == 0
-    assert [r["version"] for r in _records(cfg.run.run_dir / "metrics.jsonl")] == [1, 2]
+    assert [r["version"] for r in metrics_records(cfg.run.run_dir / "metrics.jsonl")] == [1, 2]
     assert outages == {manifest_key(cfg.run.name, 1): 0}
 
 
@@ -216,12 +166,15 @@ def test_weight_publish_is_retried_through_a_store_outage(stack: StackState, tmp
 
 
 def test_a_failure_while_publishing_writes_a_checkpoint_that_holds_the_step(stack: StackState, tmp_path: Path) -> None:
-    cfg = _cfg(stack, tmp_path, "trainer.max_steps=5", "trainer.checkpoint_every=50", "staleness.max_staleness=4")
+    cfg = trainer_cfg(
+        stack, tmp_path, "trainer.max_steps=5", "trainer.checkpoint_every=50", "staleness.max_staleness=4"
+    )
 
     def fail(method: str, key: str) -> BaseException | None:  # permanent: not retried
-        return ValueError("manifest refused") if key == manifest_key(cfg.run.name, 2) else None
+        refused = method in WRITE_METHODS and key == manifest_key(cfg.run.name, 2)
+        return ValueError("manifest refused") if refused else None
 
-    asyncio.run(_publish(cfg, [_group(g) for g in "abcdef"]))
+    asyncio.run(publish_groups(cfg, [make_group(g) for g in "abcdef"]))
 
     async def scenario() -> None:
         trainer = await _trainer_with_store(cfg, fail)
@@ -239,8 +192,10 @@ def test_a_failure_while_publishing_writes_a_checkpoint_that_holds_the_step(stac
 
 
 def test_giving_up_on_the_queue_still_writes_a_final_checkpoint(stack: StackState, tmp_path: Path) -> None:
-    cfg = _cfg(stack, tmp_path, "trainer.max_steps=5", "trainer.checkpoint_every=50", "trainer.queue_wait_timeout_s=1")
-    asyncio.run(_publish(cfg, [_group("a"), _group("b")]))
+    cfg = trainer_cfg(
+        stack, tmp_path, "trainer.max_steps=5", "trainer.checkpoint_every=50", "trainer.queue_wait_timeout_s=1"
+    )
+    asyncio.run(publish_groups(cfg, [make_group("a"), make_group("b")]))
 
     async def scenario() -> None:
         trainer = await open_trainer(cfg)
@@ -257,16 +212,16 @@ def test_giving_up_on_the_queue_still_writes_a_final_checkpoint(stack: StackStat
 def test_resume_says_how_many_groups_retention_removed(
     stack: StackState, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = _cfg(stack, tmp_path, "trainer.max_steps=1", "staleness.max_staleness=100")
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=1", "staleness.max_staleness=100")
     names = RunNames.for_run(cfg.run.name)
-    asyncio.run(_publish(cfg, [_group("a"), _group("b")]))
+    asyncio.run(publish_groups(cfg, [make_group("a"), make_group("b")]))
 
     async def run(config: LeewayConfig, *, resume: bool) -> int:
         trainer = await open_trainer(config, resume=resume)
         return await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
 
     assert asyncio.run(run(cfg, resume=False)) == 0  # step 1, checkpointed at the end (consumed_seq 2)
-    asyncio.run(_publish(cfg, [_group(g) for g in "cdef"]))  # seqs 3..6
+    asyncio.run(publish_groups(cfg, [make_group(g) for g in "cdef"]))  # seqs 3..6
 
     async def purge_below(seq: int) -> None:  # what max_age / max_bytes retention does to the oldest
         nc = await connect(resolve_endpoints(cfg).nats_url, name="test-retention")
@@ -277,7 +232,7 @@ def test_resume_says_how_many_groups_retention_removed(
     resumed = LeewayConfig.model_validate({**cfg.model_dump(), "trainer": {**cfg.trainer.model_dump(), "max_steps": 2}})
     with caplog.at_level("WARNING", logger="actors.trainer.sessions"):
         assert asyncio.run(run(resumed, resume=True)) == 0
-    records = _records(cfg.run.run_dir / "metrics.jsonl")
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["e", "f"]]
     assert records[-1]["groups/lost_to_retention"] == 2
     assert any("seqs 3..4 (2 groups) were removed by retention" in m for m in caplog.messages)

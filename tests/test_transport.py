@@ -9,7 +9,6 @@ import hashlib
 import struct
 import time
 import uuid
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,27 +36,7 @@ from pipeline.wire.trajectories import TrajectoryPublisher, ensure_trajectory_st
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
 from storage.filestore import FileStore
 from storage.s3 import S3Options, S3Store
-
-
-def _group(
-    group_id: str, version: int = 3, num_samples: int = 2, num_tokens: int = 48, seed: str | None = None
-) -> TrajectoryGroup:
-    """Random tokens and log-probs, seeded by `seed` (default: the group id)."""
-    rng = np.random.default_rng(zlib.crc32((seed or group_id).encode()))
-    samples = []
-    for _ in range(num_samples):
-        mask = np.r_[np.zeros(8, np.uint8), np.ones(num_tokens - 8, np.uint8)]
-        samples.append(
-            Sample(
-                tokens=rng.integers(0, 151_936, num_tokens).astype(np.int32),
-                loss_mask=mask,
-                logprobs=np.where(mask == 1, -rng.exponential(0.3, num_tokens), 0).astype(np.float32),
-                versions=np.where(mask == 1, version, -1).astype(np.int32),
-                reward=1.0,
-                reward_source="verifier",
-            )
-        )
-    return TrajectoryGroup.from_samples(group_id=group_id, prompt_id="p", generator_id="gen-0", samples=samples)
+from tests.support.builders import wire_group
 
 
 def _stream(**overrides) -> StreamConfig:
@@ -93,9 +72,9 @@ def test_publish_dedupes_by_group_id_and_consumer_acks_when_told(stack):
         nc, js = await _setup(stack.nats_url, names, stream)
         try:
             publisher = TrajectoryPublisher(js, names, stream)
-            first = await publisher.publish_many([_group(f"g{i}", version=i) for i in range(5)])
+            first = await publisher.publish_many([wire_group(f"g{i}", version=i) for i in range(5)])
             assert [r.seq for r in first] == [1, 2, 3, 4, 5] and not any(r.duplicate for r in first)
-            again = await publisher.publish(_group("g2", version=2))
+            again = await publisher.publish(wire_group("g2", version=2))
             assert again.duplicate and again.seq == 3
             consumer = await TrajectoryConsumer.bind(js, names, stream)
             batch = await consumer.fetch(max_groups=5)
@@ -123,7 +102,7 @@ def test_large_group_travels_by_claim_check(stack, tmp_path):
         store = FileStore(tmp_path / "store")
         nc, js = await _setup(stack.nats_url, names, stream)
         try:
-            big, small = _group("big", num_tokens=2000), _group("small", num_tokens=16, num_samples=1)
+            big, small = wire_group("big", num_tokens=2000), wire_group("small", num_tokens=16, num_samples=1)
             publisher = TrajectoryPublisher(js, names, stream, store)
             result = await publisher.publish(big)
             digest = hashlib.sha256(encode_group(big)).hexdigest()
@@ -149,7 +128,7 @@ def test_groups_a_dead_trainer_held_unacked_come_back_to_the_trainer_that_resume
         nc, js = await _setup(stack.nats_url, names, stream, ack_wait_s=1.0)
         first_nc = await connect(stack.nats_url, name="trainer-first")
         try:
-            await TrajectoryPublisher(js, names, stream).publish_many([_group(f"g{i}") for i in range(20)])
+            await TrajectoryPublisher(js, names, stream).publish_many([wire_group(f"g{i}") for i in range(20)])
             first = await TrajectoryConsumer.bind(first_nc.jetstream(), names, stream)
             seen = await first.fetch(max_groups=3) + await first.fetch(max_groups=3)
             ids = [d.group.group_id for d in seen]
@@ -236,7 +215,7 @@ def test_no_loss_no_duplicate_across_connection_cut_and_server_restart(own_nats)
         await proxy.start()
         pub_nc = await connect(f"nats://{own_nats.token}@127.0.0.1:{proxy.port}", name="publisher")
         publisher = TrajectoryPublisher(pub_nc.jetstream(timeout=5), names, stream)
-        groups = [_group(f"g{i:03d}") for i in range(num_groups)]
+        groups = [wire_group(f"g{i:03d}") for i in range(num_groups)]
         published: list[str] = []
 
         async def publish_all() -> None:
@@ -294,9 +273,9 @@ def test_an_unreachable_store_delays_a_claimed_group_and_never_stops_the_consume
         nc, js = await _setup(stack.nats_url, names, stream)
         try:
             publisher = TrajectoryPublisher(js, names, stream, writer)
-            big = _group("big", num_tokens=2000)
+            big = wire_group("big", num_tokens=2000)
             assert (await publisher.publish(big)).claim_check_key is not None
-            await publisher.publish(_group("small", num_tokens=16, num_samples=1))
+            await publisher.publish(wire_group("small", num_tokens=16, num_samples=1))
             consumer = await TrajectoryConsumer.bind(js, names, stream, reader)
             assert await _drain(consumer, 1) == ["small"]  # "big" (seq 1) was handled first, and given back
             assert not consumer.dead_letters.counts and consumer.held_seqs == []
@@ -363,7 +342,7 @@ def _one_sample_group(group_id: str, tokens: np.ndarray) -> TrajectoryGroup:
 
 def _bad_message(kind: str, data: st.DataObject, group_id: str, names: RunNames) -> _Case:
     """One kind of bad input for group `group_id` of run `names` (content seeded alike for every example)."""
-    good = _group(group_id, seed="bad-group")
+    good = wire_group(group_id, seed="bad-group")
     headers = group_headers(good)
     if kind == "random_bytes":
         return _Case(headers, data.draw(st.binary(max_size=2048)), {"decode_error"})
@@ -527,7 +506,7 @@ def test_bad_messages_end_in_dead_letters_and_the_consumer_keeps_going(fuzz_env,
             store.put(key, obj)
         store.failures = case.store_failures
         await js.publish(names.trajectory_subject, case.body, headers={**case.headers, "Nats-Msg-Id": msg_id})
-        await TrajectoryPublisher(js, names, _stream()).publish(_group(f"ok-{msg_id}"))
+        await TrajectoryPublisher(js, names, _stream()).publish(wire_group(f"ok-{msg_id}"))
         got: dict[str, object] = {}
         deadline = time.monotonic() + 20
         while not wanted <= set(got):

@@ -2,47 +2,19 @@
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import storage.publisher as publisher
-from infra.stack import StackState, load_credentials
 from storage.filestore import FileStore
 from storage.manifest import Manifest, ManifestError, PartSpec, TensorSpec, config_hash, latest_key
 from storage.objectstore import ObjectStore
 from storage.retention import versions_to_delete
-from storage.s3 import S3Options, S3Store
 from storage.weights import PullPlan, WeightPublisher, WeightSubscriber, list_versions
 
 CONFIG_HASH = config_hash({"model": "tiny", "hidden": 8})
-
-
-def s3_store_for(stack: StackState, prefix: str) -> S3Store:
-    creds = load_credentials(stack.dir)
-    return S3Store(
-        stack.bucket,
-        prefix,
-        S3Options(
-            endpoint=stack.s3_endpoint,
-            region=stack.region,
-            access_key_id=creds.access_key_id,
-            secret_access_key=creds.secret_access_key,
-        ),
-    )
-
-
-@pytest.fixture(params=["file", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStore]:
-    if request.param == "file":
-        s: ObjectStore = FileStore(tmp_path / "store")
-    else:
-        s = s3_store_for(request.getfixturevalue("stack"), f"test-weights/{uuid.uuid4().hex}")
-    with s:
-        yield s
 
 
 @pytest.fixture(autouse=True)

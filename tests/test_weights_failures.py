@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from infra.stack import StackState, load_credentials
+from infra.stack import StackState
 from storage.delta_codec import tensor_bits
 from storage.manifest import ManifestError, manifest_key
 from storage.objectstore import ObjectStore
-from storage.s3 import S3Options, S3Store
 from storage.weights import VersionConflict, WeightPublisher, WeightPullError, WeightSubscriber, list_versions
+from tests.support.stores import FaultyStore, s3_store
 
 CONFIG = "cfg"
 RACE_TRIALS = 3
@@ -22,14 +22,8 @@ RACE_TRIALS = 3
 
 @pytest.fixture
 def store(stack: StackState) -> Iterator[ObjectStore]:
-    creds = load_credentials(stack.dir)
-    options = S3Options(
-        endpoint=stack.s3_endpoint,
-        region=stack.region,
-        access_key_id=creds.access_key_id,
-        secret_access_key=creds.secret_access_key,
-    )
-    with S3Store(stack.bucket, f"test-weights-failures/{uuid.uuid4().hex}", options) as s:
+    """S3 only: these failures are the ones a remote store has."""
+    with s3_store(stack, f"test-weights-failures/{uuid.uuid4().hex}") as s:
         yield s
 
 
@@ -69,15 +63,21 @@ def _delta_part(store: ObjectStore, run: str, version: int) -> str:
 
 def test_a_publish_killed_before_its_manifest_leaves_no_visible_version(store: ObjectStore) -> None:
     versions = _versions(3)
-    pub = WeightPublisher(store, "killed", model_config_hash=CONFIG)
+    killed: list[str] = []
+
+    def killed_before_its_manifest(method: str, key: str) -> BaseException | None:
+        """The manifest write of version 2 is where the process dies; nothing it tries afterwards lands."""
+        if killed:
+            return ConnectionError("the publisher was killed: nothing more reaches the store")
+        if key == manifest_key("killed", 2):
+            killed.append(key)
+            return KeyboardInterrupt("publisher killed between parts and manifest")
+        return None
+
+    pub = WeightPublisher(FaultyStore(store, killed_before_its_manifest), "killed", model_config_hash=CONFIG)
     pub.publish(0, versions[0])
     pub.publish(1, versions[1])
     sub = _subscriber_at(store, "killed", 1)
-
-    def die(manifest: object) -> None:
-        raise KeyboardInterrupt("publisher killed between parts and manifest")
-
-    pub._commit_manifest = die  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         pub.publish(2, versions[2])
     assert any("/v00000002/part-" in k for k in store.list("killed/")), "the parts did go up"

@@ -14,6 +14,7 @@ import storage.weights as weights
 from storage.filestore import FileStore
 from storage.weights import WeightPublisher, WeightPullError, WeightSubscriber
 from storage.weights_base import byte_view
+from tests.support.stores import FaultyStore
 
 CONFIG = "cfg"
 
@@ -91,23 +92,20 @@ def test_converted_inputs_are_published_in_the_served_dtype(tmp_path: Path) -> N
             assert _same(sub.tensors, {n: t.detach().bfloat16().contiguous() for n, t in base.items()})
 
 
-def test_a_failed_upload_keeps_the_base_so_the_retry_is_still_a_delta(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failed_upload_keeps_the_base_so_the_retry_is_still_a_delta(tmp_path: Path) -> None:
     versions = _versions(4)
     store = FileStore(tmp_path)
-    with WeightPublisher(store, "r", model_config_hash=CONFIG, full_every=100) as pub:
+    down = [False]
+    flaky = FaultyStore(
+        store, lambda method, key: OSError("store unavailable") if down[0] and method == "put" else None
+    )
+    with WeightPublisher(flaky, "r", model_config_hash=CONFIG, full_every=100) as pub:
         for v in range(3):
             pub.publish(v, versions[v])
-        real_put = store.put
-
-        def failing_put(key: str, data: bytes) -> None:
-            raise OSError("store unavailable")
-
-        monkeypatch.setattr(store, "put", failing_put)
-        with pytest.raises(OSError):
+        down[0] = True
+        with pytest.raises(OSError, match="store unavailable"):
             pub.publish(3, versions[3])
-        monkeypatch.setattr(store, "put", real_put)
+        down[0] = False
         assert pub.publish(3, versions[3]).kind == "delta"
     with WeightSubscriber(store, "r") as sub:
         sub.pull(2)

@@ -185,17 +185,13 @@ class Generator:
         `generator.concurrency` places is free, so the engine (which batches all requests in flight
         together) gets a finished group's successor at once instead of waiting for the whole batch."""
         running: set[asyncio.Task[None]] = set()
-        generating = [0]
+        """One task per prompt generating, from its creation (a task not yet started holds its place too)."""
 
         async def one(lease: PromptLease) -> None:
-            generating[0] += 1
-            try:
-                await self.run_batch([lease], background_publish=True)
-            finally:
-                generating[0] -= 1
+            await self.run_batch([lease], background_publish=True)
 
         while not self.stopping:
-            free = self.cfg.generator.concurrency - generating[0]
+            free = self.cfg.generator.concurrency - len(running)
             if free <= 0:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 continue
