@@ -15,7 +15,7 @@
 Invariant (RL360's step 70; RL360 is the open-source RL codebase behind the K2 Horizon models, see
 `docs/design.md`, "Rewards, groups and failures"): masked samples (infra failures, missing rewards,
 dropped by the staleness cap) never enter a denominator. Adding them to a batch changes neither the baseline nor
-the gradient; ``tests/test_loss.py`` checks this with autograd. RL360 divided by the sample count
+the gradient; ``tests/rl/test_loss.py`` checks this with autograd. RL360 divided by the sample count
 including masked samples and shrank one step's gradient by x0.59.
 
 With gradient accumulation or data parallelism, ``token_mean`` must divide by the minibatch's token

@@ -20,9 +20,10 @@ from actors.trainer.checkpoints import load_latest_checkpoint
 from infra.process import start_ticks
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
-from pipeline.wire import transport
+from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import Prompt
+from pipeline.wire.replay import ReplayReader, ReplaySelection
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -81,15 +82,15 @@ def processes_mentioning(text: str) -> list[str]:
 async def recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> list[Any]:
     """Every group in the run's trajectory stream (from `from_seq`), read back through a replay."""
     endpoints = resolve_endpoints(cfg)
-    nc = await transport.connect(endpoints.nats_url, name="test-run-replay")
+    nc = await connect(endpoints.nats_url, name="test-run-replay")
     try:
         js = nc.jetstream()
-        reader = await transport.ReplayReader.open(
+        reader = await ReplayReader.open(
             js,
             RunNames.for_run(cfg.run.name),
             cfg.stream,
             open_run_store(cfg, endpoints),
-            transport.ReplaySelection(from_seq=from_seq),
+            ReplaySelection(from_seq=from_seq),
         )
         groups = []
         while not reader.done:
@@ -103,7 +104,7 @@ async def recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> lis
 async def queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
     """(prompts ever admitted, ids still in the prompt work queue) of the run."""
     names = RunNames.for_run(cfg.run.name)
-    nc = await transport.connect(resolve_endpoints(cfg).nats_url, name="test-run-prompts")
+    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-run-prompts")
     try:
         js = nc.jetstream()
         info = await js.stream_info(names.prompt_stream)

@@ -22,7 +22,7 @@ import pytest
 from infra.process import ORPHAN_GRACE_S, is_running, start_ticks
 from infra.stack import StackState, load_state, stack_status
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
 COMMON = ["stream.max_bytes=67108864", "trainer.queue_wait_timeout_s=120", "trainer.max_steps=1000000"]
 """The demo, bounded for 2 CI cores, with no step limit: the test kills the run itself."""

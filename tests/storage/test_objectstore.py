@@ -235,4 +235,4 @@ def test_the_interface_imports_no_implementation_and_the_opener_no_boto3() -> No
         "import storage.stores\n"
         "assert 'boto3' not in sys.modules and 'storage.s3' not in sys.modules\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

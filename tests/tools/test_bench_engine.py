@@ -18,7 +18,7 @@ import torch
 from actors.cli import build_parser
 from actors.tools.bench import engine as bench
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 TINY = ["--model", "tiny-llama-1x32", "--requests", "3", "--prompt-tokens", "5", "--new-tokens", "4"]
 KEYS = {

@@ -1,7 +1,7 @@
 """`trainer.backend: megatron` through the real stack and real rank processes: the demo learns, and the ranks
 (TP, DP, PP over gloo) take the steps one rank takes, publish sharded and resume across layouts.
 
-The SIGKILL-and-resume test runs on both backends from one body (`tests/test_trainer.py`, parametrized by
+The SIGKILL-and-resume test runs on both backends from one body (`tests/trainer/test_trainer.py`, parametrized by
 `backend`); the ranks here run the same worker as the torch ranks test (`tests/support/ranks.py`), with a
 megatron `RankLayout`.
 """

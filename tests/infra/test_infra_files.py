@@ -16,7 +16,7 @@ import yaml
 from actors.cli import build_parser
 from pipeline.config import ENV_PREFIX, load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
 PLACEHOLDER = "placeholder"
 """What a value taken from the environment or a Secret stands for in these checks."""

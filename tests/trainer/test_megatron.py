@@ -1,6 +1,6 @@
 """The megatron backend: HF <-> Megatron conversion, agreement with the torch backend, TP=2 over gloo.
 
-Backends run in rank processes started here (``python tests/test_megatron.py MODE OUT_DIR`` with the
+Backends run in rank processes started here (``python tests/trainer/test_megatron.py MODE OUT_DIR`` with the
 launch environment), never in the pytest process: megatron-core keeps its process groups in module
 globals. Ranks write their results as safetensors and JSON under ``OUT_DIR``; the tests compare them.
 """
@@ -25,7 +25,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from actors.models import build_model
 from actors.trainer.backends import LossExtras, MicroBatch, TrainBatch, TrainingBackend, TrainSequence
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 33
 """Odd on purpose: under TP=2 the vocabulary is padded and the padded logits must carry no mass."""
 TEMPERATURE = 0.7

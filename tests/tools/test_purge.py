@@ -21,7 +21,7 @@ from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import ensure_prompt_queue
 from pipeline.wire.trajectories import ensure_trajectory_streams
 
-DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 OBJECTS = ("weights/LATEST", "checkpoints/v00000003/state.safetensors", "trajectories/g-1.arrow")
 """Keys (under `<run>/`) of the kinds of objects a run leaves in the store."""
 

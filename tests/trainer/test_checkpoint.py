@@ -91,7 +91,7 @@ def test_no_file_is_a_pickle() -> None:
     json.loads(files["meta.json"])
     for name, data in files.items():
         assert not data.startswith(b"\x80"), name  # pickle protocol 2+ opcode
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     sources = [p for package in ("actors", "pipeline", "storage", "infra") for p in (root / package).rglob("*.py")]
     assert len(sources) > 50, "the scan must see the source tree"
     unpickling = re.compile(r"^\s*(import|from)\s+(pickle|cloudpickle|dill)\b|(?<![.\w])torch\.(save|load)\(", re.M)
