@@ -205,7 +205,7 @@ def prepare_group(group: TrajectoryGroup, *, version: int, policy: GroupPolicy) 
         rewards,
         valid,
         estimator=policy.estimator,
-        std_normalize=policy.std_normalize,  # type: ignore[arg-type]
+        std_normalize=policy.std_normalize,
     )
     if not trainable:
         uncapped_valid = valid_mask(rewards, group.status, group.reward_source)
