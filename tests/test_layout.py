@@ -199,3 +199,16 @@ def test_no_test_module_imports_another() -> None:
             if leaf.startswith("test_") or ".test_" in name:
                 offenders.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    """A name with a leading underscore is its module's own: a caller that needs it needs a public API."""
+    offenders = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module != module:
+                if node.module.split(".")[0] in PACKAGES:
+                    offenders += [
+                        f"{module} imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")
+                    ]
+    assert not offenders, "\n".join(offenders)
