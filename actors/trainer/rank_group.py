@@ -9,6 +9,8 @@ the other ranks wait in `follow` and do the same::
     LeaderBackend.logprobs  ──LOGPROBS(batch)► backend.logprobs(same batch)  (rank 0 keeps the result)
     RankGroup.publish       ──PUBLISH(v)─────► each rank stores the parts of the tensors it owns;
                                                rank 0 writes the one manifest, then LATEST
+                            ──SETTLE(ours?)──► (a retry after an ambiguous commit) each rank adopts
+                                               its held share, or deletes it
     RankGroup.checkpoint    ──CHECKPOINT(v)──► each rank writes its shard files; rank 0 the index,
                                                the trainer state and the manifest (last)
     RankGroup.load          ──LOAD(v)────────► each rank assembles whole tensors, keeps its rows
@@ -68,6 +70,8 @@ from storage.weights import TORCH_DTYPES, WeightPublisher, WeightStoreError
 log = logging.getLogger(__name__)
 
 STOP, TRAIN, LOGPROBS, PUBLISH, CHECKPOINT, LOAD = "stop", "train", "logprobs", "publish", "checkpoint", "load"
+SETTLE = "settle"
+"""Rank 0 resolved a commit whose outcome was unknown: every rank adopts its held share, or deletes it."""
 
 
 class RankRoundError(RuntimeError):
@@ -178,17 +182,32 @@ class RankGroup:
         self.stopped = True
 
     def publish(self, version: int) -> Manifest:
-        """Every rank stores its parts of `version`; rank 0 commits manifest and LATEST after all are stored."""
-        publish_id = uuid.uuid4().hex
-        try:
-            self.send(PUBLISH, version=version, publish_id=publish_id)
-            manifest, failure = self._publish_round(version, publish_id)
-        except Exception as exc:  # only collectives raise here: the group is broken
-            raise RankGroupBroken(f"trainer ranks lost each other publishing version {version}: {exc}") from exc
-        if failure is not None:
-            raise failure
-        assert manifest is not None and self.publisher is not None
-        self.publisher.advance(manifest)  # LATEST, after every rank adopted the version
+        """Every rank stores its parts of `version`; rank 0 commits manifest and LATEST after all are stored.
+
+        A retry is idempotent, as `WeightPublisher.publish`: a version rank 0 committed is only advanced
+        (every rank adopted it in its round); a commit whose outcome was unknown (every rank held its
+        parts) is resolved by rank 0 first and SETTLE tells each rank to adopt or delete its share."""
+        publisher = self.publisher
+        assert publisher is not None, "a live trainer rank needs a weight publisher"
+        manifest = publisher.unadvanced(version)
+        if manifest is None and publisher.held is not None:
+            landed = publisher.resolve_held()  # a store error raises here, before any rank is told
+            try:
+                self.send(SETTLE, committed=landed is not None)
+            except Exception as exc:  # only collectives raise here: the group is broken
+                raise RankGroupBroken(f"trainer ranks lost each other settling version {version}: {exc}") from exc
+            manifest = landed if landed is not None and landed.version == version else None
+        if manifest is None:
+            publish_id = uuid.uuid4().hex
+            try:
+                self.send(PUBLISH, version=version, publish_id=publish_id)
+                manifest, failure = self._publish_round(version, publish_id)
+            except Exception as exc:  # only collectives raise here: the group is broken
+                raise RankGroupBroken(f"trainer ranks lost each other publishing version {version}: {exc}") from exc
+            if failure is not None:
+                raise failure
+        assert manifest is not None
+        publisher.advance(manifest)  # LATEST, after every rank adopted the version
         return manifest
 
     def checkpoint(self, state: TrainerState) -> str:
@@ -244,13 +263,21 @@ class RankGroup:
                 manifest = publisher.commit(staged, every)
             except Exception as exc:  # told to the other ranks below, then returned
                 failure = exc
-        if not failed:  # rank 0 says whether the commit worked
-            said = broadcast_bytes(b"" if failure is None else f"{type(failure).__name__}: {failure}".encode())
+        uncertain = False
+        if not failed:  # rank 0 says whether the commit worked: b"" yes, b"!..." no, b"?..." unknown
+            said = b""
+            if failure is not None:
+                said = (b"?" if publisher.held is not None else b"!") + f"{type(failure).__name__}: {failure}".encode()
+            said = broadcast_bytes(said)
+            uncertain = said[:1] == b"?"
             if said and failure is None:
-                failure = RankRoundError(f"version {version}: rank 0 could not commit: {said.decode()}")
+                failure = RankRoundError(f"version {version}: rank 0 could not commit: {said[1:].decode()}")
         if failure is not None:
-            if staged is not None and not (self.rank == 0 and manifest is None and not failed):
-                publisher.discard(staged)  # (a failed commit already deleted every rank's parts)
+            if staged is not None and uncertain:
+                if self.rank != 0:  # (rank 0's commit holds its share itself)
+                    publisher.hold(staged)  # the manifest may exist: keep the parts until SETTLE
+            elif staged is not None:
+                publisher.discard(staged)
             return None, failure
         assert staged is not None
         publisher.adopt(staged)
@@ -376,6 +403,9 @@ def follow(group: RankGroup) -> int:
             group.backend.logprobs(decode_batch(payload))
         elif command == PUBLISH:
             group._publish_round(header["version"], header["publish_id"])
+        elif command == SETTLE:
+            assert group.publisher is not None
+            group.publisher.settle(bool(header["committed"]))
         elif command == CHECKPOINT:
             group._checkpoint_round(header["version"], None)
         elif command == LOAD:
