@@ -225,7 +225,6 @@ def test_retention_keeps_what_a_reader_may_be_pulling_within_grace(store: Object
     pub.close()
 
 
-
 class _FailOnce:
     """A `FaultyStore` fault: once armed, the first `method` call on `key` fails with a ConnectionError (an
     outage), but only after `after` (a (method, key) call) was asked, if given. `failed` records it."""
