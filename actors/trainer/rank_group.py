@@ -11,9 +11,10 @@ the other ranks wait in `follow` and do the same::
                                                rank 0 writes the one manifest, then LATEST
                             ──SETTLE(ours?)──► (a retry after an ambiguous commit) each rank adopts
                                                its held share, or deletes it
-    RankGroup.checkpoint    ──CHECKPOINT(v)──► each rank writes its shard files; rank 0 the index,
-                                               the trainer state and the manifest (last)
-    RankGroup.load          ──LOAD(v)────────► each rank assembles whole tensors, keeps its rows
+    RankGroup.checkpoint    ──CHECKPOINT(v)──► each rank writes its shard files under rank 0's attempt id;
+                                               rank 0 the index, the trainer state and the manifest (last)
+    RankGroup.load          ──LOAD(v)────────► each rank assembles whole tensors, keeps its rows (a
+                                               checkpoint some rank cannot load: LOAD of the one before)
     RankGroup.stop          ──STOP───────────► exit 0
 
 Commands are JSON headers and batches are safetensors bytes (`encode_batch`), broadcast as uint8
@@ -57,6 +58,7 @@ from actors.trainer.checkpoints import (
     commit_sharded_checkpoint,
     complete_checkpoints,
     load_checkpoint,
+    new_attempt,
     write_rank_files,
 )
 from actors.trainer.objective import CorrectedObjective
@@ -211,18 +213,33 @@ class RankGroup:
         return manifest
 
     def checkpoint(self, state: TrainerState) -> str:
-        self.send(CHECKPOINT, version=state.version)
-        prefix = self._checkpoint_round(state.version, state)
+        attempt = new_attempt()  # every rank writes under it: a refused writer touches no complete checkpoint
+        self.send(CHECKPOINT, version=state.version, attempt=attempt)
+        prefix = self._checkpoint_round(state.version, state, attempt)
         assert prefix is not None
         return prefix
 
     def load_latest(self) -> TrainerState | None:
-        """Load the newest complete checkpoint on every rank (resharded if the world size changed)."""
-        complete = complete_checkpoints(self.store, self.run)
-        if not complete:
-            return None
-        self.send(LOAD, version=complete[-1])
-        return self._load_round(complete[-1])
+        """Load the newest complete checkpoint every rank can load, on every rank (resharded if the world
+        size changed); a newer one that some rank cannot load is skipped with a WARNING naming what was
+        wrong, as `load_latest_checkpoint` does. ValueError if none loads."""
+        failures: list[str] = []
+        for version in reversed(complete_checkpoints(self.store, self.run)):
+            self.send(LOAD, version=version)
+            state, failure = self._load_round(version)
+            if failure is None:
+                if failures:
+                    log.warning(
+                        "resuming run %s from checkpoint v%d, older than the damaged %s", self.run, version, failures
+                    )
+                return state
+            failures.append(f"v{version}: {failure}")
+            log.warning(
+                "checkpoint v%d of run %s cannot be loaded (%s); trying the one before", version, self.run, failure
+            )
+        if failures:
+            raise RankRoundError(f"run {self.run}: no complete checkpoint loads on every rank: {'; '.join(failures)}")
+        return None
 
     # ---- every rank: the rounds
 
@@ -283,12 +300,12 @@ class RankGroup:
         publisher.adopt(staged)
         return manifest, None
 
-    def _checkpoint_round(self, version: int, state: TrainerState | None) -> str | None:
+    def _checkpoint_round(self, version: int, state: TrainerState | None, attempt: str) -> str | None:
         report: dict[str, Any]
         try:
             meta = self.backend.state_meta()
             files = encode_checkpoint(self.backend.state_tensors(), meta)
-            digests = write_rank_files(self.store, self.run, version, self.rank, files)
+            digests = write_rank_files(self.store, self.run, version, self.rank, files, attempt)
             report = {"files": digests, "shards": meta.get("shards", {})}
         except Exception as exc:  # reported to every rank below
             log.exception("rank %d could not write its checkpoint files at version %d", self.rank, version)
@@ -301,10 +318,14 @@ class RankGroup:
             raise RankRoundError(f"checkpoint v{version}: rank {failed[0][0]} failed: {failed[0][1]}")
         assert state is not None
         return commit_sharded_checkpoint(
-            self.store, self.run, state, [r["files"] for r in reports], [r["shards"] for r in reports]
+            self.store, self.run, state, [r["files"] for r in reports], [r["shards"] for r in reports], attempt
         )
 
-    def _load_round(self, version: int) -> TrainerState | None:
+    def _load_round(self, version: int) -> tuple[TrainerState | None, str | None]:
+        """Every rank loads checkpoint `version`; returns (rank 0's state, None), or (None, the first rank's
+        failure) if the checkpoint is damaged (a ValueError: missing file, hash mismatch), the same answer
+        on every rank, so rank 0 can try an older one with all of them. Any other failure (the store is
+        down) raises `RankRoundError` on every rank: an outage must not make a resume go back further."""
         report: dict[str, Any] = {}
         state: TrainerState | None = None
         try:
@@ -312,12 +333,15 @@ class RankGroup:
             self.backend.load_state(tensors, meta)
         except Exception as exc:  # reported to every rank below
             log.exception("rank %d could not load checkpoint v%d", self.rank, version)
-            report = {"error": f"{type(exc).__name__}: {exc}"}
+            report = {"error": f"{type(exc).__name__}: {exc}", "damaged": isinstance(exc, ValueError)}
         reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode())]
-        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if "error" in rep]
+        failed = [(r, rep["error"], rep["damaged"]) for r, rep in enumerate(reports) if "error" in rep]
+        if any(not damaged for _, _, damaged in failed):
+            rank, error, _ = next(f for f in failed if not f[2])
+            raise RankRoundError(f"checkpoint v{version}: rank {rank} could not load it: {error}")
         if failed:
-            raise RankRoundError(f"checkpoint v{version}: rank {failed[0][0]} could not load it: {failed[0][1]}")
-        return state
+            return None, f"rank {failed[0][0]} could not load it: {failed[0][1]}"
+        return state, None
 
 
 def _staged_from_report(report: Mapping[str, Any], like: StagedParts) -> StagedParts:
@@ -407,7 +431,7 @@ def follow(group: RankGroup) -> int:
             assert group.publisher is not None
             group.publisher.settle(bool(header["committed"]))
         elif command == CHECKPOINT:
-            group._checkpoint_round(header["version"], None)
+            group._checkpoint_round(header["version"], None, header["attempt"])
         elif command == LOAD:
             group._load_round(header["version"])
         else:

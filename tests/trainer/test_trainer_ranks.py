@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from actors.endpoints import open_run_store
-from actors.trainer.checkpoints import complete_checkpoints
+from actors.trainer.checkpoints import checkpoint_files, complete_checkpoints
 from actors.trainer.distributed import RankEnv, launch_ranks
 from actors.trainer.rank_group import decode_batch, encode_batch, owned_tensors
 from infra.stack import StackState
@@ -55,8 +55,8 @@ def test_one_and_two_ranks_take_the_same_steps_publish_and_resume_across_world_s
 
     # checkpoints: per-rank safetensors + JSON index; same world size resumes bit-exactly, others reshard
     assert complete_checkpoints(store, "two") == [1]
-    ckpt = {k.rsplit("checkpoints/v00000001/", 1)[1] for k in store.list("two/checkpoints/")}
-    assert {"index.json", "manifest.json", "trainer_state.json", "rank-00000/model.safetensors"} <= ckpt
+    ckpt = set(checkpoint_files(store, "two", 1))  # names in the manifest (under its attempt)
+    assert {"index.json", "trainer_state.json", "rank-00000/model.safetensors"} <= ckpt
     assert "rank-00001/optimizer.safetensors" in ckpt
     same = run_ranks(tmp_path, 2, "two-again", load_run="two")
     assert same[0] == two[1]
