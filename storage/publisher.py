@@ -135,6 +135,11 @@ class WeightPublisher(RunWeights):
         self._spare: dict[str, torch.Tensor] = {}
         self._prev_version: int | None = None
         self._manifests: dict[int, Manifest] = {}
+        # A share whose manifest write (or its read-back) failed ambiguously, with the manifest it tried:
+        # that manifest may exist, so its parts are kept until `resolve_held`/`settle` knows.
+        self._held: tuple[StagedParts, Manifest | None] | None = None
+        # The version this publisher committed whose `LATEST` advance has not succeeded yet.
+        self._unadvanced: Manifest | None = None
 
     def publish(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> Manifest:
         """Publish `version`; returns its manifest once it exists and `LATEST` is at least `version`.
@@ -142,13 +147,24 @@ class WeightPublisher(RunWeights):
         Raises `VersionConflict` if the version already exists (another publisher, or a resumed
         trainer reusing a number: pick `latest_version() + 1` instead). On any failure the publisher
         still holds the previous version, so publishing again can send a delta.
+
+        Retrying a failed publish of the same version (with the same tensors) is idempotent: a version
+        this publisher already committed is not written again, only its `LATEST` advance is retried; a
+        commit whose outcome is unknown (the manifest write or its read-back failed) is resolved first
+        with the same manifest and parts (`resolve_held`), so the retry never loses to its own
+        manifest and never deletes parts a committed manifest names.
         """
-        full = self.needs_full(version, {n: tuple(t.shape) for n, t in named_tensors.items()})
-        staged = self.write_parts(version, named_tensors, publish_id=uuid.uuid4().hex, full=full)
-        manifest = self.commit(staged, [staged])
-        self.adopt(staged)
-        self.advance(manifest)
-        return manifest
+        done = self.unadvanced(version)
+        if done is None and self._held is not None:
+            landed = self.resolve_held()
+            done = landed if landed is not None and landed.version == version else None
+        if done is None:
+            full = self.needs_full(version, {n: tuple(t.shape) for n, t in named_tensors.items()})
+            staged = self.write_parts(version, named_tensors, publish_id=uuid.uuid4().hex, full=full)
+            done = self.commit(staged, [staged])
+            self.adopt(staged)
+        self.advance(done)
+        return done
 
     # ---- the steps of a publish, also driven one by one by a sharded publish (one publisher per rank)
 
@@ -214,9 +230,71 @@ class WeightPublisher(RunWeights):
             parts=tuple(p for s in every for p in s.parts),
             codec=FULL_CODEC if full else DELTA_CODEC,
         )
-        self._commit_manifest(manifest)
-        self._manifests[version] = manifest
+        try:
+            self._commit_manifest(manifest)
+        except VersionConflict:
+            raise
+        except BaseException:
+            self._held = (mine, manifest)  # it may have landed: keep every part until resolved
+            raise
+        self._committed(manifest)
         return manifest
+
+    def unadvanced(self, version: int) -> Manifest | None:
+        """`version`'s manifest if this publisher committed it and `LATEST` has not been advanced to it yet."""
+        pending = self._unadvanced
+        return pending if pending is not None and pending.version == version else None
+
+    @property
+    def held(self) -> StagedParts | None:
+        """This publisher's share of a version whose commit outcome is unknown (parts kept), if any."""
+        return None if self._held is None else self._held[0]
+
+    def hold(self, staged: StagedParts) -> None:
+        """Another rank's commit of this share failed ambiguously: keep its parts until `settle`."""
+        self._held = (staged, None)
+
+    def resolve_held(self) -> Manifest | None:
+        """Finish the commit of the held share (the committing publisher: alone, or rank 0).
+
+        Writes the same manifest create-only again and reads it back: the identical bytes there mean the
+        version is ours (the earlier attempt or this one landed), so the share is adopted and the
+        manifest returned; another publisher's manifest there means the version is not ours, so the
+        share's parts are deleted and None returned. Raises (still holding) if the store fails again."""
+        assert self._held is not None and self._held[1] is not None, "resolve_held needs a held commit"
+        staged, manifest = self._held
+        key, body = manifest_key(self.run, manifest.version), manifest.to_json()
+        try:
+            self.store.put_if_absent(key, body)
+        except PreconditionFailed:
+            pass  # a manifest is there; whose it is, the read-back says
+        ours = self.store.get(key) == body
+        log.info(
+            "version %d of run %s: the commit whose outcome was unknown %s",
+            manifest.version,
+            self.run,
+            "is ours; adopting it" if ours else "lost to another publisher; deleting our parts",
+        )
+        self.settle(ours, [p.key for p in manifest.parts])
+        if not ours:
+            return None
+        self._committed(manifest)
+        return manifest
+
+    def settle(self, committed: bool, part_keys: Sequence[str] | None = None) -> None:
+        """The held share's commit is decided: adopt it, or delete its parts (`part_keys`, default its own)."""
+        if self._held is None:  # (a rank whose share failed to store holds nothing: its parts are gone)
+            return
+        staged, _ = self._held
+        self._held = None
+        if committed:
+            self.adopt(staged)
+        else:
+            self._discard(list(part_keys) if part_keys is not None else [p.key for p in staged.parts])
+
+    def _committed(self, manifest: Manifest) -> None:
+        self._manifests[manifest.version] = manifest
+        self._unadvanced = manifest
 
     def adopt(self, staged: StagedParts) -> None:
         """The version is committed: its tensors become the base of the next delta."""
@@ -229,6 +307,8 @@ class WeightPublisher(RunWeights):
     def advance(self, manifest: Manifest) -> None:
         """Move `LATEST` to the committed version, then apply retention every few versions."""
         advance_latest(self.store, self.run, manifest.version, manifest.publish_id)
+        if self._unadvanced is not None and self._unadvanced.version <= manifest.version:
+            self._unadvanced = None
         if self.prune_after_publish and manifest.version % self.prune_every == 0:
             self._prune_quietly()
 
@@ -335,20 +415,20 @@ class WeightPublisher(RunWeights):
         return parts
 
     def _commit_manifest(self, manifest: Manifest) -> None:
-        """Create-only manifest write, then read it back: our publish_id there means we won."""
+        """Create-only manifest write, then read it back: our publish_id there means we won.
+
+        Losing (the manifest exists and is another's) deletes our parts and raises `VersionConflict`.
+        Any other failure leaves the parts alone: the write may have landed, and a committed manifest's
+        parts are never deleted (the caller holds the share and resolves it on the retry)."""
         key = manifest_key(self.run, manifest.version)
         body = manifest.to_json()
-        part_keys = [p.key for p in manifest.parts]
         try:
             self.store.put_if_absent(key, body)
             won = self.store.get(key) == body
         except PreconditionFailed:
             won = False
-        except BaseException:
-            self._discard(part_keys)
-            raise
         if not won:
-            self._discard(part_keys)
+            self._discard([p.key for p in manifest.parts])
             raise VersionConflict(
                 f"version {manifest.version} of run {self.run!r} was already published by another publisher "
                 f"(our publish_id {manifest.publish_id} lost; its parts were deleted)"

@@ -1,15 +1,23 @@
 """Trainer checkpoints in the object store: backend tensors as safetensors, the loop's state as JSON.
 
-    <run>/checkpoints/v00000040/model.safetensors, optimizer.safetensors, rng.safetensors, meta.json
-    <run>/checkpoints/v00000040/trainer_state.json     step, version, stream watermark, recent group ids
-    <run>/checkpoints/v00000040/manifest.json          written last (create-only): the checkpoint exists
+    <run>/checkpoints/v00000040/<attempt>/model.safetensors, optimizer.safetensors, rng.safetensors, meta.json
+    <run>/checkpoints/v00000040/<attempt>/trainer_state.json   step, version, stream watermark, recent group ids
+    <run>/checkpoints/v00000040/manifest.json                  written last (create-only): the checkpoint exists;
+                                                               names its attempt and every file's hash
 
-Several trainer ranks (`actors/trainer/rank_group.py`) write one directory per rank and a JSON index::
+Each write is one *attempt* with a fresh random id, and writes its files only under its own attempt
+directory: a second writer at the same version (a reused number, a second trainer) cannot touch the
+files of the checkpoint whose manifest won, and is refused by the create-only manifest (then deletes
+its own files). Readers follow the manifest to its attempt. (A manifest without `attempt`, written
+before attempts existed, names files directly under the version directory.)
 
-    <run>/checkpoints/v00000040/rank-00001/model.safetensors, optimizer.safetensors, rng.safetensors,
-                                           meta.json          this rank's rows of every sharded tensor
-    <run>/checkpoints/v00000040/index.json   world_size; per sharded tensor: rows, [rank, first row, rows]
-    <run>/checkpoints/v00000040/trainer_state.json, manifest.json   (rank 0, after every rank's files)
+Several trainer ranks (`actors/trainer/rank_group.py`) write one directory per rank in the same
+attempt (rank 0 chooses its id and sends it with the command) and a JSON index::
+
+    <run>/checkpoints/v00000040/<attempt>/rank-00001/model.safetensors, optimizer.safetensors,
+                                          rng.safetensors, meta.json   this rank's rows of every sharded tensor
+    <run>/checkpoints/v00000040/<attempt>/index.json   world_size; per sharded tensor: rows, [rank, first row, rows]
+    <run>/checkpoints/v00000040/<attempt>/trainer_state.json, then ../manifest.json   (rank 0, after every rank's files)
 
 `load_checkpoint` assembles whole tensors from either layout, so a checkpoint of any world size
 loads into any other (each rank then keeps its rows; `TorchBackend.load_state`). Tensors that are
@@ -23,7 +31,9 @@ Invariants and failure behaviour:
   checkpoint is never taken for a complete one; leftovers of interrupted writes older than the
   newest complete checkpoint are deleted with it.
 - Every file's hash is in the manifest and checked on load; a mismatch raises ValueError naming the
-  file. Nothing is pickled.
+  file. `load_latest_checkpoint` (and `RankGroup.load_latest`) then fall back to the newest complete
+  checkpoint that does load, with a WARNING naming what was wrong with each newer one. Nothing is
+  pickled.
 - The directory is named by the policy version the checkpoint holds. Versions only move forward
   across trainer sessions (a resume publishes LATEST+1), so the highest version is the newest.
 """
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -42,7 +53,7 @@ import torch
 from torch import Tensor
 
 from actors.trainer.backends.checkpoint import decode_checkpoint, encode_checkpoint
-from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
+from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed, validate_key
 
 log = logging.getLogger(__name__)
 
@@ -152,30 +163,58 @@ def rank_dir(rank: int) -> str:
     return f"rank-{rank:05d}/"
 
 
+def new_attempt() -> str:
+    """A fresh attempt id: the directory one checkpoint write's files go to (no other writer's)."""
+    return uuid.uuid4().hex
+
+
+def attempt_prefix(run: str, version: int, attempt: str) -> str:
+    """Where attempt `attempt` of checkpoint `version` writes its files."""
+    validate_key(attempt)
+    if "/" in attempt:
+        raise ValueError(f"checkpoint attempt id {attempt!r} must be one path segment")
+    return f"{checkpoint_prefix(run, version)}{attempt}/"
+
+
 def write_checkpoint(
     store: ObjectStore, run: str, state: TrainerState, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
 ) -> str:
-    """Write every file, then the manifest (create-only), then prune older checkpoints. Returns the prefix."""
-    prefix = checkpoint_prefix(run, state.version)
+    """Write every file under a fresh attempt, then the manifest (create-only), then prune older checkpoints.
+
+    Returns the version's prefix (where its manifest is). A version that already has a manifest raises
+    ValueError after deleting this attempt's files; the existing checkpoint is untouched."""
+    attempt = new_attempt()
+    base = attempt_prefix(run, state.version, attempt)
     files = encode_checkpoint(tensors, meta)
     files[STATE_FILE] = state.to_json()
     for name, data in files.items():
-        store.put(prefix + name, data)
+        store.put(base + name, data)
     manifest = {
         "run": run,
         "version": state.version,
         "step": state.step,
+        "attempt": attempt,
         "files": {name: _digest(data) for name, data in files.items()},
     }
-    return _commit(store, run, prefix, manifest)
+    return _commit(store, run, checkpoint_prefix(run, state.version), manifest)
 
 
 def _commit(store: ObjectStore, run: str, prefix: str, manifest: dict[str, Any]) -> str:
-    """Write the manifest last (it makes the checkpoint complete, once per version), then prune old ones."""
+    """Write the manifest last (it makes the checkpoint complete, once per version), then prune old ones.
+
+    A refused attempt deletes its own files (best effort: they are garbage, pruned with the version)."""
     try:
         store.put_if_absent(prefix + MANIFEST_FILE, orjson.dumps(manifest))
     except PreconditionFailed:
-        raise ValueError(f"checkpoint {prefix} already has a manifest; versions must not be reused") from None
+        own = prefix + manifest["attempt"] + "/"
+        try:
+            store.delete_many(store.list(own))
+        except Exception:  # unreferenced files; the version's pruning removes them later
+            log.warning("could not delete the files of the refused checkpoint attempt %s", own, exc_info=True)
+        raise ValueError(
+            f"checkpoint {prefix} already has a manifest; versions must not be reused "
+            f"(this attempt's files under {own} were deleted, the existing checkpoint is untouched)"
+        ) from None
     prune_checkpoints(store, run, keep=KEEP_CHECKPOINTS)
     return prefix
 
@@ -190,31 +229,37 @@ def _scan(store: ObjectStore, run: str) -> dict[int, list[str]]:
     return dirs
 
 
+def _complete(run: str, dirs: Mapping[int, list[str]]) -> list[int]:
+    return sorted(v for v, keys in dirs.items() if checkpoint_prefix(run, v) + MANIFEST_FILE in keys)
+
+
 def complete_checkpoints(store: ObjectStore, run: str) -> list[int]:
     """Versions whose manifest exists, oldest first."""
-    return sorted(v for v, keys in _scan(store, run).items() if any(k.endswith("/" + MANIFEST_FILE) for k in keys))
+    return _complete(run, _scan(store, run))
 
 
 def prune_checkpoints(store: ObjectStore, run: str, keep: int = KEEP_CHECKPOINTS) -> list[int]:
     """Keep the newest `keep` complete checkpoints; delete older ones and older incomplete leftovers."""
     dirs = _scan(store, run)
-    complete = sorted(v for v, keys in dirs.items() if any(k.endswith("/" + MANIFEST_FILE) for k in keys))
+    complete = _complete(run, dirs)
     if not complete:
         return []
     kept = set(complete[-keep:]) if keep > 0 else set()
     doomed = [v for v in dirs if v not in kept and v < complete[-1]]
     for version in sorted(doomed):
         # The manifest goes first, so a half-deleted checkpoint is never taken for a complete one.
-        for key in sorted(dirs[version], key=lambda k: not k.endswith("/" + MANIFEST_FILE)):
+        manifest = checkpoint_prefix(run, version) + MANIFEST_FILE
+        for key in sorted(dirs[version], key=lambda k: k != manifest):
             store.delete(key)
     return sorted(doomed)
 
 
 def write_rank_files(
-    store: ObjectStore, run: str, version: int, rank: int, files: Mapping[str, bytes]
+    store: ObjectStore, run: str, version: int, rank: int, files: Mapping[str, bytes], attempt: str
 ) -> dict[str, str]:
-    """One rank's encoded files (`encode_checkpoint`) under its directory; returns {path: digest} for the manifest."""
-    prefix = checkpoint_prefix(run, version) + rank_dir(rank)
+    """One rank's encoded files (`encode_checkpoint`) under its directory of `attempt` (rank 0's id for this
+    checkpoint round); returns {path in the attempt: digest} for the manifest."""
+    prefix = attempt_prefix(run, version, attempt) + rank_dir(rank)
     for name, data in files.items():
         store.put(prefix + name, data)
     return {rank_dir(rank) + name: _digest(data) for name, data in files.items()}
@@ -226,11 +271,14 @@ def commit_sharded_checkpoint(
     state: TrainerState,
     rank_files: list[Mapping[str, str]],
     rank_shards: list[Mapping[str, list[int]]],
+    attempt: str,
 ) -> str:
-    """After every rank wrote its files: the index, the trainer state, then the manifest (create-only), then prune.
+    """After every rank wrote its files of `attempt`: the index, the trainer state, then the manifest
+    (create-only), then prune.
 
     `rank_shards[r]` is rank r's ``{tensor key: [rows, first row, rows here]}`` (`TorchBackend.state_meta`)."""
     prefix = checkpoint_prefix(run, state.version)
+    base = attempt_prefix(run, state.version, attempt)
     tensors: dict[str, dict[str, Any]] = {}
     for rank, shards in enumerate(rank_shards):
         for key, (rows, start, count) in shards.items():
@@ -238,39 +286,95 @@ def commit_sharded_checkpoint(
     index = orjson.dumps({"index_format": INDEX_FORMAT, "world_size": len(rank_files), "tensors": tensors})
     files = {name: digest for digests in rank_files for name, digest in digests.items()}
     for name, data in ((INDEX_FILE, index), (STATE_FILE, state.to_json())):
-        store.put(prefix + name, data)
+        store.put(base + name, data)
         files[name] = _digest(data)
-    manifest = {"run": run, "version": state.version, "step": state.step, "world_size": len(rank_files), "files": files}
+    manifest = {
+        "run": run,
+        "version": state.version,
+        "step": state.step,
+        "world_size": len(rank_files),
+        "attempt": attempt,
+        "files": files,
+    }
     return _commit(store, run, prefix, manifest)
+
+
+def checkpoint_files(store: ObjectStore, run: str, version: int) -> dict[str, str]:
+    """The files of complete checkpoint `version`: {name in the manifest: key in the store}."""
+    prefix = checkpoint_prefix(run, version)
+    manifest = _read_manifest(store, prefix)
+    base = _files_base(prefix, manifest)
+    return {name: base + name for name in manifest["files"]}
+
+
+def _read_manifest(store: ObjectStore, prefix: str) -> dict[str, Any]:
+    try:
+        manifest = orjson.loads(store.get(prefix + MANIFEST_FILE))
+        if not isinstance(manifest, dict) or not isinstance(manifest["files"], dict):
+            raise TypeError("not an object with a 'files' object")
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        if isinstance(exc, ObjectNotFound):
+            raise ValueError(f"checkpoint {prefix}: its manifest is gone") from exc
+        raise ValueError(f"checkpoint {prefix}{MANIFEST_FILE}: unreadable manifest: {exc}") from exc
+    return manifest
+
+
+def _files_base(prefix: str, manifest: Mapping[str, Any]) -> str:
+    """Where the manifest's files are: its attempt's directory (or the version's, before attempts existed)."""
+    attempt = manifest.get("attempt")
+    if attempt is None:
+        return prefix
+    if not isinstance(attempt, str) or not attempt or "/" in attempt:
+        raise ValueError(f"checkpoint {prefix}{MANIFEST_FILE}: invalid attempt {attempt!r}")
+    return f"{prefix}{attempt}/"
 
 
 def load_latest_checkpoint(
     store: ObjectStore, run: str, rank: int = 0
 ) -> tuple[TrainerState, dict[str, Tensor], dict[str, Any]] | None:
-    """The newest complete checkpoint (state, tensors, meta), verified against its manifest; None if none."""
-    complete = complete_checkpoints(store, run)
-    if not complete:
-        return None
-    return load_checkpoint(store, run, complete[-1], rank=rank)
+    """The newest complete checkpoint that loads (state, tensors, meta), verified against its manifest;
+    None if there is none.
+
+    A newer complete checkpoint that fails to load (a file missing or not matching its hash, an
+    unreadable manifest) is skipped with a WARNING naming it and what was wrong; the older one is
+    loaded. If every complete checkpoint fails, ValueError names each failure: a run whose checkpoints
+    are all damaged needs a person, not a silent fresh start. Store errors (an outage) raise as they are."""
+    failures: list[str] = []
+    for version in reversed(complete_checkpoints(store, run)):
+        try:
+            loaded = load_checkpoint(store, run, version, rank=rank)
+        except ValueError as exc:
+            failures.append(f"v{version}: {exc}")
+            log.warning("checkpoint v%d of run %s cannot be loaded (%s); trying the one before", version, run, exc)
+            continue
+        if failures:
+            log.warning("resuming run %s from checkpoint v%d, older than the damaged %s", run, version, failures)
+        return loaded
+    if failures:
+        raise ValueError(f"run {run}: no complete checkpoint loads: {'; '.join(failures)}")
+    return None
 
 
 def load_checkpoint(
     store: ObjectStore, run: str, version: int, *, rank: int = 0
 ) -> tuple[TrainerState, dict[str, Tensor], dict[str, Any]]:
     """Checkpoint `version` as (state, whole tensors, meta) for trainer rank `rank`, of either layout
-    (see the module docstring); every file is checked against the manifest's hash."""
+    (see the module docstring); every file is checked against the manifest's hash (ValueError naming it)."""
     prefix = checkpoint_prefix(run, version)
-    manifest = orjson.loads(store.get(prefix + MANIFEST_FILE))
+    manifest = _read_manifest(store, prefix)
+    base = _files_base(prefix, manifest)
     files: dict[str, bytes] = {}
     for name, digest in manifest["files"].items():
         try:
-            data = store.get(prefix + name)
+            data = store.get(base + name)
         except ObjectNotFound as exc:
-            raise ValueError(f"checkpoint {prefix}: file {name} named in its manifest is missing") from exc
+            raise ValueError(f"checkpoint {prefix}: file {base + name} named in its manifest is missing") from exc
         if _digest(data) != digest:
-            raise ValueError(f"checkpoint {prefix}: file {name} does not match its manifest hash")
+            raise ValueError(f"checkpoint {prefix}: file {base + name} does not match its manifest hash")
         files[name] = data
-    state = TrainerState.from_json(files.pop(STATE_FILE), prefix + STATE_FILE)
+    if STATE_FILE not in files:
+        raise ValueError(f"checkpoint {prefix}: its manifest names no {STATE_FILE}")
+    state = TrainerState.from_json(files.pop(STATE_FILE), base + STATE_FILE)
     if INDEX_FILE not in files:
         tensors, meta = decode_checkpoint(files)
         return state, tensors, meta

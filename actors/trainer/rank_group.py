@@ -9,9 +9,12 @@ the other ranks wait in `follow` and do the same::
     LeaderBackend.logprobs  ──LOGPROBS(batch)► backend.logprobs(same batch)  (rank 0 keeps the result)
     RankGroup.publish       ──PUBLISH(v)─────► each rank stores the parts of the tensors it owns;
                                                rank 0 writes the one manifest, then LATEST
-    RankGroup.checkpoint    ──CHECKPOINT(v)──► each rank writes its shard files; rank 0 the index,
-                                               the trainer state and the manifest (last)
-    RankGroup.load          ──LOAD(v)────────► each rank assembles whole tensors, keeps its rows
+                            ──SETTLE(ours?)──► (a retry after an ambiguous commit) each rank adopts
+                                               its held share, or deletes it
+    RankGroup.checkpoint    ──CHECKPOINT(v)──► each rank writes its shard files under rank 0's attempt id;
+                                               rank 0 the index, the trainer state and the manifest (last)
+    RankGroup.load          ──LOAD(v)────────► each rank assembles whole tensors, keeps its rows (a
+                                               checkpoint some rank cannot load: LOAD of the one before)
     RankGroup.stop          ──STOP───────────► exit 0
 
 Commands are JSON headers and batches are safetensors bytes (`encode_batch`), broadcast as uint8
@@ -55,6 +58,7 @@ from actors.trainer.checkpoints import (
     commit_sharded_checkpoint,
     complete_checkpoints,
     load_checkpoint,
+    new_attempt,
     write_rank_files,
 )
 from actors.trainer.objective import CorrectedObjective
@@ -68,6 +72,8 @@ from storage.weights import TORCH_DTYPES, WeightPublisher, WeightStoreError
 log = logging.getLogger(__name__)
 
 STOP, TRAIN, LOGPROBS, PUBLISH, CHECKPOINT, LOAD = "stop", "train", "logprobs", "publish", "checkpoint", "load"
+SETTLE = "settle"
+"""Rank 0 resolved a commit whose outcome was unknown: every rank adopts its held share, or deletes it."""
 
 
 class RankRoundError(RuntimeError):
@@ -178,32 +184,62 @@ class RankGroup:
         self.stopped = True
 
     def publish(self, version: int) -> Manifest:
-        """Every rank stores its parts of `version`; rank 0 commits manifest and LATEST after all are stored."""
-        publish_id = uuid.uuid4().hex
-        try:
-            self.send(PUBLISH, version=version, publish_id=publish_id)
-            manifest, failure = self._publish_round(version, publish_id)
-        except Exception as exc:  # only collectives raise here: the group is broken
-            raise RankGroupBroken(f"trainer ranks lost each other publishing version {version}: {exc}") from exc
-        if failure is not None:
-            raise failure
-        assert manifest is not None and self.publisher is not None
-        self.publisher.advance(manifest)  # LATEST, after every rank adopted the version
+        """Every rank stores its parts of `version`; rank 0 commits manifest and LATEST after all are stored.
+
+        A retry is idempotent, as `WeightPublisher.publish`: a version rank 0 committed is only advanced
+        (every rank adopted it in its round); a commit whose outcome was unknown (every rank held its
+        parts) is resolved by rank 0 first and SETTLE tells each rank to adopt or delete its share."""
+        publisher = self.publisher
+        assert publisher is not None, "a live trainer rank needs a weight publisher"
+        manifest = publisher.unadvanced(version)
+        if manifest is None and publisher.held is not None:
+            landed = publisher.resolve_held()  # a store error raises here, before any rank is told
+            try:
+                self.send(SETTLE, committed=landed is not None)
+            except Exception as exc:  # only collectives raise here: the group is broken
+                raise RankGroupBroken(f"trainer ranks lost each other settling version {version}: {exc}") from exc
+            manifest = landed if landed is not None and landed.version == version else None
+        if manifest is None:
+            publish_id = uuid.uuid4().hex
+            try:
+                self.send(PUBLISH, version=version, publish_id=publish_id)
+                manifest, failure = self._publish_round(version, publish_id)
+            except Exception as exc:  # only collectives raise here: the group is broken
+                raise RankGroupBroken(f"trainer ranks lost each other publishing version {version}: {exc}") from exc
+            if failure is not None:
+                raise failure
+        assert manifest is not None
+        publisher.advance(manifest)  # LATEST, after every rank adopted the version
         return manifest
 
     def checkpoint(self, state: TrainerState) -> str:
-        self.send(CHECKPOINT, version=state.version)
-        prefix = self._checkpoint_round(state.version, state)
+        attempt = new_attempt()  # every rank writes under it: a refused writer touches no complete checkpoint
+        self.send(CHECKPOINT, version=state.version, attempt=attempt)
+        prefix = self._checkpoint_round(state.version, state, attempt)
         assert prefix is not None
         return prefix
 
     def load_latest(self) -> TrainerState | None:
-        """Load the newest complete checkpoint on every rank (resharded if the world size changed)."""
-        complete = complete_checkpoints(self.store, self.run)
-        if not complete:
-            return None
-        self.send(LOAD, version=complete[-1])
-        return self._load_round(complete[-1])
+        """Load the newest complete checkpoint every rank can load, on every rank (resharded if the world
+        size changed); a newer one that some rank cannot load is skipped with a WARNING naming what was
+        wrong, as `load_latest_checkpoint` does. ValueError if none loads."""
+        failures: list[str] = []
+        for version in reversed(complete_checkpoints(self.store, self.run)):
+            self.send(LOAD, version=version)
+            state, failure = self._load_round(version)
+            if failure is None:
+                if failures:
+                    log.warning(
+                        "resuming run %s from checkpoint v%d, older than the damaged %s", self.run, version, failures
+                    )
+                return state
+            failures.append(f"v{version}: {failure}")
+            log.warning(
+                "checkpoint v%d of run %s cannot be loaded (%s); trying the one before", version, self.run, failure
+            )
+        if failures:
+            raise RankRoundError(f"run {self.run}: no complete checkpoint loads on every rank: {'; '.join(failures)}")
+        return None
 
     # ---- every rank: the rounds
 
@@ -244,24 +280,32 @@ class RankGroup:
                 manifest = publisher.commit(staged, every)
             except Exception as exc:  # told to the other ranks below, then returned
                 failure = exc
-        if not failed:  # rank 0 says whether the commit worked
-            said = broadcast_bytes(b"" if failure is None else f"{type(failure).__name__}: {failure}".encode())
+        uncertain = False
+        if not failed:  # rank 0 says whether the commit worked: b"" yes, b"!..." no, b"?..." unknown
+            said = b""
+            if failure is not None:
+                said = (b"?" if publisher.held is not None else b"!") + f"{type(failure).__name__}: {failure}".encode()
+            said = broadcast_bytes(said)
+            uncertain = said[:1] == b"?"
             if said and failure is None:
-                failure = RankRoundError(f"version {version}: rank 0 could not commit: {said.decode()}")
+                failure = RankRoundError(f"version {version}: rank 0 could not commit: {said[1:].decode()}")
         if failure is not None:
-            if staged is not None and not (self.rank == 0 and manifest is None and not failed):
-                publisher.discard(staged)  # (a failed commit already deleted every rank's parts)
+            if staged is not None and uncertain:
+                if self.rank != 0:  # (rank 0's commit holds its share itself)
+                    publisher.hold(staged)  # the manifest may exist: keep the parts until SETTLE
+            elif staged is not None:
+                publisher.discard(staged)
             return None, failure
         assert staged is not None
         publisher.adopt(staged)
         return manifest, None
 
-    def _checkpoint_round(self, version: int, state: TrainerState | None) -> str | None:
+    def _checkpoint_round(self, version: int, state: TrainerState | None, attempt: str) -> str | None:
         report: dict[str, Any]
         try:
             meta = self.backend.state_meta()
             files = encode_checkpoint(self.backend.state_tensors(), meta)
-            digests = write_rank_files(self.store, self.run, version, self.rank, files)
+            digests = write_rank_files(self.store, self.run, version, self.rank, files, attempt)
             report = {"files": digests, "shards": meta.get("shards", {})}
         except Exception as exc:  # reported to every rank below
             log.exception("rank %d could not write its checkpoint files at version %d", self.rank, version)
@@ -274,10 +318,14 @@ class RankGroup:
             raise RankRoundError(f"checkpoint v{version}: rank {failed[0][0]} failed: {failed[0][1]}")
         assert state is not None
         return commit_sharded_checkpoint(
-            self.store, self.run, state, [r["files"] for r in reports], [r["shards"] for r in reports]
+            self.store, self.run, state, [r["files"] for r in reports], [r["shards"] for r in reports], attempt
         )
 
-    def _load_round(self, version: int) -> TrainerState | None:
+    def _load_round(self, version: int) -> tuple[TrainerState | None, str | None]:
+        """Every rank loads checkpoint `version`; returns (rank 0's state, None), or (None, the first rank's
+        failure) if the checkpoint is damaged (a ValueError: missing file, hash mismatch), the same answer
+        on every rank, so rank 0 can try an older one with all of them. Any other failure (the store is
+        down) raises `RankRoundError` on every rank: an outage must not make a resume go back further."""
         report: dict[str, Any] = {}
         state: TrainerState | None = None
         try:
@@ -285,12 +333,15 @@ class RankGroup:
             self.backend.load_state(tensors, meta)
         except Exception as exc:  # reported to every rank below
             log.exception("rank %d could not load checkpoint v%d", self.rank, version)
-            report = {"error": f"{type(exc).__name__}: {exc}"}
+            report = {"error": f"{type(exc).__name__}: {exc}", "damaged": isinstance(exc, ValueError)}
         reports = [json.loads(r) for r in all_gather_bytes(json.dumps(report).encode())]
-        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if "error" in rep]
+        failed = [(r, rep["error"], rep["damaged"]) for r, rep in enumerate(reports) if "error" in rep]
+        if any(not damaged for _, _, damaged in failed):
+            rank, error, _ = next(f for f in failed if not f[2])
+            raise RankRoundError(f"checkpoint v{version}: rank {rank} could not load it: {error}")
         if failed:
-            raise RankRoundError(f"checkpoint v{version}: rank {failed[0][0]} could not load it: {failed[0][1]}")
-        return state
+            return None, f"rank {failed[0][0]} could not load it: {failed[0][1]}"
+        return state, None
 
 
 def _staged_from_report(report: Mapping[str, Any], like: StagedParts) -> StagedParts:
@@ -376,8 +427,11 @@ def follow(group: RankGroup) -> int:
             group.backend.logprobs(decode_batch(payload))
         elif command == PUBLISH:
             group._publish_round(header["version"], header["publish_id"])
+        elif command == SETTLE:
+            assert group.publisher is not None
+            group.publisher.settle(bool(header["committed"]))
         elif command == CHECKPOINT:
-            group._checkpoint_round(header["version"], None)
+            group._checkpoint_round(header["version"], None, header["attempt"])
         elif command == LOAD:
             group._load_round(header["version"])
         else:

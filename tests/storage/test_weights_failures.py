@@ -11,7 +11,7 @@ import torch
 
 from infra.stack import StackState
 from storage.delta_codec import tensor_bits
-from storage.manifest import ManifestError, manifest_key
+from storage.manifest import Manifest, ManifestError, latest_key, manifest_key
 from storage.objectstore import ObjectStore
 from storage.weights import VersionConflict, WeightPublisher, WeightPullError, WeightSubscriber, list_versions
 from tests.support.stores import FaultyStore, s3_store
@@ -223,3 +223,63 @@ def test_retention_keeps_what_a_reader_may_be_pulling_within_grace(store: Object
     sub.pull()
     assert _same(sub.tensors, versions[7])
     pub.close()
+
+
+class _FailOnce:
+    """A `FaultyStore` fault: once armed, the first `method` call on `key` fails with a ConnectionError (an
+    outage), but only after `after` (a (method, key) call) was asked, if given. `failed` records it."""
+
+    def __init__(self, method: str, key: str, after: tuple[str, str] | None = None) -> None:
+        self.method, self.key, self.after = method, key, after
+        self.armed = False
+        self.failed: list[str] = []
+        self._seen_after = after is None
+
+    def __call__(self, method: str, key: str) -> BaseException | None:
+        if not self.armed or self.failed:
+            return None
+        if (method, key) == (self.method, self.key) and self._seen_after:
+            self.failed.append(f"{method} {key}")
+            return ConnectionError(f"injected: {method} {key} failed once")
+        if (method, key) == self.after:
+            self._seen_after = True
+        return None
+
+
+def _assert_published_intact(store: ObjectStore, run: str, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    """LATEST is at `version`, a fresh subscriber pulls it bit-exactly, and every part of every version exists."""
+    with WeightSubscriber(store, run, model_config_hash=CONFIG) as sub:
+        assert sub.latest_version() == version
+        assert sub.pull() == version and _same(sub.tensors, tensors)
+        for v in list_versions(store, run):
+            missing = [p.key for p in sub.manifest(v).parts if not store.exists(p.key)]
+            assert missing == [], f"version {v} names parts that are gone: {missing}"
+
+
+@pytest.mark.parametrize("where", ["latest-swap", "manifest-read-back"])
+def test_a_publish_retried_after_a_failure_past_its_manifest_adopts_its_own_commit(
+    store: ObjectStore, where: str
+) -> None:
+    run = f"retry-{where}"
+    versions = _versions(4)
+    manifest = manifest_key(run, 2)
+    if where == "latest-swap":  # the manifest is committed, LATEST's compare-and-swap fails once
+        fault = _FailOnce("put_if_match", latest_key(run))
+    else:  # the manifest landed, reading it back fails once
+        fault = _FailOnce("get_with_etag", manifest, after=("put_if_absent", manifest))
+    with WeightPublisher(FaultyStore(store, fault), run, model_config_hash=CONFIG) as pub:
+        pub.publish(0, versions[0])
+        pub.publish(1, versions[1])
+        fault.armed = True
+        with pytest.raises(ConnectionError, match="injected"):
+            pub.publish(2, versions[2])
+        assert fault.failed, "the fault was injected"
+        first = Manifest.from_json(store.get(manifest), key=manifest)
+        again = pub.publish(2, versions[2])  # the retry the trainer's session makes
+        assert again.publish_id == first.publish_id, "the retry adopted its own committed manifest"
+        _assert_published_intact(store, run, 2, versions[2])
+        assert pub.publish(3, versions[3]).kind == "delta", "the adopted version is the next delta's base"
+    _assert_published_intact(store, run, 3, versions[3])
+    manifests = [Manifest.from_json(store.get(k), key=k) for k in (manifest_key(run, v) for v in range(4))]
+    referenced = {manifest_key(run, v) for v in range(4)} | {p.key for m in manifests for p in m.parts}
+    assert set(store.list(f"{run}/weights/v")) == referenced, "the retry left no orphaned parts"

@@ -114,11 +114,33 @@ def _fail_first_put_under(prefix: str) -> Any:
     return fault
 
 
+def _fail_once_past_the_manifest(run: str) -> Any:
+    """A `FaultyStore` fault for rank 0: reading back v1's manifest (after it was written) fails once, and
+    the compare-and-swap of LATEST to v2 fails once; either leaves a committed version a retry must adopt."""
+    failed: list[str] = []
+    manifest_v1 = f"{run}/weights/v00000001/manifest.json"
+
+    def fault(method: str, key: str) -> BaseException | None:
+        if key == manifest_v1 and method == "put_if_absent":
+            failed.append("manifest written")
+        elif key == manifest_v1 and method == "get_with_etag" and failed == ["manifest written"]:
+            failed.append(key)
+            return ConnectionError(f"injected: reading back {key} failed once")
+        elif key == f"{run}/weights/LATEST" and method == "put_if_match" and "LATEST" not in failed:
+            failed.append("LATEST")
+            return ConnectionError("injected: moving LATEST failed once")
+        return None
+
+    return fault
+
+
 def worker(store_root: str, run: str, load_run: str | None, out: str, layout: RankLayout) -> None:
     """One rank: [load `load_run`'s checkpoint |] step on batch 1, publish v1, checkpoint, step on batch 2, publish v2.
 
-    Rank 1's first store of v2 fails (when two ranks train from scratch): the round fails naming it, leaves
-    no part behind, and a retry publishes v2. Rank 0 writes its losses to `out` as JSON."""
+    When two ranks train from scratch, rank 0's read-back of the v1 manifest fails once (the retry settles the
+    commit: every rank adopts its share, so v2 is a delta), rank 1's first store of v2 fails (the round fails
+    naming it, leaves no part behind, and a retry publishes v2), and rank 0's move of LATEST to v2 fails once
+    (the retry only advances LATEST). Rank 0 writes its losses to `out` as JSON."""
     from actors.models import build_model
     from actors.trainer.backends import build_backend
     from actors.trainer.checkpoints import TrainerState, load_latest_checkpoint, write_checkpoint
@@ -134,8 +156,9 @@ def worker(store_root: str, run: str, load_run: str | None, out: str, layout: Ra
     model = build_model(MODEL, vocab_size=VOCAB, seed=0)
     backend = build_backend(cfg, model)
     store: ObjectStore = FileStore(store_root)
-    if not load_run and rank_env.rank != 0:
-        store = FaultyStore(store, _fail_first_put_under(f"{run}/weights/v00000002/"))
+    if not load_run and rank_env.distributed:
+        fault = _fail_once_past_the_manifest(run) if rank_env.is_leader else None
+        store = FaultyStore(store, fault or _fail_first_put_under(f"{run}/weights/v00000002/"))
     publisher = build_weight_publisher(cfg, store, model)  # publishes `run`; the group checkpoints/loads:
     ckpt_cfg = ranks_cfg(layout, load_run or run)
     group = RankGroup(ckpt_cfg, backend, store, publisher) if rank_env.distributed else None
@@ -149,12 +172,18 @@ def worker(store_root: str, run: str, load_run: str | None, out: str, layout: Ra
             return CorrectedObjective(cfg.correction, cfg.advantages, version, constant_tokens=64)
 
         def publish(version: int) -> None:
-            if group is not None and version == 2 and load_run is None:  # rank 1's first store of v2 fails
+            if group is not None and version == 1 and load_run is None:  # the manifest's read-back fails once
+                with pytest.raises(ConnectionError, match="reading back"):
+                    group.publish(version)
+                group.publish(version)  # the retry settles the commit (SETTLE), then moves LATEST
+            elif group is not None and version == 2 and load_run is None:  # rank 1's first store of v2 fails
                 with pytest.raises(RankRoundError, match="rank 1 could not store its parts"):
                     group.publish(version)
                 left = store.list(f"{run}/weights/v00000002/")
                 assert left == [], f"no manifest, every rank's parts deleted: {left}"
-                group.publish(version)  # a retry is a fresh round
+                with pytest.raises(ConnectionError, match="moving LATEST"):
+                    group.publish(version)  # a retry is a fresh round; its LATEST swap fails once
+                group.publish(version)  # the version is committed: this retry only advances LATEST
             elif group is not None:
                 group.publish(version)
             else:

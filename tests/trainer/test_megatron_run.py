@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.trainer.checkpoints import checkpoint_files
 from infra.stack import StackState
 from storage.filestore import FileStore
 from tests.support.ranks import TOLERANCE, RankLayout, max_diff, pull, run_ranks
@@ -58,7 +59,7 @@ def test_megatron_ranks_match_one_rank_publish_sharded_and_resume_across_layouts
             assert a[:3] == pytest.approx(b[:3], rel=TOLERANCE, abs=TOLERANCE), name
         assert max_diff(pull(store, name, 2, after=1), ref2) < TOLERANCE, name
     # the TP=2 checkpoint: each rank wrote its rows of the full tensors; one rank resumes it
-    ckpt = {k.rsplit("checkpoints/v00000001/", 1)[1] for k in store.list("tp2/checkpoints/")}
+    ckpt = set(checkpoint_files(store, "tp2", 1))  # names in the manifest (under its attempt)
     assert {"index.json", "rank-00000/model.safetensors", "rank-00001/model.safetensors"} <= ckpt
     resumed = run_ranks(tmp_path, 1, "tp2-on-one", load_run="tp2", layout=_megatron())
     assert resumed[0][:3] == pytest.approx(one[1][:3], rel=TOLERANCE, abs=TOLERANCE)

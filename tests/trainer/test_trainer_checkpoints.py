@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import orjson
 import pytest
 import torch
 
+from actors.trainer.backends.checkpoint import encode_checkpoint
 from actors.trainer.checkpoints import (
     KEEP_CHECKPOINTS,
     MANIFEST_FILE,
     RecentIds,
     TrainerState,
+    checkpoint_files,
     checkpoint_prefix,
+    commit_sharded_checkpoint,
     complete_checkpoints,
+    load_checkpoint,
     load_latest_checkpoint,
+    new_attempt,
     write_checkpoint,
+    write_rank_files,
 )
 from actors.trainer.metrics_log import roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
@@ -43,14 +50,15 @@ class _RecordingStore(FileStore):
         return super().put_if_absent(key, data)
 
 
-def _write(store: FileStore, version: int, step: int | None = None) -> str:
+def _write(store: FileStore, version: int, step: int | None = None, fill: float | None = None) -> str:
     state = TrainerState(
         step=step if step is not None else version,
         version=version,
         consumed_seq=10 * version,
         handled_group_ids=[f"g{version}"],
     )
-    tensors = {"model/w": torch.full((2, 3), float(version)), "optimizer/w/exp_avg": torch.zeros(2, 3)}
+    value = float(version) if fill is None else fill
+    tensors = {"model/w": torch.full((2, 3), value), "optimizer/w/exp_avg": torch.zeros(2, 3)}
     return write_checkpoint(store, RUN, state, tensors, {"backend": "fake", "version": version})
 
 
@@ -99,8 +107,8 @@ def test_prune_keeps_the_newest_and_removes_older_leftovers(tmp_path: Path) -> N
 
 def test_corrupted_file_is_refused(tmp_path: Path) -> None:
     store = FileStore(str(tmp_path))
-    prefix = _write(store, 3)
-    store.put(prefix + "model.safetensors", b"not what the manifest says")
+    _write(store, 3)
+    store.put(checkpoint_files(store, RUN, 3)["model.safetensors"], b"not what the manifest says")
     with pytest.raises(ValueError, match="model.safetensors"):
         load_latest_checkpoint(store, RUN)
 
@@ -110,6 +118,78 @@ def test_reused_version_is_an_error(tmp_path: Path) -> None:
     _write(store, 3)
     with pytest.raises(ValueError, match="already has a manifest"):
         _write(store, 3)
+
+
+def test_a_refused_second_writer_at_the_same_version_leaves_the_first_checkpoint_loadable(tmp_path: Path) -> None:
+    store = FileStore(str(tmp_path))
+    _write(store, 3, fill=1.0)
+    first = set(store.list(checkpoint_prefix(RUN, 3)))
+    with pytest.raises(ValueError, match="already has a manifest"):
+        _write(store, 3, fill=2.0)  # another trainer, or a reused number: different tensors, same version
+    loaded = load_latest_checkpoint(store, RUN)
+    assert loaded is not None and loaded[0].version == 3
+    assert torch.equal(loaded[1]["model/w"], torch.full((2, 3), 1.0)), "the first checkpoint's files are intact"
+    assert set(store.list(checkpoint_prefix(RUN, 3))) == first, "the refused writer removed its own files"
+
+
+def _write_sharded(store: FileStore, version: int, fill: float, world: int = 2) -> str:
+    """What a `RankGroup` checkpoint round writes: each rank its rows of `model/w` under one attempt, then
+    rank 0's index, state and manifest."""
+    attempt = new_attempt()
+    digests, shards = [], []
+    for rank in range(world):
+        rows = torch.full((1, 3), fill + rank)
+        files = encode_checkpoint({"model/w": rows, "rng/seed": torch.tensor([7])}, {"rank": rank})
+        digests.append(write_rank_files(store, RUN, version, rank, files, attempt))
+        shards.append({"model/w": [world, rank, 1]})
+    state = TrainerState(step=version, version=version)
+    return commit_sharded_checkpoint(store, RUN, state, digests, shards, attempt)
+
+
+def test_a_refused_second_sharded_writer_leaves_the_first_checkpoint_loadable(tmp_path: Path) -> None:
+    store = FileStore(str(tmp_path))
+    _write_sharded(store, 5, fill=1.0)
+    with pytest.raises(ValueError, match="already has a manifest"):
+        _write_sharded(store, 5, fill=10.0)
+    for rank in (0, 1):
+        state, tensors, meta = load_checkpoint(store, RUN, 5, rank=rank)
+        assert state.version == 5 and meta == {"rank": rank}
+        assert torch.equal(tensors["model/w"], torch.tensor([[1.0] * 3, [2.0] * 3])), "every rank's rows intact"
+    names = set(checkpoint_files(store, RUN, 5))
+    assert {"index.json", "trainer_state.json", "rank-00000/model.safetensors", "rank-00001/meta.json"} <= names
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "missing"])
+def test_resume_falls_back_to_the_newest_intact_checkpoint_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    store = FileStore(str(tmp_path))
+    _write(store, 2)
+    _write(store, 4)
+    key = checkpoint_files(store, RUN, 4)["model.safetensors"]
+    if damage == "corrupted":
+        store.put(key, b"bit rot")
+    else:
+        store.delete(key)
+    with caplog.at_level(logging.WARNING, logger="actors.trainer.checkpoints"):
+        loaded = load_latest_checkpoint(store, RUN)
+    assert loaded is not None
+    state, tensors, _ = loaded
+    assert state.version == 2 and torch.equal(tensors["model/w"], torch.full((2, 3), 2.0))
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "v4" in warned and "model.safetensors" in warned
+    assert ("does not match" if damage == "corrupted" else "missing") in warned
+    assert complete_checkpoints(store, RUN) == [2, 4], "the damaged checkpoint is kept for a person to look at"
+
+
+def test_resume_with_every_checkpoint_damaged_refuses_naming_each(tmp_path: Path) -> None:
+    store = FileStore(str(tmp_path))
+    _write(store, 2)
+    _write(store, 4)
+    for version in (2, 4):
+        store.put(checkpoint_files(store, RUN, version)["trainer_state.json"], b"{}")
+    with pytest.raises(ValueError, match=r"no complete checkpoint loads: v4: .*trainer_state.json.*; v2: "):
+        load_latest_checkpoint(store, RUN)
 
 
 def test_state_of_another_format_is_refused() -> None:

@@ -18,10 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
 from actors.endpoints import open_run_store
-from actors.trainer.checkpoints import complete_checkpoints
+from actors.trainer.checkpoints import (
+    MANIFEST_FILE,
+    checkpoint_files,
+    checkpoint_prefix,
+    complete_checkpoints,
+    new_attempt,
+)
 from actors.trainer.distributed import RankEnv, launch_ranks
 from actors.trainer.rank_group import decode_batch, encode_batch, owned_tensors
 from infra.stack import StackState
@@ -55,9 +62,11 @@ def test_one_and_two_ranks_take_the_same_steps_publish_and_resume_across_world_s
 
     # checkpoints: per-rank safetensors + JSON index; same world size resumes bit-exactly, others reshard
     assert complete_checkpoints(store, "two") == [1]
-    ckpt = {k.rsplit("checkpoints/v00000001/", 1)[1] for k in store.list("two/checkpoints/")}
-    assert {"index.json", "manifest.json", "trainer_state.json", "rank-00000/model.safetensors"} <= ckpt
+    ckpt = set(checkpoint_files(store, "two", 1))  # names in the manifest (under its attempt)
+    assert {"index.json", "trainer_state.json", "rank-00000/model.safetensors"} <= ckpt
     assert "rank-00001/optimizer.safetensors" in ckpt
+    _damaged_newer_copy(store, "two", 1, 2, "rank-00001/optimizer.safetensors")
+    # every resume below skips the damaged v2 (a file of rank 1's) and loads v1
     same = run_ranks(tmp_path, 2, "two-again", load_run="two")
     assert same[0] == two[1]
     assert max_diff(pull(store, "two-again", 2), two2) == 0.0
@@ -65,6 +74,20 @@ def test_one_and_two_ranks_take_the_same_steps_publish_and_resume_across_world_s
         resumed = run_ranks(tmp_path, nproc, name, load_run=source)
         assert resumed[0][:3] == pytest.approx(one[1][:3], rel=TOLERANCE, abs=TOLERANCE)
         assert max_diff(pull(store, name, 2), ref2) < TOLERANCE
+
+
+def _damaged_newer_copy(store: FileStore, run: str, version: int, newer: int, damaged: str) -> None:
+    """Checkpoint `version` copied as complete checkpoint `newer` (its own attempt, the same hashes), with the
+    file `damaged` then corrupted: the newest checkpoint fails its hash check on one rank."""
+    manifest = orjson.loads(store.get(checkpoint_prefix(run, version) + MANIFEST_FILE))
+    attempt = new_attempt()
+    for name, key in checkpoint_files(store, run, version).items():
+        store.put(f"{checkpoint_prefix(run, newer)}{attempt}/{name}", store.get(key))
+    store.put_if_absent(
+        checkpoint_prefix(run, newer) + MANIFEST_FILE, orjson.dumps({**manifest, "version": newer, "attempt": attempt})
+    )
+    assert complete_checkpoints(store, run)[-1] == newer
+    store.put(checkpoint_files(store, run, newer)[damaged], b"bit rot")
 
 
 def test_batches_cross_ranks_as_safetensors_bytes_and_come_back_equal() -> None:

@@ -4,8 +4,8 @@
 ``<group>.safetensors`` per group (keys without the group prefix, so ``model.safetensors`` reads as
 an ordinary HF weight file) and a ``meta.json`` that lists every tensor file with its size and
 sha256. `decode_checkpoint` checks those hashes before it trusts a byte. The trainer writes the
-files under ``<run>/checkpoints/v00000040/`` and its manifest last, so a checkpoint exists only
-once complete; this module does no I/O.
+files under ``<run>/checkpoints/v00000040/<attempt>/`` and its manifest last, so a checkpoint exists
+only once complete; this module does no I/O.
 
 Example::
 
