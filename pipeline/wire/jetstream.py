@@ -15,6 +15,8 @@ share one answer to each failure:
   original is nak'ed (with a delay that grows per failed try) and comes back, so nothing is dropped
   silently (`DeadLetters`). A consumer must leave deliveries for that: the prompt queue's allows
   unlimited ones (its limit is applied here, by `receive`), the trainer's a few past its limit.
+- A fetch that finds JetStream unavailable (503, e.g. a full disk made the server disable it) returns
+  nothing after a short wait and is logged once per outage (`pull`); the fetch loops simply go on.
 - The run's dead-letter stream is readable from a watermark (`read_dead_letters`), which is how the
   trainer gives back the admission slots of what never reached it (`actors/trainer/slots.py`).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -227,12 +230,31 @@ class DeadLetterError(Exception):
         self.detail = detail
 
 
+_UNAVAILABLE: weakref.WeakSet[JetStreamContext.PullSubscription] = weakref.WeakSet()
+"""Subscriptions whose last fetch met JetStream unavailable: logged once when it starts and once when it ends."""
+
+
 async def pull(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:
-    """Up to `batch` messages; [] when none arrived within `timeout_s` (nats-py raises a timeout instead)."""
+    """Up to `batch` messages; [] when none arrived within `timeout_s` (nats-py raises a timeout instead).
+
+    JetStream "service unavailable" (503: nats-server disabled JetStream, e.g. its store's disk is full, or the
+    consumer's leader is away) is transient: it is logged once per outage, the call waits a little (bounded by
+    `timeout_s`) and returns [], so every fetch loop rides it out as it rides out a disconnect.
+    """
     try:
-        return await sub.fetch(batch, timeout=timeout_s)
+        msgs = await sub.fetch(batch, timeout=timeout_s)
     except asyncio.TimeoutError:  # nats-py raises both its own and the plain asyncio one
+        msgs = []
+    except nats.js.errors.ServiceUnavailableError as exc:
+        if sub not in _UNAVAILABLE:
+            _UNAVAILABLE.add(sub)
+            log.warning("JetStream unavailable for fetches (%s); retrying until it is back", exc)
+        await asyncio.sleep(min(timeout_s, PUBLISH_BACKOFF_MAX_S))
         return []
+    if sub in _UNAVAILABLE:
+        _UNAVAILABLE.discard(sub)
+        log.info("JetStream available again for fetches")
+    return msgs
 
 
 async def receive(
