@@ -36,7 +36,9 @@ Invariants and failure behaviour:
 - One prompt fails alone. Before the engine call, a prompt no engine call can take (`checked_prompt_ids`:
   ids outside the vocabulary, no room in the engine's ``max_len``) is dead-lettered with its reason, and one
   admitted at a version the store's LATEST has not reached (left from an earlier run of the same name) is
-  released with a WARNING instead of being waited for. If the engine refuses the batch or fails a group's
+  released with a WARNING instead of being waited for. A batch whose version the engine cannot reach within
+  `WEIGHT_PULL_TIMEOUT_S` (pulls failing) is handed back, said why (ERROR, ``weight_pull_timeouts``), and no
+  prompt is taken until the version is applied. If the engine refuses the batch or fails a group's
   requests, that group is generated again in an engine call of its own; a prompt whose rollout or publish
   fails is nak'ed alone. The others are published and acked.
 - The engine streams: a group is scored as soon as its G samples are done (`Engine.submit` futures), while
@@ -70,7 +72,12 @@ from tokenizers import Tokenizer
 
 from actors.generator.engines.base import Engine, GenerateResult, SamplingParams
 from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
-from actors.generator.weight_sync import WeightSync, unknown_version_message
+from actors.generator.weight_sync import (
+    WEIGHT_PULL_TIMEOUT_S,
+    WeightPullTimeout,
+    WeightSync,
+    unknown_version_message,
+)
 from pipeline.config import LeewayConfig
 from pipeline.rl.rollout import (
     UnrunnablePrompt,
@@ -142,6 +149,9 @@ class Generator:
         self.environment = environment_factory(task)
         self.shutdown_grace_s = SHUTDOWN_GRACE_S
         self.unknown_version_nak_delay_s = UNKNOWN_VERSION_NAK_DELAY_S
+        self.weight_pull_timeout_s = WEIGHT_PULL_TIMEOUT_S
+        self._stuck_at: int | None = None
+        """The version the engine could not reach in time for held prompts: no prompt is taken until it has it."""
         self._generate = metered(engine.generate, metrics)
         self._submit = metered_submit(engine.submit, metrics)
         self._stop = asyncio.Event()
@@ -171,6 +181,8 @@ class Generator:
     async def _batch_after_batch(self) -> None:
         """``between_rollouts``: one batch at a time, so weights change only between two batches."""
         while not self.stopping:
+            if not await self._unstuck():
+                break
             leases = await self._take(self.cfg.generator.concurrency)
             if not leases:
                 continue
@@ -195,6 +207,8 @@ class Generator:
             if free <= 0:
                 await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 continue
+            if not await self._unstuck():
+                break
             leases = await self._take(free)
             if not leases:
                 continue
@@ -307,13 +321,50 @@ class Generator:
         return unknown
 
     async def _sync(self, prompts: Sequence[Prompt]) -> bool:
-        """Bring the engine to the batch's sync floor (`pipeline/rl/staleness.py`); False if shutdown came first."""
+        """Bring the engine to the batch's sync floor (`pipeline/rl/staleness.py`); False if shutdown came first,
+        or if the engine could not get there within `weight_pull_timeout_s` (the caller hands the prompts back).
+
+        A version that can never be pulled (another model's manifest, a missing delta, a store away) would
+        otherwise hold the batch's prompts for good; given back, they go to a generator that can run them, and
+        this one takes no more prompts until it reaches that version (`_unstuck`), still trying meanwhile.
+        """
         if self.cfg.generator.update_mode == "between_rollouts":
-            await self.weights.catch_up()
+            try:
+                await self.weights.catch_up()
+            except Exception:  # the floor below is what the batch needs; `ensure` retries and bounds it
+                log.warning("pulling the newest version before a batch failed", exc_info=True)
         floor = sync_floor(
             self.weights.newest_known, self.cfg.staleness.max_staleness, [p.policy_version for p in prompts]
         )
-        return await self._until_stop(self.weights.ensure(floor))
+        try:
+            return await self._until_stop(self.weights.ensure(floor, give_up_after_s=self.weight_pull_timeout_s))
+        except WeightPullTimeout as exc:
+            self.metrics.weight_pull_timeouts += 1
+            self.metrics.weights_stuck = 1
+            self._stuck_at = max(floor, self._stuck_at if self._stuck_at is not None else -1)
+            log.error(
+                "generator %s: %s; handing %d prompts back to the queue and taking no more until version %d "
+                "is applied (still trying). Is store.url the trainer's, and model.name_or_path the trainer's model?",
+                self.generator_id,
+                exc,
+                len(prompts),
+                floor,
+            )
+            return False
+
+    async def _unstuck(self) -> bool:
+        """Before taking prompts: if a version could not be reached in time (`_sync`), wait for it with no prompt
+        held, pulling until it is applied. False if shutdown came first."""
+        stuck_at = self._stuck_at
+        if stuck_at is None:
+            return True
+        if not await self._until_stop(self.weights.ensure(stuck_at)):
+            return False
+        log.info("generator %s: version %d applied; taking prompts again", self.generator_id, stuck_at)
+        if self._stuck_at == stuck_at:
+            self._stuck_at = None
+            self.metrics.weights_stuck = 0
+        return True
 
     async def _rollouts(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> list[Outcome]:
         """Every group of the batch, generated and scored while `_watch_abort` may abort the engine; a

@@ -29,6 +29,10 @@
   Versions only move forward (a resumed trainer publishes a new full version after the newest).
 - A failed poll or pull is logged with its traceback and retried at the next poll: weights are never
   half-applied (the subscriber verifies every tensor's hash before handing tensors over).
+- A version that cannot be pulled at all (another model's manifest, a missing delta, a store away) must
+  not hold prompts forever: `ensure` with ``give_up_after_s`` raises `WeightPullTimeout` (with the last
+  pull error) after that long, so the generator hands its prompts back (`actors/generator/loop.py`,
+  `WEIGHT_PULL_TIMEOUT_S`); the next `ensure` simply tries again.
 """
 
 from __future__ import annotations
@@ -52,7 +56,24 @@ WAITING_POLL_S = 0.2
 RETRY_S = 1.0
 """Pause after a failed poll or pull before the next attempt."""
 WAIT_LOG_INTERVAL_S = 30.0
-"""While waiting for a first version (no trainer yet), log this often."""
+"""While waiting for a first version (no trainer yet), log this often; a pull that keeps failing, too."""
+WEIGHT_PULL_TIMEOUT_S = 180.0
+"""Default time a generator holding prompts waits for the engine to reach their version (pulls failing, or the
+version not in the store) before it hands them back to other generators and says why."""
+
+
+class WeightPullTimeout(Exception):
+    """`ensure` gave up: the engine did not reach `min_version` within the bound; `last_error` says why."""
+
+    def __init__(self, min_version: int, engine_version: int, waited_s: float, last_error: str | None) -> None:
+        why = last_error or "the version did not appear in the store"
+        super().__init__(
+            f"engine still at version {engine_version} after {waited_s:.0f} s waiting for version {min_version}: {why}"
+        )
+        self.min_version = min_version
+        self.engine_version = engine_version
+        self.waited_s = waited_s
+        self.last_error = last_error
 
 
 def unknown_version_message(run_name: str, what: str, version: int, latest: int | None) -> str:
@@ -140,6 +161,8 @@ class WeightSync:
         self._catch_up_task: asyncio.Task[None] | None = None
         self.last_pull: Pulled | None = None
         """The most recent pull (tests and logs: full snapshot or delta chain, bytes)."""
+        self.last_pull_error: str | None = None
+        """The error of the most recent pull if it failed (None once a pull succeeds): what a timeout reports."""
 
     @property
     def engine_version(self) -> int:
@@ -237,8 +260,14 @@ class WeightSync:
                 return self.engine_version
             behind = target - self.engine_version if self.engine_version >= 0 else target + 1
             start = time.perf_counter()
-            pulled = await asyncio.to_thread(self._source.pull, target)
+            try:
+                pulled = await asyncio.to_thread(self._source.pull, target)
+            except Exception as exc:
+                self.last_pull_error = f"pulling version {target} failed: {type(exc).__name__}: {exc}"
+                self._metrics.weight_pull_failures += 1
+                raise
             pull_s = time.perf_counter() - start
+            self.last_pull_error = None
             apply = self._engine.load_state if pulled.full or self.engine_version < 0 else self._engine.update_weights
             await asyncio.to_thread(apply, pulled.tensors, pulled.version)  # returns after the engine copied them
             self.last_pull = pulled
@@ -261,23 +290,42 @@ class WeightSync:
             )
             return self.engine_version
 
-    async def ensure(self, min_version: int, *, on_wait: Callable[[float], None] | None = None) -> int:
+    async def ensure(
+        self,
+        min_version: int,
+        *,
+        on_wait: Callable[[float], None] | None = None,
+        give_up_after_s: float | None = None,
+    ) -> int:
         """Return once the engine holds a version >= `min_version` (pulling, or waiting for it to appear).
 
         `on_wait(waited_s)` is called about every `WAIT_LOG_INTERVAL_S` while waiting (first call at 0).
-        Cancel the caller to give up (shutdown).
+        With `give_up_after_s`, raises `WeightPullTimeout` once that long has passed without the engine
+        getting there (a caller holding prompts hands them back); without it, waits until cancelled (shutdown).
+        A pull failure is logged with its traceback the first time, then once per `WAIT_LOG_INTERVAL_S`.
         """
         waited_from = time.monotonic()
         next_log = 0.0
+        next_failure_log = 0.0
         while self.engine_version < min_version:
+            waited = time.monotonic() - waited_from
+            if give_up_after_s is not None and waited >= give_up_after_s:
+                raise WeightPullTimeout(min_version, self.engine_version, waited, self.last_pull_error)
             if self.newest_known >= min_version:
                 try:
                     await self.catch_up()
                 except Exception:
-                    log.exception("pulling version %d failed; retrying in %.1f s", self.newest_known, RETRY_S)
+                    if waited >= next_failure_log:
+                        next_failure_log = waited + WAIT_LOG_INTERVAL_S
+                        log.warning(
+                            "pulling version %d failed (%.0f s so far); retrying every %.1f s",
+                            self.newest_known,
+                            waited,
+                            RETRY_S,
+                            exc_info=True,
+                        )
                     await asyncio.sleep(RETRY_S)
                 continue
-            waited = time.monotonic() - waited_from
             if on_wait is not None and waited >= next_log:
                 on_wait(waited)
                 next_log = waited + WAIT_LOG_INTERVAL_S

@@ -55,7 +55,7 @@ from actors.trainer.slots import DeadLetterEntry, read_dead_letters_quietly
 from pipeline.config import LeewayConfig
 from pipeline.rl.staleness import admissible_prompts
 from pipeline.tasks import Task
-from pipeline.wire.announce import announce_version, generator_metrics_subject, version_kv
+from pipeline.wire.announce import generator_metrics_subject, try_announce, version_kv
 from pipeline.wire.consumer import Delivery, TrajectoryConsumer, ensure_trainer_consumer
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
@@ -375,7 +375,7 @@ class LiveSession:
 
     async def _publish(self, version: int) -> None:
         """Publish `version` (retried: a failed publish leaves the publisher at the previous version), then
-        announce it (retried: the same KV value again)."""
+        announce it (one bounded try that only warns if it fails: `try_announce`)."""
         ranks = self.ranks
         if ranks is not None:  # every rank stores its parts; rank 0 commits
             publish = lambda: asyncio.to_thread(ranks.publish, version)  # noqa: E731
@@ -387,9 +387,8 @@ class LiveSession:
             what=f"publishing weights version {version}",
             permanent=PUBLISH_PERMANENT_ERRORS,
         )
-        kv = self.kv
-        if kv is not None:
-            await retry_async(lambda: announce_version(kv, version), what=f"announcing version {version}")
+        if self.kv is not None:  # a doorbell only: a failure warns (generators poll LATEST too), never ends the run
+            await try_announce(self.kv, version)
         log.debug("published version %d (%s, parent %s)", version, manifest.kind, manifest.parent_version)
 
     async def ack(self, seqs: Sequence[int]) -> None:

@@ -18,8 +18,9 @@ Status of a sample:
 - ``truncated``: a reply hit its length limit (or the turn/token limits ran out): that turn stays, no later
   turn is generated, and the sample is still scored by the verifier.
 - ``format_error``: the verifier (or environment) rejected the format: reward 0, trained on.
-- ``infra_error``: the verifier or environment raised or timed out: reward None, ``reward_source = none``;
-  the trainer masks it out of the loss and the group baseline.
+- ``infra_error``: the verifier or environment raised, timed out, or gave a reward that is not a finite
+  number (NaN, inf: `pipeline.tasks.reward_problem`): reward None, ``reward_source = none``; the trainer masks
+  it out of the loss and the group baseline, and the group's other samples are unaffected.
 - ``aborted``: the engine aborted the generation: reward None, never scored.
 - A reply the engine refused because its context (prompt, or earlier turns) left no room under the engine's
   maximum length (finish reason ``prompt_too_long``) makes the sample an ``infra_error``: reward None, never
@@ -53,7 +54,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
+from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult, reward_problem
 from pipeline.wire.trajectory import FinishReason, Sample, Status
 
 logger = logging.getLogger(__name__)
@@ -468,6 +469,11 @@ async def _run_episode(
                 info={"error": f"environment: {type(exc).__name__}: {exc}"},
             )
         if step.done and step.reward is not None:
+            problem = None if step.status == "format_error" else reward_problem(step.reward)
+            if problem is not None:  # a broken environment fails its sample, not the group's validation
+                logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, problem)
+                info = {**step.info, "error": f"environment: {problem}"}
+                return scorer.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s, info=info)
             reward = 0.0 if step.status == "format_error" else float(step.reward)
             return scorer.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))
         if step.done:

@@ -6,8 +6,10 @@ A `Task` yields `Prompt`s (the one prompt record, `pipeline/wire/prompts.py`) an
 `VerifierPool`, which runs it on the pool's own bounded threads (never the event loop's default executor,
 which generation and weight pulls use) under a timeout, and turns an exception or a timeout into
 ``infra_error`` with reward None: an infrastructure failure is never scored as a policy failure, so it
-stays out of the loss and out of the group baseline. A verifier that hangs holds one pool thread and
-nothing else.
+stays out of the loss and out of the group baseline. A reward that is not a finite number (NaN, inf, or
+past float32, the wire's reward type; `reward_problem`) is a broken verifier too: that sample alone becomes
+``infra_error``, where it would otherwise fail the whole group's validation. A verifier that hangs holds
+one pool thread and nothing else.
 
 `get_task` resolves a built-in name (`BUILTIN_TASKS`) or ``"package.module:function"``; built-ins are
 imported lazily so that importing this package stays cheap and free of circular imports.
@@ -21,6 +23,7 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import random
 import threading
 from abc import ABC, abstractmethod
@@ -35,6 +38,24 @@ from pipeline.wire.prompts import Prompt, PromptError
 logger = logging.getLogger(__name__)
 
 VerifierStatus = Literal["ok", "format_error", "infra_error"]
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32: a trajectory's rewards travel as float32, so a larger reward arrives as inf."""
+
+
+def reward_problem(reward: object) -> str | None:
+    """Why `reward` cannot be a sample's reward (not a real number, NaN, inf, past float32), or None if it can.
+
+    Checked where a verifier or an environment hands a reward over, so a broken one fails its sample
+    (``infra_error``) and not the validation of the whole group it travels in."""
+    try:
+        value = float(reward)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return f"reward {reward!r} is not a number"
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        return f"reward {value!r} is not finite (as float32)"
+    return None
+
 
 BUILTIN_TASKS: dict[str, str] = {
     "reverse_digits": "pipeline.tasks.reverse:ReverseDigitsTask",
@@ -145,6 +166,10 @@ class VerifierPool:
             return VerifierResult(None, "infra_error", {"error": f"{type(exc).__name__}: {exc}"})
         if not isinstance(result, VerifierResult):
             return VerifierResult(None, "infra_error", {"error": f"verifier returned {type(result).__name__}"})
+        problem = None if result.reward is None else reward_problem(result.reward)
+        if problem is not None:
+            logger.warning("verifier of task %s on prompt %s: %s; infra_error", task.name, prompt.prompt_id, problem)
+            return VerifierResult(None, "infra_error", {**result.info, "error": f"verifier: {problem}"})
         return result
 
     async def _in_thread(

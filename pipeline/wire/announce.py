@@ -13,6 +13,8 @@ are in the store, so a generator woken by it always finds the version there.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,7 +27,11 @@ from nats.js.api import KeyValueConfig, StorageType
 
 from pipeline.wire.names import RunNames
 
+log = logging.getLogger(__name__)
+
 LATEST_KEY = "latest"
+ANNOUNCE_TIMEOUT_S = 5.0
+"""Bound on one announcement (`try_announce`): the trainer's publish waits no longer on an optional doorbell."""
 GENERATOR_REPORT_INTERVAL_S = 2.0
 """How often a generator reports on `generator_metrics_subject` (listeners expire reports by it)."""
 
@@ -53,6 +59,25 @@ async def version_kv(js: JetStreamContext, names: RunNames) -> Any:
 async def announce_version(kv: Any, version: int) -> None:
     """Ring the doorbell for `version` (call only after the store's LATEST points at it)."""
     await kv.put(LATEST_KEY, orjson.dumps({"version": int(version), "published_at_s": time.time()}))
+
+
+async def try_announce(kv: Any, version: int, *, timeout_s: float = ANNOUNCE_TIMEOUT_S) -> bool:
+    """One bounded announcement; False (with a WARNING) if NATS did not take it.
+
+    The announcement is only a doorbell: generators also poll the store's LATEST, and the next version's
+    announcement supersedes this one. So a NATS outage costs generators up to one poll interval of latency
+    and never stops, or even delays by more than `timeout_s`, the trainer that publishes."""
+    try:
+        await asyncio.wait_for(announce_version(kv, version), timeout_s)
+    except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+        log.warning(
+            "announcing version %d on NATS KV failed (%s: %s); generators learn of it from the store's LATEST",
+            version,
+            type(exc).__name__,
+            exc,
+        )
+        return False
+    return True
 
 
 def parse_announcement(value: bytes | None) -> tuple[int, float] | None:

@@ -12,7 +12,11 @@ share one answer to each failure:
   delivery limit it is dead-lettered (`max_deliveries`) instead of run again; one that does not
   decode (`DeadLetterError`) is dead-lettered with its reason. A dead letter is the original bytes
   and headers plus the reason, then the original is terminated; if the copy cannot be stored the
-  original is nak'ed and comes back, so nothing is dropped silently (`DeadLetters`).
+  original is nak'ed (with a delay that grows per failed try) and comes back, so nothing is dropped
+  silently (`DeadLetters`). A consumer must leave deliveries for that: the prompt queue's allows
+  unlimited ones (its limit is applied here, by `receive`), the trainer's a few past its limit.
+- A fetch that finds JetStream unavailable (503, e.g. a full disk made the server disable it) returns
+  nothing after a short wait and is logged once per outage (`pull`); the fetch loops simply go on.
 - The run's dead-letter stream is readable from a watermark (`read_dead_letters`), which is how the
   trainer gives back the admission slots of what never reached it (`actors/trainer/slots.py`).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -63,7 +68,10 @@ PUBLISH_BACKOFF_MAX_S = 2.0
 DLQ_DETAIL_MAX_CHARS = 500
 """A dead letter's detail header is cut to this: it is for a reader, and headers share the message's size."""
 DLQ_NAK_DELAY_S = 2.0
-"""Redelivery delay of a bad message whose dead-letter publish failed (server away)."""
+"""Redelivery delay of a bad message whose first dead-letter publish failed (server away, DLQ full)."""
+DLQ_NAK_DELAY_MAX_S = 30.0
+"""Longest redelivery delay of a message whose dead letter keeps failing: doubled per failed try up to this, so
+an outage of the dead-letter stream costs one publish attempt per message every half minute, not a tight loop."""
 DEAD_LETTER_READ_TIMEOUT_S = 2.0
 """Bound on one message-get request to the dead-letter stream (its stream-info has the context's timeout)."""
 _STREAM_EXISTS_DIFFERENTLY = 10058
@@ -222,12 +230,31 @@ class DeadLetterError(Exception):
         self.detail = detail
 
 
+_UNAVAILABLE: weakref.WeakSet[JetStreamContext.PullSubscription] = weakref.WeakSet()
+"""Subscriptions whose last fetch met JetStream unavailable: logged once when it starts and once when it ends."""
+
+
 async def pull(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:
-    """Up to `batch` messages; [] when none arrived within `timeout_s` (nats-py raises a timeout instead)."""
+    """Up to `batch` messages; [] when none arrived within `timeout_s` (nats-py raises a timeout instead).
+
+    JetStream "service unavailable" (503: nats-server disabled JetStream, e.g. its store's disk is full, or the
+    consumer's leader is away) is transient: it is logged once per outage, the call waits a little (bounded by
+    `timeout_s`) and returns [], so every fetch loop rides it out as it rides out a disconnect.
+    """
     try:
-        return await sub.fetch(batch, timeout=timeout_s)
+        msgs = await sub.fetch(batch, timeout=timeout_s)
     except asyncio.TimeoutError:  # nats-py raises both its own and the plain asyncio one
+        msgs = []
+    except nats.js.errors.ServiceUnavailableError as exc:
+        if sub not in _UNAVAILABLE:
+            _UNAVAILABLE.add(sub)
+            log.warning("JetStream unavailable for fetches (%s); retrying until it is back", exc)
+        await asyncio.sleep(min(timeout_s, PUBLISH_BACKOFF_MAX_S))
         return []
+    if sub in _UNAVAILABLE:
+        _UNAVAILABLE.discard(sub)
+        log.info("JetStream available again for fetches")
+    return msgs
 
 
 async def receive(
@@ -242,7 +269,7 @@ async def receive(
     delivered = msg.metadata.num_delivered
     if delivered > max_deliver:
         detail = f"delivered {delivered} times without an ack (limit {max_deliver})"
-        await dead_letters.dispose(msg, "max_deliveries", detail)
+        await dead_letters.dispose(msg, "max_deliveries", detail, attempt=delivered - max_deliver)
         return None
     try:
         return await decode(msg)
@@ -261,15 +288,28 @@ def _header_safe(text: str) -> str:
 class DeadLetters:
     """Copies bad messages (original bytes, original headers, reason) to a dead-letter subject.
 
-    Counted per reason in `counts`; each reason is logged once at WARNING (then at DEBUG) so a flood of
-    one failure neither hides in silence nor drowns the log.
+    Counted per reason in `counts` (stored) and `failures` (copies not stored, the original nak'ed); each
+    reason is logged once at WARNING (then at DEBUG) so a flood of one failure neither hides in silence nor
+    drowns the log.
     """
 
-    def __init__(self, js: JetStreamContext, subject: str, *, timeout_s: float = ACK_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        subject: str,
+        *,
+        timeout_s: float = ACK_TIMEOUT_S,
+        retry_delay_s: float = DLQ_NAK_DELAY_S,
+        retry_delay_max_s: float = DLQ_NAK_DELAY_MAX_S,
+    ) -> None:
         self._js = js
         self._subject = subject
         self._timeout_s = timeout_s
+        self.retry_delay_s = retry_delay_s
+        """Redelivery delay after a first failed copy; doubled per further try up to `retry_delay_max_s`."""
+        self.retry_delay_max_s = retry_delay_max_s
         self.counts: collections.Counter[str] = collections.Counter()
+        self.failures: collections.Counter[str] = collections.Counter()
         self._logged: set[str] = set()
 
     async def send(self, msg: Msg, reason: str, detail: str) -> bool:
@@ -312,12 +352,20 @@ class DeadLetters:
         )
         return True
 
-    async def dispose(self, msg: Msg, reason: str, detail: str) -> None:
-        """Dead-letter then terminate; if the copy could not be stored, nak so the message comes back later."""
+    async def dispose(self, msg: Msg, reason: str, detail: str, *, attempt: int = 1) -> None:
+        """Dead-letter then terminate; if the copy could not be stored, nak so the message comes back later.
+
+        The original is terminated only once its copy is stored, so a dead-letter stream that is away or full
+        never loses a message: it comes back after `retry_delay_s`, doubled per `attempt` (the how-many-th
+        try for this message, e.g. deliveries past the limit) up to `retry_delay_max_s`. That needs a consumer
+        that still has a delivery to give (see the module docstring).
+        """
         if await self.send(msg, reason, detail):
             await msg.term()
-        else:
-            await msg.nak(delay=DLQ_NAK_DELAY_S)
+            return
+        self.failures[reason] += 1
+        delay_s = min(self.retry_delay_s * 2 ** max(0, min(attempt - 1, 30)), self.retry_delay_max_s)
+        await msg.nak(delay=delay_s)
 
 
 @dataclass(frozen=True)

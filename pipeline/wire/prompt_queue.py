@@ -13,9 +13,16 @@ A message that does not decode, or is in a schema version this build does not re
 finds a prompt it can never roll out (`PromptLease.reject`, e.g. ``invalid_token_ids``) dead-letters it too,
 so it neither comes back forever nor takes a batch down with it.
 A generator that dies holding a prompt stops heartbeating; after `prompt_ack_wait_s` the server
-redelivers the prompt to another generator. The consumer allows `prompt_max_deliver + 1` deliveries:
-the delivery after the last allowed one is not run but dead-lettered (reason `max_deliveries`) and
-terminated, so a prompt that kills every generator ends up inspectable instead of looping or vanishing.
+redelivers the prompt to another generator. A generator runs a prompt on its first `prompt_max_deliver`
+deliveries; a later one is not run but dead-lettered (reason `max_deliveries`) and terminated, so a prompt
+that kills every generator ends up inspectable instead of looping or vanishing.
+
+The server allows unlimited deliveries (`PROMPT_SERVER_MAX_DELIVER`): the limit is the generators' (`receive`
+in `pipeline/wire/jetstream.py`), and past it a delivery only tries to store the dead letter, nak'ed with a
+growing delay while that fails. A server-side limit would strand the prompt (still in the work queue, never
+delivered again, its admission slot held for good) whenever the dead-letter stream is away or full for its
+last delivery, or the generator holding that delivery dies; with none it is dead-lettered once the
+dead-letter stream takes writes again, whatever happened meanwhile.
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ from pipeline.wire.prompts import Prompt, PromptError
 
 PROMPT_FETCH_TIMEOUT_S = 1.0
 """Default long-poll of one `take`; returns [] after it."""
-PROMPT_DEAD_LETTER_TRIES = 1
-"""Deliveries the server allows past `prompt_max_deliver`: the one that dead-letters the prompt, not run."""
+PROMPT_SERVER_MAX_DELIVER = -1
+"""The prompt consumer's server-side delivery limit: none. `prompt_max_deliver` is enforced by the generators,
+and the deliveries past it (dead-letter tries, not runs) never run out; see the module docstring."""
 
 
 class PromptSettings(PublishSettings, Protocol):
@@ -89,7 +97,8 @@ class PromptLease:
 
     async def reject(self, reason: str, detail: str) -> None:
         """Dead-letter the prompt (original bytes, `reason`, `detail`) and terminate it, for a prompt no retry
-        can roll out. If the dead letter cannot be stored, the prompt is nak'ed and comes back later."""
+        can roll out. If the dead letter cannot be stored, the prompt is nak'ed and comes back later (then past
+        `prompt_max_deliver` it is dead-lettered as `max_deliveries`, tried again until stored)."""
         await self.dead_letters.dispose(self.msg, reason, detail)
 
 
@@ -112,7 +121,7 @@ async def ensure_prompt_queue(js: JetStreamContext, names: RunNames, stream: Pro
         durable_name=names.generator_consumer,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=stream.prompt_ack_wait_s,
-        max_deliver=stream.prompt_max_deliver + PROMPT_DEAD_LETTER_TRIES,
+        max_deliver=PROMPT_SERVER_MAX_DELIVER,
         filter_subject=names.prompt_subject,
     )
     await js.add_consumer(names.prompt_stream, config)

@@ -5,7 +5,9 @@
 - a verifier that hangs holds only a verifier-pool thread: the next batch's generate call and a weight
   pull still run, and the hung sample is an infra_error;
 - a version the store does not have (a stale KV announcement, a prompt admitted by an earlier run) is
-  not waited for while holding prompts: a WARNING names the run, the version and LATEST.
+  not waited for while holding prompts: a WARNING names the run, the version and LATEST;
+- a version that cannot be pulled is not waited for while holding prompts past a bound: they are handed
+  back, an ERROR says why, and the generator takes prompts again once it has the version.
 """
 
 from __future__ import annotations
@@ -221,5 +223,54 @@ def test_a_prompt_admitted_at_a_version_the_store_lacks_is_released_with_a_warni
                 assert await stale_dead()  # released each time, never held: the queue's limit ends it
                 assert (await trainer.prompt_consumer()).num_ack_pending == 0
             assert await trainer.stored_groups() == 1
+
+    asyncio.run(main())
+
+
+# ---- a version that cannot be pulled -------------------------------------------------------------------
+
+
+class _PullsFail:
+    """Wraps the runtime's weight source: LATEST reads work, every pull fails while `failing` is set."""
+
+    def __init__(self, source: object) -> None:
+        self.source = source
+        self.failing = True
+
+    def latest(self) -> int | None:
+        return self.source.latest()  # type: ignore[attr-defined]
+
+    def pull(self, version: int) -> object:
+        if self.failing:
+            raise ValueError(f"manifest of version {version} is for another model")
+        return self.source.pull(version)  # type: ignore[attr-defined]
+
+
+def test_a_generator_that_cannot_pull_its_prompts_version_hands_them_back_and_says_why(stack, caplog) -> None:
+    cfg = generator_cfg(stack, unique_run(), "generator.concurrency=1", "staleness.max_staleness=0")
+
+    async def main() -> None:
+        async with FakeTrainer(cfg) as trainer:
+            await trainer.publish(0)
+            async with running_generator(cfg, "cannot-pull") as rt:
+                await until(lambda: rt.weights.engine_version == 0)
+                rt.generator.weight_pull_timeout_s = 0.5
+                broken = _PullsFail(rt.weights._source)
+                rt.weights._source = broken
+                await trainer.publish(1)
+                (prompt_id,) = await trainer.admit(1, policy_version=1)  # needs version 1 (max_staleness 0)
+                await until(lambda: rt.generator.metrics.weight_pull_timeouts == 1)  # was: held forever
+                assert rt.generator.metrics.weights_stuck == 1
+                for _ in range(100):  # handed back: another generator (here the test's own queue) takes it
+                    leases = await trainer.queue.take(timeout_s=0.2)
+                    if leases:
+                        break
+                assert [(x.prompt.prompt_id, x.num_delivered) for x in leases] == [(prompt_id, 2)]
+                await leases[0].release()  # ... and gives it back unrun
+                assert any("another model" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+                broken.failing = False  # fixed: the generator gets version 1 on its own, then takes prompts again
+                (group,) = await trainer.groups(1)
+                assert group.group_id == prompt_id and rt.weights.engine_version == 1
+                assert rt.generator.metrics.weights_stuck == 0
 
     asyncio.run(main())

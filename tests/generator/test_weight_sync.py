@@ -152,3 +152,28 @@ def test_an_announced_version_past_latest_is_ignored_with_one_warning(caplog: py
     warnings: list[Any] = [r.getMessage() for r in caplog.records if "KV announces version 5" in r.getMessage()]
     assert len(warnings) == 1 and "LATEST is 0" in warnings[0]
     assert ("pull", 5) not in source.events and engine.version == 0
+
+
+def test_a_version_that_can_never_be_pulled_times_out_with_why_and_a_later_ensure_tries_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(weight_sync, "RETRY_S", 0.01)
+    sync, source, engine, metrics = _sync()
+
+    async def scenario() -> None:
+        source.publish(0)
+        await sync.poll_once()
+        await sync.ensure(0)
+        source.publish(1)
+        await sync.poll_once()
+        source.fail_pulls[1] = 10**9  # every pull of version 1 fails (another model's manifest, a lost delta)
+        with pytest.raises(weight_sync.WeightPullTimeout) as timeout:
+            await sync.ensure(1, give_up_after_s=0.2)  # was: retried forever, holding the caller's prompts
+        assert timeout.value.min_version == 1 and timeout.value.engine_version == 0
+        assert "store unreachable pulling version 1" in str(timeout.value)
+        assert metrics.weight_pull_failures >= 2 and engine.version == 0
+        source.fail_pulls[1] = 0  # the store is fixed: the next ensure gets there
+        assert await sync.ensure(1, give_up_after_s=5.0) == 1
+        assert sync.last_pull_error is None
+
+    asyncio.run(scenario())

@@ -25,7 +25,7 @@ from pipeline.rl.rollout import (
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask
-from pipeline.wire.trajectory import Sample
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
 
 TOK = load_char_tokenizer()
 SAMPLING = SamplingParams(max_new_tokens=6, stop_token_ids=(EOS_ID,))
@@ -227,3 +227,37 @@ def test_prompts_no_engine_call_can_take_are_refused_with_a_dead_letter_reason()
             checked_prompt_ids(prompt, TOK, **limits)
         assert refused.value.reason == reason
     assert checked_prompt_ids(cases["prompt_too_long"], TOK, vocab_size=None, max_context_tokens=None) == [1] * 8
+
+
+class _RewardByTextTask(Task):
+    """Hands back the reward its script gives the completion text (NaN, inf, past float32 included)."""
+
+    def __init__(self, rewards: dict[str, object]) -> None:
+        self.rewards = rewards
+
+    def prompts(self):
+        yield PROMPT
+
+    def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
+        return VerifierResult(self.rewards[completion_text])  # type: ignore[arg-type]
+
+
+def test_a_non_finite_verifier_reward_fails_its_sample_alone_and_the_group_still_validates() -> None:
+    rewards = {"12": 1.0, "11": float("nan"), "22": float("inf"), "21": 1e39, "2": "high"}
+    engine = _ScriptedEngine([_result(text) for text in rewards])
+    samples = _run(engine, group_size=len(rewards), task=_RewardByTextTask(rewards))
+    assert [(s.status, s.reward, s.reward_source) for s in samples] == [("ok", 1.0, "verifier")] + [
+        ("infra_error", None, "none")
+    ] * 4
+    assert all("verifier: reward" in s.info["error"] for s in samples[1:])
+    group = TrajectoryGroup.from_samples(group_id="g", prompt_id="p0", generator_id="gen", samples=samples)
+    assert group.num_samples == 5  # validation passes: one sample failed, not the group
+
+
+def test_a_non_finite_environment_reward_fails_its_sample_alone() -> None:
+    engine = _ScriptedEngine([_result("12"), _result("12")])
+    steps = iter([EnvStep(done=True, reward=float("nan")), EnvStep(done=True, reward=0.5)])
+    nan, fine = _run(engine, lambda prompt: _Env([next(steps)]), group_size=2)
+    assert (nan.status, nan.reward, "environment: reward" in nan.info["error"]) == ("infra_error", None, True)
+    assert (fine.status, fine.reward) == ("ok", 0.5)
+    TrajectoryGroup.from_samples(group_id="g", prompt_id="p0", generator_id="gen", samples=[nan, fine])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
+from collections.abc import Callable
 
 import orjson
 import pytest
@@ -131,6 +133,42 @@ def test_malformed_prompt_is_dead_lettered(stack):
             assert queue.dead_letters.counts == {"bad_prompt": 2}
             last = await js.get_last_msg(names.dead_letter_stream, names.prompt_dead_letter_subject)
             assert last.headers[H_DLQ_REASON] == "bad_prompt" and "schema_version 99" in last.headers[H_DLQ_DETAIL]
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
+async def _take_until(queue: PromptQueue, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Keep taking (each take handles what the server delivers) until `done()`; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        for lease in await queue.take(timeout_s=0.2):
+            await lease.release()
+
+
+def test_a_prompt_whose_dead_letter_fails_past_its_last_delivery_is_dead_lettered_once_the_dlq_is_back(stack):
+    """The dead-letter stream is away for more tries than any fixed headroom: the prompt keeps coming back (its
+    dead letter retried with backoff), and is dead-lettered, not stranded in the work queue, once it is back."""
+
+    async def main() -> None:
+        names, stream = RunNames.for_run(f"q-{uuid.uuid4().hex[:8]}"), _stream(prompt_max_deliver=1)
+        nc, js, queue = await _queue(stack.nats_url, names, stream, "gen")
+        queue.dead_letters.retry_delay_s, queue.dead_letters.retry_delay_max_s = 0.05, 0.2
+        try:
+            await queue.admit(Prompt("doomed", text="?"))
+            (lease,) = await queue.take()
+            await js.delete_stream(names.dead_letter_stream)  # the DLQ is away (deleted, full, ...)
+            await lease.release()  # the generator "died": the next delivery is past the limit of 1
+            await _take_until(queue, lambda: queue.dead_letters.failures["max_deliveries"] >= 5)
+            assert queue.dead_letters.counts["max_deliveries"] == 0
+            assert (await js.stream_info(names.prompt_stream)).state.messages == 1  # still there, still delivered
+            await ensure_trajectory_streams(js, names, stream)  # the DLQ is back
+            await _take_until(queue, lambda: queue.dead_letters.counts["max_deliveries"] == 1)
+            last = await js.get_last_msg(names.dead_letter_stream, names.prompt_dead_letter_subject)
+            assert last.headers[H_DLQ_REASON] == "max_deliveries" and Prompt.from_json(last.data).prompt_id == "doomed"
+            assert (await js.stream_info(names.prompt_stream)).state.messages == 0  # terminated only once stored
         finally:
             await nc.close()
 

@@ -530,3 +530,25 @@ def test_bad_messages_end_in_dead_letters_and_the_consumer_keeps_going(fuzz_env,
         loop.run_until_complete(main())
     finally:
         store.failures = 0
+
+
+def test_jetstream_unavailable_in_a_fetch_is_ridden_out_not_raised(stack):
+    """A fetch answered "service unavailable" (503) returns nothing instead of raising, and the consumer gets
+    its groups once JetStream answers again. Caused for real by removing the consumer the fetch asks: the
+    server answers its fetch requests with the same 503 as when it disabled JetStream (a full store)."""
+
+    async def main() -> None:
+        names, stream = _names(), _stream()
+        nc, js = await _setup(stack.nats_url, names, stream)
+        try:
+            consumer = await TrajectoryConsumer.bind(js, names, stream)
+            await js.delete_consumer(names.trajectory_stream, names.trainer_consumer)
+            assert await consumer.fetch(timeout_s=0.3) == []  # was: ServiceUnavailableError out of fetch
+            assert await consumer.fetch(timeout_s=0.3) == []
+            await ensure_trainer_consumer(js, names)  # back
+            await TrajectoryPublisher(js, names, stream).publish(wire_group("g0", version=0))
+            assert await _drain(consumer, 1) == ["g0"]
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
