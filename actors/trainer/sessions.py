@@ -21,8 +21,9 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
 ```
 
 Each session owns its `RunLink` (NATS connection, object store) and closes it. The live session's
-writes that a passing outage should not end the run (weight publish, KV announcement, prompt
-admission) are retried with backoff and jitter (`pipeline/wire/retry.py`); all three are idempotent.
+writes that a passing outage should not end the run (weight publish, prompt admission) are retried
+with backoff and jitter (`pipeline/wire/retry.py`); both are idempotent. The KV announcement is tried
+once and only warns when it fails: generators also poll `LATEST`.
 Both sessions compare the first stream sequence they mean to read with the stream's first one and
 say (WARNING, `groups/lost_to_retention`) how many groups retention removed before they were read. The replay session's
 version is the one the live trainer held at least when it consumed those groups, so the cap and the
