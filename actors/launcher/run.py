@@ -21,7 +21,8 @@ Invariants:
   and, after `STOP_TIMEOUT_S` (or at once on a second Ctrl-C), SIGKILL to its whole group.
 - Nothing outlives this process, even when it is SIGKILLed: the roles get SIGTERM from the kernel when
   it dies (Linux parent-death signal) and also watch its pid themselves (`LEEWAY_PARENT_PID`,
-  `infra.process.watch_parent`: SIGTERM, then SIGKILL after `ORPHAN_GRACE_S`); the servers of a
+  `infra.process.watch_parent`: SIGTERM, then SIGKILL after `ORPHAN_GRACE_S`, or an immediate exit
+  saying what it abandons once the servers its clean stop needs are all gone); the servers of a
   private stack get SIGKILL (`infra.process.tied_to_this_process`). Roles and the private stack are
   spawned from the main thread, which lives until everything is stopped.
 - A stack started here is stopped here; a stack found running is left running.
