@@ -158,7 +158,7 @@ def test_a_killed_rank_stops_every_rank_and_resume_trains_each_group_once(stack:
         tmp_path,
         "trainer.max_steps=4",
         "trainer.checkpoint_every=2",
-        "staleness.max_staleness=1000",
+        "staleness.max_staleness=64",
         "logging.level=INFO",
     )
     ids = [f"g{i}" for i in range(4 * cfg.trainer.batch_groups)]
