@@ -12,15 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from nats.aio.client import Client as NatsClient
 
 from infra.nats_server import redact_url
+from infra.process import stop_needs_servers
 from infra.stack import StackState, load_credentials, load_state, stack_status
 from pipeline.config import LeewayConfig
 from pipeline.wire.jetstream import connect
 from storage.objectstore import ObjectStore
 from storage.stores import open_store
+
+NATS_DEFAULT_PORT = 4222
+"""The port a NATS URL without one means."""
 
 
 class EndpointError(RuntimeError):
@@ -35,6 +40,21 @@ class Endpoints:
 
     def __repr__(self) -> str:  # never print the S3 secret or the NATS token
         return f"Endpoints(nats_url={redact_url(self.nats_url)!r}, store_url={self.store_url!r})"
+
+    def servers(self) -> list[tuple[str, int]]:
+        """(host, port) of every server these endpoints name: each NATS URL (comma-separated), and the S3
+        endpoint (none for a `file://` store). What an orphaned role probes (`infra.process.stop_needs_servers`)."""
+        out: list[tuple[str, int]] = []
+        for url in self.nats_url.split(","):
+            parts = urlsplit(url.strip() if "://" in url else f"nats://{url.strip()}")
+            if parts.hostname:
+                out.append((parts.hostname, parts.port or NATS_DEFAULT_PORT))
+        endpoint = self.store_options.get("endpoint")
+        if self.store_url.startswith("s3://") and endpoint:
+            parts = urlsplit(str(endpoint))
+            if parts.hostname:
+                out.append((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)))
+        return out
 
 
 def _embedded_state(cfg: LeewayConfig) -> StackState:
@@ -81,6 +101,17 @@ def resolve_endpoints(cfg: LeewayConfig) -> Endpoints:
                 secret_access_key=credentials.secret_access_key,
             )
     return Endpoints(nats_url=nats_url, store_url=store_url, store_options=options)
+
+
+def stop_needs_endpoints(cfg: LeewayConfig) -> None:
+    """Name this role's servers to its orphan watchdog (`infra.process.stop_needs_servers`), so a role whose
+    `leeway run` died together with its private stack exits at once instead of retrying the dead servers.
+    A config whose servers cannot be resolved registers none (the role fails on them later, saying why)."""
+    try:
+        servers = resolve_endpoints(cfg).servers()
+    except EndpointError:
+        return
+    stop_needs_servers(servers)
 
 
 def open_run_store(cfg: LeewayConfig, endpoints: Endpoints | None = None) -> ObjectStore:

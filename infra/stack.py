@@ -49,6 +49,7 @@ from typing import Any
 from botocore.client import BaseClient
 
 from infra import nats_server, seaweed
+from infra.files import write_private
 from infra.process import (
     POLL_INTERVAL_S,
     ProcessInfo,
@@ -356,13 +357,13 @@ def _launch(
     for d in (nats_dir, weed_dir, weed_config_dir, weed_dir / "master", weed_dir / "data", logs):
         d.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     nats_conf = nats_dir / "nats.conf"
-    seaweed.write_private(
+    write_private(
         nats_conf,
         nats_server.render_config(port=ports.nats, store_dir=nats_dir, sync_interval=fsync, token=nats_token),
     )
     s3_conf = weed_dir / "s3.json"
-    seaweed.write_private(s3_conf, seaweed.s3_identity_config(credentials))
-    seaweed.write_private(
+    write_private(s3_conf, seaweed.s3_identity_config(credentials))
+    write_private(
         weed_config_dir / seaweed.SECURITY_FILE,
         seaweed.security_config(seaweed.SigningKeys.generate(), seaweed.write_tls_files(weed_config_dir)),
     )
@@ -515,7 +516,7 @@ def _ensure_credentials(root: Path) -> Credentials:
     credentials = Credentials(
         access_key_id="LW" + secrets.token_hex(9).upper(), secret_access_key=secrets.token_urlsafe(30)
     )
-    seaweed.write_private(
+    write_private(
         path,
         json.dumps({"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}),
     )
@@ -532,7 +533,7 @@ def _ensure_nats_token(root: Path) -> str:
     if isinstance(token, str) and token:
         return token
     token = nats_server.new_token()
-    seaweed.write_private(root / CREDENTIALS_FILE, json.dumps({**data, "nats_token": token}))
+    write_private(root / CREDENTIALS_FILE, json.dumps({**data, "nats_token": token}))
     return token
 
 

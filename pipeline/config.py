@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.config_checks import MAX_STALENESS_LIMIT, SettingConflicts, heartbeat_conflict, window_warning
 from pipeline.wire.names import validate_run_name
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class GeneratorConfig(Section):
     verifier_timeout_s: float = Field(10.0, gt=0)
     """A verifier that takes longer yields infra_error with a null reward."""
     heartbeat_s: float = Field(10.0, gt=0)
-    """Interval of in-progress acks on held prompts during long rollouts."""
+    """Interval of in-progress acks on held prompts during long rollouts; must be below stream.prompt_ack_wait_s."""
     id: str | None = None
     """Generator id recorded on trajectories. None: hostname-pid."""
 
@@ -239,8 +240,8 @@ class MegatronConfig(Section):
 
 
 class StalenessConfig(Section):
-    max_staleness: int = Field(2, ge=0)
-    """K: tokens more than K versions behind the trainer never reach the loss; 0 = synchronous."""
+    max_staleness: int = Field(2, ge=0, le=MAX_STALENESS_LIMIT)
+    """K: tokens more than K versions behind the trainer never reach the loss; 0 = synchronous; at most 64."""
     policy: Literal["drop_trajectory", "mask_tokens"] = "drop_trajectory"
     """What happens to tokens over the cap: drop the whole trajectory, or mask only the stale tokens."""
     abort_in_flight: bool = False
@@ -377,6 +378,16 @@ class LeewayConfig(Section):
             log.warning("%s = %r has no effect: %s", key, value, why)
         return self
 
+    @model_validator(mode="after")
+    def _cross_checks(self) -> LeewayConfig:
+        """Settings of several sections (`pipeline/config_checks.py`): refuse a contradiction, warn on a risk."""
+        t, st = self.trainer, self.stream
+        if conflict := heartbeat_conflict(self.generator.heartbeat_s, st.prompt_ack_wait_s):
+            raise SettingConflicts([conflict])
+        if warning := window_warning(self.staleness.max_staleness, t.batch_groups, st.max_inline_bytes, st.max_bytes):
+            log.warning("%s", warning)
+        return self
+
     @property
     def uses_embedded_stack(self) -> bool:
         """True unless the config names external servers for both NATS and S3."""
@@ -503,7 +514,8 @@ def _source(key: str, sources: Mapping[str, str]) -> str:
 
 def _describe(error: Mapping[str, Any], sources: Mapping[str, str]) -> str:
     cause = (error.get("ctx") or {}).get("error")
-    if isinstance(cause, BackendConflicts):  # a check across sections: one line per key, each with its source
+    # a check across sections: one line per key, each with its source
+    if isinstance(cause, (BackendConflicts, SettingConflicts)):
         return "\n  ".join(f"{k} = {v!r}: {why}{_source(k, sources)}" for k, v, why in cause.conflicts)
     key = ".".join(str(p) for p in error["loc"])
     source = _source(key, sources)

@@ -208,6 +208,7 @@ def test_chaos_trains_every_group_at_most_once(tmp_path: Path, chaos_stack: Stac
             "trainer.checkpoint_every=5",
             "trainer.queue_wait_timeout_s=600",
             "stream.prompt_ack_wait_s=10",
+            "generator.heartbeat_s=3",  # below the ack wait (refused otherwise)
             "stream.max_bytes=268435456",
             "weights.grace_s=5",
             "logging.level=INFO",

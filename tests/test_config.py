@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pipeline.config import ConfigError, load_config
+from pipeline.config_checks import MAX_STALENESS_LIMIT
 from pipeline.config_reference import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,3 +308,37 @@ def test_config_module_imports_without_heavy_dependencies() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_max_staleness_has_an_upper_bound_and_the_bound_itself_loads() -> None:
+    message = _error(None, (f"staleness.max_staleness={MAX_STALENESS_LIMIT + 1}",))
+    assert f"staleness.max_staleness = {MAX_STALENESS_LIMIT + 1}" in message
+    assert f"less than or equal to {MAX_STALENESS_LIMIT}" in message
+    assert "(from --set staleness.max_staleness)" in message
+    cfg = load_config(None, [f"staleness.max_staleness={MAX_STALENESS_LIMIT}"], environ={})
+    assert cfg.staleness.max_staleness == MAX_STALENESS_LIMIT
+
+
+@pytest.mark.parametrize("heartbeat", ["60", "90.5"])
+def test_a_heartbeat_no_more_often_than_the_prompt_ack_wait_is_refused_naming_both(
+    tmp_path: Path, heartbeat: str
+) -> None:
+    path = _write(tmp_path, f"generator:\n  heartbeat_s: {heartbeat}\nstream:\n  prompt_ack_wait_s: 60\n")
+    message = _error(path)
+    assert message.startswith(f"{path}: invalid config:")
+    line = next(line for line in message.splitlines() if "generator.heartbeat_s" in line)
+    assert f"generator.heartbeat_s = {float(heartbeat)!r}: must be below stream.prompt_ack_wait_s = 60.0" in line
+    assert load_config(None, ["generator.heartbeat_s=59", "stream.prompt_ack_wait_s=60"], environ={})
+
+
+def test_an_admission_window_the_stream_may_not_hold_loads_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    # (8 + 1) x 16 groups of up to 1 MiB inline: 144 MiB, in a 64 MiB stream
+    sets = ["staleness.max_staleness=8", "stream.max_bytes=67108864"]
+    with caplog.at_level(logging.WARNING, logger="pipeline.config"):
+        load_config(None, sets, environ={})
+    assert [r.getMessage().split(" lets ")[0] for r in caplog.records] == ["staleness.max_staleness = 8"]
+    assert "144 groups" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeline.config"):
+        load_config(None, ["staleness.max_staleness=2", "stream.max_bytes=67108864"], environ={})
+    assert not caplog.records, "(2 + 1) x 16 MiB fits in 64 MiB"

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.fleet.placement import generator_index
+from infra.files import write_private
 from infra.process import (
     ProcessInfo,
     free_port,
@@ -181,12 +182,12 @@ class RoleActor:
     def _spawn(self) -> subprocess.Popen[bytes]:
         config_path = self.run_dir / "fleet" / f"{self.role.name}.yaml"
         config_path.parent.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(self.role.config_yaml)
+        write_private(config_path, self.role.config_yaml)  # 0600: a config may name servers and credentials
         pid_path = config_path.with_suffix(".pid")
         self._await_predecessor(pid_path)
         popen = self._start(config_path)
         info = ProcessInfo(self.role.name, popen.pid, start_ticks(popen.pid), "", tuple(self._argv(config_path)))
-        pid_path.write_text(json.dumps(info.to_json()))
+        write_private(pid_path, json.dumps(info.to_json()))  # its argv holds the config's path and the --set flags
         return popen
 
     def _start(self, config_path: Path) -> subprocess.Popen[bytes]:

@@ -31,7 +31,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 from tokenizers import Tokenizer
 
-from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
+from actors.endpoints import connect_nats, open_run_store, resolve_endpoints, stop_needs_endpoints
 from actors.generator.engines.base import Engine, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.generator.loop import Generator
@@ -218,6 +218,7 @@ def main(cfg: LeewayConfig) -> int:
     """`leeway generator CONFIG`: one generator until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(cfg.engine.torch_threads)
+    stop_needs_endpoints(cfg)  # orphaned with its servers gone: no naks to retry (infra/process.py)
 
     async def run() -> None:
         stop = asyncio.Event()

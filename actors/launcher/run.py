@@ -21,7 +21,8 @@ Invariants:
   and, after `STOP_TIMEOUT_S` (or at once on a second Ctrl-C), SIGKILL to its whole group.
 - Nothing outlives this process, even when it is SIGKILLed: the roles get SIGTERM from the kernel when
   it dies (Linux parent-death signal) and also watch its pid themselves (`LEEWAY_PARENT_PID`,
-  `infra.process.watch_parent`: SIGTERM, then SIGKILL after `ORPHAN_GRACE_S`); the servers of a
+  `infra.process.watch_parent`: SIGTERM, then SIGKILL after `ORPHAN_GRACE_S`, or an immediate exit
+  saying what it abandons once the servers its clean stop needs are all gone); the servers of a
   private stack get SIGKILL (`infra.process.tied_to_this_process`). Roles and the private stack are
   spawned from the main thread, which lives until everything is stopped.
 - A stack started here is stopped here; a stack found running is left running.
@@ -54,6 +55,7 @@ from actors.launcher.live_view import LiveView
 from actors.launcher.queue_probe import QueueProbe
 from actors.launcher.report import write_report
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
+from infra.files import write_private
 from infra.process import StackError, log_tail, spawn_child, stop_groups, tied_to_this_process
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
@@ -189,6 +191,14 @@ def generator_ids(num_generators: int) -> list[str]:
     return [f"gen-{index}" for index in range(num_generators)]
 
 
+def write_run_config(cfg: LeewayConfig, run_dir: Path) -> Path:
+    """`<run_dir>/config.yaml`, the resolved config every role loads, written 0600: it may carry a NATS URL
+    with its token or credential paths (`infra.files.write_private`)."""
+    config_path = run_dir / "config.yaml"
+    write_private(config_path, cfg.to_yaml())
+    return config_path
+
+
 def start_roles(
     cfg: LeewayConfig, run_dir: Path, num_generators: int, extra: list[str], processes: RunProcesses | None = None
 ) -> RunProcesses:
@@ -196,8 +206,7 @@ def start_roles(
 
     Each process is recorded in `processes` as soon as it exists, so an interrupted start is stopped too.
     """
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
+    config_path = write_run_config(cfg, run_dir)
     trainer_threads, generator_threads = split_threads(num_generators)
     processes = processes if processes is not None else RunProcesses()
     logs = run_dir / "logs"

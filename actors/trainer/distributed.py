@@ -27,9 +27,11 @@ the others do after that is in `actors/trainer/rank_group.py`.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -101,15 +103,69 @@ def join_rank_group(rank_env: RankEnv, device: str, timeout_s: float) -> torch.d
     if target.type == "cuda":
         target = torch.device("cuda", rank_env.local_rank)
         torch.cuda.set_device(target)
-    dist.init_process_group(
-        "nccl" if target.type == "cuda" else "gloo",
-        init_method=f"tcp://{rank_env.master_addr}:{rank_env.master_port}",
-        rank=rank_env.rank,
-        world_size=rank_env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if target.type == "cuda" else "gloo"
+    store = loopback_store(rank_env, timeout)
+    if store is not None:
+        dist.init_process_group(
+            backend, store=store, rank=rank_env.rank, world_size=rank_env.world_size, timeout=timeout
+        )
+    else:  # a multi-node launcher's MASTER_ADDR: the rendezvous port must be private (docs/design.md)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{rank_env.master_addr}:{rank_env.master_port}",
+            rank=rank_env.rank,
+            world_size=rank_env.world_size,
+            timeout=timeout,
+        )
     log.info("rank %d of %d joined (%s, %s)", rank_env.rank, rank_env.world_size, dist.get_backend(), target)
     return target
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address (or `localhost`) that only this machine can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_store(rank_env: RankEnv, timeout: datetime.timedelta) -> dist.TCPStore | None:
+    """The rendezvous store of a single-host group (`MASTER_ADDR` on loopback), rank 0's bound to 127.0.0.1 alone.
+
+    Why not `init_method=tcp://127.0.0.1:PORT`: torch's store server listens on every interface
+    whatever host it is given (`*:PORT`), and it has no authentication, so anyone on the network
+    could join or poison the group's keys. Here rank 0 binds and listens on a socket itself and hands
+    the store its descriptor (`master_listen_fd`), which torch then serves as is; the other ranks are
+    plain clients of 127.0.0.1. None when `MASTER_ADDR` is another host (a multi-node launcher), or
+    when torchrun's agent already hosts the store (`TORCHELASTIC_USE_AGENT_STORE`): those keep torch's
+    own rendezvous.
+    """
+    if not is_loopback(rank_env.master_addr) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    if not rank_env.is_leader:
+        return dist.TCPStore(LOOPBACK, rank_env.master_port, rank_env.world_size, False, timeout, multi_tenant=True)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, rank_env.master_port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    # the store owns the descriptor from here: a Python socket object would close it under the server
+    fd = sock.detach()
+    return dist.TCPStore(
+        LOOPBACK,
+        rank_env.master_port,
+        rank_env.world_size,
+        True,
+        timeout,
+        multi_tenant=True,
+        master_listen_fd=fd,
+    )
 
 
 def leave_rank_group() -> None:

@@ -24,7 +24,7 @@ import signal
 
 import torch
 
-from actors.endpoints import open_run_store, resolve_endpoints
+from actors.endpoints import open_run_store, resolve_endpoints, stop_needs_endpoints
 from actors.models import build_policy_model, load_tokenizer
 from actors.trainer.backends import build_backend
 from actors.trainer.backends.data_parallel import is_data_parallel
@@ -98,6 +98,7 @@ def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | N
     logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s %(name)s{where} %(levelname)s %(message)s")
     torch.set_num_threads(cfg.trainer.torch_threads)
     torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
+    stop_needs_endpoints(cfg)  # orphaned with its servers gone: no final checkpoint to retry (infra/process.py)
     if rank_env.distributed:
         timeout_s = cfg.trainer.dist_timeout_s + cfg.trainer.queue_wait_timeout_s  # rank 0 may wait for groups
         join_rank_group(rank_env, cfg.trainer.device, timeout_s)

@@ -30,7 +30,7 @@ import pytest
 
 from actors.fleet import placement
 from actors.fleet.commands import FleetState, resolve_address
-from actors.fleet.roles import RoleSpec, last_metrics_record
+from actors.fleet.roles import RoleActor, RoleSpec, last_metrics_record
 from actors.launcher.run import read_metrics
 from actors.tools.bench.e2e import steps_to_target
 from infra.stack import StackState
@@ -144,6 +144,28 @@ def test_last_metrics_record_skips_a_half_written_line(tmp_path: Path) -> None:
 def test_role_spec_round_trips_through_json() -> None:
     spec = RoleSpec("gen-0", "generator", "run: {}\n", "/runs/x", sets=("generator.id=gen-0",), env={"A": "1"})
     assert RoleSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+
+
+class _QuickRole(RoleActor):
+    """A `RoleActor` without Ray whose role process is a Python that exits at once: `_spawn` as the actor runs it."""
+
+    def __init__(self, spec: RoleSpec) -> None:  # no ray.get_runtime_context(): the fields `_spawn` reads
+        self.role, self.restarted, self.node_id, self.env = spec, False, "node-0123456789", {}
+
+    def _argv(self, config_path: Path) -> list[str]:
+        return [sys.executable, "-c", "pass"]
+
+
+def test_a_fleet_role_writes_its_config_and_pid_files_for_its_owner_only(tmp_path: Path) -> None:
+    old = tmp_path / "fleet" / "gen-0.yaml"
+    old.parent.mkdir()
+    old.write_text("left by an older version\n")
+    old.chmod(0o644)
+    popen = _QuickRole(RoleSpec("gen-0", "generator", "run: {name: x}\n", str(tmp_path)))._spawn()
+    assert popen.wait(timeout=60) == 0
+    for name in ("gen-0.yaml", "gen-0.pid"):
+        assert (tmp_path / "fleet" / name).stat().st_mode & 0o777 == 0o600, name
+    assert old.read_text() == "run: {name: x}\n"
 
 
 def test_address_order(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -333,7 +333,9 @@ async def _take_until(
 
 
 def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_partial_group(stack, tmp_path) -> None:
-    cfg = generator_cfg(stack, unique_run(), "stream.prompt_ack_wait_s=2", "generator.concurrency=1")
+    cfg = generator_cfg(
+        stack, unique_run(), "stream.prompt_ack_wait_s=2", "generator.heartbeat_s=0.3", "generator.concurrency=1"
+    )
     config_path = tmp_path / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     argv = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,9 @@ STARTED_DEADLINE_S = 150.0
 """Generous bound on a run (or a helper process) reaching the state a test waits for."""
 GONE_DEADLINE_S = ORPHAN_GRACE_S + 60.0
 """Generous bound on orphans disappearing: a role may take up to `ORPHAN_GRACE_S` before its SIGKILL."""
+ORPHAN_ABANDON_DEADLINE_S = ORPHAN_GRACE_S / 2
+"""Generous bound on roles whose servers died with them being gone: the watchdog notices within
+`ORPHAN_POLL_S` and a refused connect is immediate; a stop that retried the dead servers took 13-21 s."""
 POLL_S = 0.1
 
 
@@ -60,10 +64,10 @@ def _children_of(pid: int) -> dict[int, int | None]:
     return out
 
 
-def _wait_gone(processes: dict[int, int | None], what: str) -> None:
-    deadline = time.monotonic() + GONE_DEADLINE_S
+def _wait_gone(processes: dict[int, int | None], what: str, within_s: float = GONE_DEADLINE_S) -> None:
+    deadline = time.monotonic() + within_s
     while [pid for pid, ticks in processes.items() if _alive(pid, ticks)]:
-        assert time.monotonic() < deadline, f"{what} still running {GONE_DEADLINE_S} s after their parent died: " + str(
+        assert time.monotonic() < deadline, f"{what} still running {within_s} s after their parent died: " + str(
             [pid for pid, ticks in processes.items() if _alive(pid, ticks)]
         )
         time.sleep(POLL_S)
@@ -148,6 +152,54 @@ def test_a_role_watching_its_parent_stops_when_the_parent_is_killed(
     _wait_gone({child: leftovers[child]}, "the orphaned role")
 
 
+ABANDONED = "abandoning the clean stop"
+"""What an orphan whose servers are all gone logs (`infra.process.watch_parent`)."""
+
+
+@pytest.mark.parametrize("servers", ["die-with-the-parent", "outlive-the-parent"])
+def test_an_orphan_whose_servers_died_with_its_parent_abandons_its_stop_at_once(
+    tmp_path: Path, leftovers: dict[int, int | None], servers: str
+) -> None:
+    """The parent's listening socket plays its private stack (closed by the kernel when it dies); one the
+    test holds plays a shared stack. The role's clean stop would retry its servers for 600 s: with them
+    gone it must say what it abandons and exit without that wait; with them up it stops cleanly."""
+    shared = socket.create_server(("127.0.0.1", 0))
+    role = (
+        "import logging, os, signal, sys, time\n"
+        "from infra.process import stop_needs_servers, watch_parent\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "def clean_stop(signum, frame):\n"
+        "    print('clean stop', file=sys.stderr, flush=True)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, clean_stop if sys.argv[3] == 'up' else signal.SIG_IGN)\n"
+        "stop_needs_servers([('127.0.0.1', int(sys.argv[2]))])\n"
+        "watch_parent(int(sys.argv[1]), grace_s=600, poll_s=0.05)\n"
+        "print(os.getpid(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    body = (
+        "import socket\n"
+        "private = socket.create_server(('127.0.0.1', 0))\n"  # closed when this parent dies
+        f"port = private.getsockname()[1] if {servers == 'die-with-the-parent'} else {shared.getsockname()[1]}\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {role!r}, str(os.getpid()), str(port), "
+        f"{'down' if servers == 'die-with-the-parent' else 'up'!r}], start_new_session=True, stdout=subprocess.PIPE)\n"
+        "print(child.stdout.readline().decode().strip(), flush=True)\n"
+    )
+    try:
+        parent, (child,) = _parent_printing_pids(tmp_path, body)
+        leftovers[child] = start_ticks(child)
+        parent.kill()
+        parent.wait()
+        _wait_gone({child: leftovers[child]}, "the orphaned role")
+    finally:
+        shared.close()
+    out = (tmp_path / "parent.out").read_text()
+    if servers == "die-with-the-parent":
+        assert ABANDONED in out and "exiting now with status 75" in out, out
+    else:
+        assert "clean stop" in out and ABANDONED not in out, out
+
+
 # ---------------------------------------------------------------------------------- integration
 
 
@@ -187,8 +239,9 @@ def _tail(run_dir: Path) -> str:
 def test_sigkill_of_leeway_run_leaves_no_role_and_no_private_server(
     tmp_path: Path, leftovers: dict[int, int | None]
 ) -> None:
-    """The roles lose their servers with the launcher, so they cannot stop cleanly: the watchdog's SIGKILL
-    after `ORPHAN_GRACE_S` ends them (hence `slow`)."""
+    """The roles lose their servers with the launcher, so they cannot stop cleanly: each one's watchdog sees
+    its servers gone, says what it abandons and exits, well before the SIGKILL after `ORPHAN_GRACE_S`
+    (which a stop that kept retrying the dead servers would need)."""
     proc, run_dir = _start_run(tmp_path, "orphans-private", f"nats.stack_dir={tmp_path / 'no-stack-here'}")
     try:
         _wait_first_step(proc, run_dir, leftovers)
@@ -199,7 +252,18 @@ def test_sigkill_of_leeway_run_leaves_no_role_and_no_private_server(
     finally:
         proc.kill()  # SIGKILL: no clean-up code of `leeway run` runs
         proc.wait()
+    roles = {pid: ticks for pid, ticks in leftovers.items() if pid not in {p.pid for p in state.processes}}
+    _wait_gone(roles, "roles of the killed `leeway run`", ORPHAN_ABANDON_DEADLINE_S)
     _wait_gone(leftovers, "children of the killed `leeway run`")
+    # the trainer's stop writes a final checkpoint, which cannot finish with its store gone: its watchdog
+    # abandons it; a generator with nothing left to hand back may finish its own stop first
+    logs = {
+        log: (run_dir / "logs" / log).read_text(errors="replace") for log in ("trainer.log", "gen-0.log", "gen-1.log")
+    }
+    assert ABANDONED in logs["trainer.log"], "the trainer must say that it abandoned its stop: " + _tail(run_dir)
+    for index in range(2):
+        text = logs[f"gen-{index}.log"]
+        assert ABANDONED in text or f"generator gen-{index}: stopped" in text, _tail(run_dir)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the processes through /proc")

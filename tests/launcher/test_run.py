@@ -37,6 +37,7 @@ from actors.launcher.run import (
     spawn_role,
     split_threads,
     stop_roles,
+    write_run_config,
 )
 from actors.launcher.run_dir import RUN_MARKER, RunDirInUse, RunDirRefused, prepare_run_dir, protected_reason
 from infra.process import is_running, start_ticks, stop_processes
@@ -207,6 +208,15 @@ def test_read_metrics_waits_for_complete_lines(tmp_path: Path) -> None:
         handle.write(b"}\n")
     records, offset = read_metrics(path, offset)
     assert records == [{"step": 2}] and offset == path.stat().st_size
+
+
+def test_the_run_config_is_written_for_its_owner_only(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("left by an older version\n")
+    (tmp_path / "config.yaml").chmod(0o644)
+    cfg = load_config(None, ["nats.url=nats://secret-token@127.0.0.1:4222"], environ={})
+    path = write_run_config(cfg, tmp_path)
+    assert path == tmp_path / "config.yaml" and path.stat().st_mode & 0o777 == 0o600
+    assert load_config(path, environ={}).nats.url == "nats://secret-token@127.0.0.1:4222"
 
 
 def test_split_threads() -> None:

@@ -8,6 +8,7 @@ launch environment `leeway trainer --nproc` uses; they exchange results only thr
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -233,6 +234,27 @@ def run_ranks(
     for rank, (proc, text) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, f"rank {rank} of {run}:\n{text[-4000:]}"
     return json.loads(out.read_text())
+
+
+def tcp_listeners(port: int) -> list[str]:
+    """The local addresses this machine listens on at TCP `port` (`/proc/net/tcp` and `tcp6`), e.g.
+    ``["127.0.0.1"]``; ``"0.0.0.0"`` or ``"::"`` mean every interface."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr_hex, port_hex = local.split(":")
+            if state != "0A" or int(port_hex, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(addr_hex)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append(str(ipaddress.ip_address(words)))
+    return found
 
 
 def pull(store: FileStore, run: str, version: int, *, after: int | None = None) -> dict[str, torch.Tensor]:

@@ -320,7 +320,7 @@ def test_resume_after_sigkills_trains_every_group_exactly_once(
         stack,
         tmp_path,
         f"trainer.max_steps={max_steps}",
-        "staleness.max_staleness=1000",
+        "staleness.max_staleness=64",
         "trainer.checkpoint_every=2",
         "weights.full_every=5",
         "logging.level=INFO",

@@ -9,6 +9,7 @@ weights, JSON), never pickle.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -132,6 +133,27 @@ def test_the_launcher_stops_the_other_ranks_when_one_fails_and_names_it(capfd: p
     assert launch_ranks([sys.executable, "-c", "import os; assert os.environ['MASTER_ADDR'] == '127.0.0.1'"], 2) == 0
 
 
+LISTENERS_SCRIPT = """
+import json, sys, torch.distributed as dist
+from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
+from tests.support.ranks import tcp_listeners
+env = RankEnv.from_environ()
+join_rank_group(env, "cpu", 60)
+dist.barrier()  # every rank is connected: the store is serving
+if env.is_leader:
+    open(sys.argv[1], "w").write(json.dumps(tcp_listeners(env.master_port)))
+dist.barrier()
+leave_rank_group()
+"""
+
+
+def test_the_nproc_rendezvous_listens_on_loopback_only(tmp_path: Path) -> None:
+    # torch's own tcp:// store listens on every interface (`*:PORT`), unauthenticated, whatever MASTER_ADDR says
+    out = tmp_path / "listeners.json"
+    assert launch_ranks([sys.executable, "-c", LISTENERS_SCRIPT, str(out)], 2) == 0
+    assert json.loads(out.read_text()) == ["127.0.0.1"]
+
+
 # ---- the real trainer: `leeway trainer --nproc 2` on the stack, a rank SIGKILLed, then --resume ------------
 
 
@@ -159,7 +181,7 @@ def test_a_killed_rank_stops_every_rank_and_resume_trains_each_group_once(stack:
         tmp_path,
         "trainer.max_steps=4",
         "trainer.checkpoint_every=2",
-        "staleness.max_staleness=1000",
+        "staleness.max_staleness=64",
         "logging.level=INFO",
     )
     ids = [f"g{i}" for i in range(4 * cfg.trainer.batch_groups)]

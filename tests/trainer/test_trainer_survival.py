@@ -212,7 +212,7 @@ def test_giving_up_on_the_queue_still_writes_a_final_checkpoint(stack: StackStat
 def test_resume_says_how_many_groups_retention_removed(
     stack: StackState, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=1", "staleness.max_staleness=100")
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=1", "staleness.max_staleness=64")
     names = RunNames.for_run(cfg.run.name)
     asyncio.run(publish_groups(cfg, [make_group("a"), make_group("b")]))
 
