@@ -64,14 +64,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Sequence
-from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from actors.generator.engines.base import Engine, GenerateResult, SamplingParams
+from actors.generator.engines.base import Engine, SamplingParams
 from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
+from actors.generator.rollouts import Outcome, Rollouts
 from actors.generator.weight_sync import (
     WEIGHT_PULL_TIMEOUT_S,
     WeightPullTimeout,
@@ -82,17 +82,13 @@ from pipeline.config import LeewayConfig
 from pipeline.rl.rollout import (
     UnrunnablePrompt,
     checked_prompt_ids,
-    environment_factory,
-    group_requests,
-    run_group,
-    score_group,
 )
 from pipeline.rl.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Task, VerifierPool
 from pipeline.wire.prompt_queue import PromptLease, PromptQueue
 from pipeline.wire.prompts import Prompt
 from pipeline.wire.trajectories import TrajectoryPublisher
-from pipeline.wire.trajectory import Sample, TrajectoryGroup
+from pipeline.wire.trajectory import TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
@@ -111,9 +107,6 @@ while as many generate)."""
 UNKNOWN_VERSION_NAK_DELAY_S = 10.0
 """Default `Generator.unknown_version_nak_delay_s`: a prompt admitted at a version the store does not have (or
 taken while the store cannot be read) comes back after this long, not in a tight loop."""
-
-Outcome = list[Sample] | BaseException
-"""What a batch's rollout yields per prompt: its group's samples, or the exception that failed it alone."""
 
 
 class Generator:
@@ -146,14 +139,20 @@ class Generator:
         self.metrics = metrics
         self.generator_id = generator_id
         self.verifiers = verifiers
-        self.environment = environment_factory(task)
         self.shutdown_grace_s = SHUTDOWN_GRACE_S
         self.unknown_version_nak_delay_s = UNKNOWN_VERSION_NAK_DELAY_S
         self.weight_pull_timeout_s = WEIGHT_PULL_TIMEOUT_S
         self._stuck_at: int | None = None
         """The version the engine could not reach in time for held prompts: no prompt is taken until it has it."""
-        self._generate = metered(engine.generate, metrics)
-        self._submit = metered_submit(engine.submit, metrics)
+        self.rollouts = Rollouts(
+            generate=metered(engine.generate, metrics),
+            submit=metered_submit(engine.submit, metrics),
+            task=task,
+            sampling=sampling,
+            tokenizer=tokenizer,
+            verifiers=verifiers,
+            group_size=cfg.advantages.group_size,
+        )
         self._stop = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()
 
@@ -373,95 +372,11 @@ class Generator:
         request_ids = [f"{p.prompt_id}-{i}" for p in prompts for i in range(group_size)]
         watch = asyncio.create_task(self._watch_abort(self.weights.engine_version, request_ids))
         try:
-            if self.environment is not None:
-                return await self._episodes(prompts)
-            return await self._stream_groups(prompts, prompt_ids)
+            return await self.rollouts.run(prompts, prompt_ids)
         finally:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
-
-    async def _stream_groups(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> list[Outcome]:
-        """All groups' requests (concurrency x group_size) go to the engine at once; each group is scored as
-        soon as its G samples are done, while the engine still decodes the others.
-
-        If the engine refuses or fails a group's requests, that group is generated again alone (one at a
-        time), so one prompt that breaks the engine fails alone.
-        """
-        group_size = self.cfg.advantages.group_size
-        requests = [
-            request
-            for prompt, ids in zip(prompts, prompt_ids, strict=True)
-            for request in group_requests(ids, group_size, group_id=prompt.prompt_id)
-        ]
-        futures: list[Future[GenerateResult]] | None
-        try:
-            futures = self._submit(requests, self.sampling)
-        except Exception as exc:
-            if len(prompts) == 1:
-                return [exc]
-            log.warning("engine refused a batch of %d prompts; generating each alone", len(prompts), exc_info=True)
-            futures = None
-        alone = asyncio.Lock()
-
-        async def group(k: int) -> list[Sample]:
-            prompt, ids = prompts[k], prompt_ids[k]
-            results: list[GenerateResult] | BaseException
-            if futures is None:
-                results = await self._generate_alone(alone, prompt, ids)
-            else:
-                try:
-                    own = futures[k * group_size : (k + 1) * group_size]
-                    results = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in own)))
-                except Exception as exc:
-                    if len(prompts) == 1:
-                        raise
-                    log.warning("engine failed group %s; generating it alone", prompt.prompt_id, exc_info=exc)
-                    results = await self._generate_alone(alone, prompt, ids)
-            if isinstance(results, BaseException):
-                raise results
-            return await score_group(
-                self.task,
-                prompt,
-                ids,
-                results,
-                self.sampling,
-                tokenizer=self.tokenizer,
-                group_id=prompt.prompt_id,
-                verifiers=self.verifiers,
-            )
-
-        return list(await asyncio.gather(*(group(k) for k in range(len(prompts))), return_exceptions=True))
-
-    async def _generate_alone(
-        self, alone: asyncio.Lock, prompt: Prompt, prompt_ids: list[int]
-    ) -> list[GenerateResult] | BaseException:
-        """One group in an engine call of its own (one such call at a time: `alone`)."""
-        requests = group_requests(prompt_ids, self.cfg.advantages.group_size, group_id=prompt.prompt_id)
-        async with alone:
-            try:
-                return await asyncio.to_thread(self._generate, requests, self.sampling)
-            except Exception as exc:
-                return exc
-
-    async def _episodes(self, prompts: list[Prompt]) -> list[Outcome]:
-        """Multi-turn groups: `run_group` per prompt, its episodes calling the engine once per turn."""
-        assert self.environment is not None
-        groups = (
-            run_group(
-                self._generate,
-                self.task,
-                prompt,
-                self.cfg.advantages.group_size,
-                self.sampling,
-                self.environment,
-                tokenizer=self.tokenizer,
-                verifiers=self.verifiers,
-                group_id=prompt.prompt_id,
-            )
-            for prompt in prompts
-        )
-        return list(await asyncio.gather(*groups, return_exceptions=True))
 
     async def _publish_batch(
         self,
