@@ -8,7 +8,9 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
                       resume: newest checkpoint, republished as
                       newest+1, lost metrics rolled back
   groups from         catch-up `ReplayReader` (after a resume), then  the recorded range, until it ends
-                      the durable `TrajectoryConsumer`
+                      the durable `TrajectoryConsumer`; a group
+                      re-read by resumes past the limit is
+                      dead-lettered (`resume_reads.py`)
   cap counts against  the trainer's version V                        the newest version recorded so far
   admission           `admissible_prompts` (`pipeline/rl/staleness.py`)  none
                       + slots of dead letters (`slots.py`)
@@ -51,6 +53,7 @@ from actors.trainer.checkpoints import RecentIds, TrainerState, load_latest_chec
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
+from actors.trainer.resume_reads import POISON_REASON, ResumeReads, dead_letter_stored
 from actors.trainer.slots import DeadLetterEntry, read_dead_letters_quietly
 from pipeline.config import LeewayConfig
 from pipeline.rl.staleness import admissible_prompts
@@ -202,6 +205,12 @@ class LiveSession:
         """Built by `start`, at the count of prompts admitted so far."""
         self.catch_up: ReplayReader | None = None
         """After a resume: the groups acked after the checkpoint, read again before the durable consumer."""
+        self.resume_reads: ResumeReads | None = None
+        """After a resume: how often resumes re-read each group past the watermark (`resume_reads.py`)."""
+        self.resume_read_limit = consumer.max_deliver
+        """Re-reads of one group on resume before it is dead-lettered (`max_deliveries`): the consumer's limit."""
+        self.poisoned: set[str] = set()
+        """Ids of groups this session dead-lettered from the catch-up: a durable redelivery of one is acked."""
         self.last_checkpoint_step = 0
 
     @classmethod
@@ -303,6 +312,9 @@ class LiveSession:
         if info.state.last_seq < seq:
             return
         seq = max(seq, info.state.first_seq)
+        self.resume_reads = await asyncio.to_thread(
+            ResumeReads.load, self.link.store, self.names.run, after_seq=state.consumed_seq
+        )
         selection = ReplaySelection(from_seq=seq, until_seq=info.state.last_seq)
         self.catch_up = await ReplayReader.open(self.link.js, self.names, self.cfg.stream, self.link.store, selection)
         log.info("catching up: re-reading trajectory stream seqs %d..%d", seq, info.state.last_seq)
@@ -348,13 +360,51 @@ class LiveSession:
     async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]:
         """The catch-up range first (after a resume), then the durable consumer."""
         if self.catch_up is None:
-            return await self.consumer.fetch(max_groups=max_groups, timeout_s=timeout_s)
+            deliveries = await self.consumer.fetch(max_groups=max_groups, timeout_s=timeout_s)
+            if not self.poisoned:
+                return deliveries
+            gone = [d.seq for d in deliveries if d.group.group_id in self.poisoned]
+            if gone:  # dead-lettered from the catch-up already: this copy is done with
+                await self.consumer.ack(gone)
+            return [d for d in deliveries if d.group.group_id not in self.poisoned]
         deliveries = await self.catch_up.fetch(max_groups=max_groups, timeout_s=timeout_s)
+        if deliveries:
+            deliveries = await self._count_resume_reads(deliveries)
         if self.catch_up.done:
             log.info("caught up with the groups whose training was lost; continuing with live data")
             await self.catch_up.close()
             self.catch_up = None
         return deliveries
+
+    async def _count_resume_reads(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """Count a read of each re-read group and store the counts before any of them can train; dead-letter
+        the groups read more than `resume_read_limit` times instead of returning them (`resume_reads.py`)."""
+        reads = self.resume_reads
+        assert reads is not None, "catch-up without resume reads"
+        counted = [(d, reads.read(d.seq, d.group.group_id)) for d in deliveries]
+        await retry_async(lambda: asyncio.to_thread(reads.save), what="storing the resume read counts")
+        keep = []
+        for delivery, count in counted:
+            if count <= self.resume_read_limit:
+                keep.append(delivery)
+                continue
+            seq, group_id = delivery.seq, delivery.group.group_id
+            detail = (
+                f"re-read {count} times by resumed trainers without a committed step (limit {self.resume_read_limit})"
+            )
+            log.error("group %s (stream seq %d) %s: dead-lettered as %s", group_id, seq, detail, POISON_REASON)
+            await self._dead_letter_stored(seq, group_id, detail)
+            self.poisoned.add(group_id)
+        return keep
+
+    async def _dead_letter_stored(self, seq: int, group_id: str, detail: str) -> None:
+        """Dead-letter stored message `seq` (retried; a dead letter that cannot be written ends the run, the
+        count stays on record, and the next resume dead-letters it again instead of training it)."""
+        js, names, max_body = self.link.js, self.names, self.cfg.stream.max_msg_bytes
+        await retry_async(
+            lambda: dead_letter_stored(js, names, seq, POISON_REASON, detail, max_body=max_body),
+            what=f"dead-lettering group {group_id} (stream seq {seq})",
+        )
 
     async def refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
         if delivery.msg is not None:  # catch-up deliveries were acked or dead-lettered before the resume

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
+import torch
 
 from actors.endpoints import open_run_store, resolve_endpoints
+from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
 from actors.trainer.checkpoints import complete_checkpoints, load_latest_checkpoint
 from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, parse_report
 from actors.trainer.loop import QueueWaitTimeout, Trainer
@@ -20,8 +23,9 @@ from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
+from pipeline.rl.batching import ModelLimits
 from pipeline.wire.announce import generator_metrics_subject
-from pipeline.wire.jetstream import connect
+from pipeline.wire.jetstream import connect, read_dead_letters
 from pipeline.wire.names import RunNames
 from pipeline.wire.retry import Backoff, retry_async
 from storage.manifest import manifest_key
@@ -236,3 +240,79 @@ def test_resume_says_how_many_groups_retention_removed(
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["e", "f"]]
     assert records[-1]["groups/lost_to_retention"] == 2
     assert any("seqs 3..4 (2 groups) were removed by retention" in m for m in caplog.messages)
+
+
+# ---- a poison group: re-read on every resume, counted across resumes, dead-lettered past the limit ---------
+
+
+class _PoisonBackend(TrainingBackend):
+    """The real backend, except that a step holding a sample of group `poison` raises (and notes that it did):
+    what a group that kills the trainer (an OOM, a kernel assert) looks like to the loop."""
+
+    def __init__(self, inner: TrainingBackend, poison: str, hits: list[str]) -> None:
+        self.inner, self.poison, self.hits = inner, poison, hits
+
+    def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
+        return self.inner.logprobs(batch)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
+        if any(s.sample_id.rpartition(":")[0] == self.poison for s in batch.sequences):
+            self.hits.append(self.poison)
+            raise RuntimeError(f"poison group {self.poison} killed the step")
+        return self.inner.train_step(batch, loss_fn, num_minibatches=num_minibatches)
+
+    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self.inner.export_weights(dtype)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_tensors()
+
+    def state_meta(self) -> dict[str, Any]:
+        return self.inner.state_meta()
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        self.inner.load_state(tensors, meta)
+
+    def model_limits(self) -> ModelLimits:
+        return self.inner.model_limits()
+
+
+def test_a_group_that_kills_every_resume_is_dead_lettered_and_later_groups_train(
+    stack: StackState, tmp_path: Path
+) -> None:
+    limit = 2  # the session's re-read limit (the consumer's max_deliver, 20, in a real run): 3 resumes, not 21
+    cfg = trainer_cfg(
+        stack, tmp_path, "trainer.max_steps=2", "trainer.checkpoint_every=50", "staleness.max_staleness=4"
+    )
+    names = RunNames.for_run(cfg.run.name)
+    # admitted-prompt ids (their dead letters return slots); g.1 shares the poison's batch, so every read too
+    poison, mate, rest = "g.0", "g.1", ["g.2", "g.3", "g.4", "g.5"]
+    asyncio.run(publish_groups(cfg, [make_group(g) for g in [poison, mate, *rest]]))
+    hits: list[str] = []
+
+    async def attempt(*, resume: bool) -> Trainer:
+        trainer = await live_trainer(cfg, wrap_backend=lambda b: _PoisonBackend(b, poison, hits), resume=resume)
+        assert isinstance(trainer.session, LiveSession)
+        trainer.session.resume_read_limit = limit
+        await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+        return trainer
+
+    with pytest.raises(RuntimeError, match="poison"):  # the durable consumer's first delivery
+        asyncio.run(attempt(resume=False))
+    for resume in range(limit):  # each resume re-reads it (catch-up) and dies of it again
+        with pytest.raises(RuntimeError, match="poison"):
+            asyncio.run(attempt(resume=True))
+        assert len(hits) == resume + 2
+    trainer = asyncio.run(attempt(resume=True))  # read once more than the limit: dead-lettered, not trained
+    assert hits == [poison] * (limit + 1)
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [rest[:2], rest[2:]]
+    assert trainer.state.dead_lettered_groups == 2 and {poison, mate} <= set(trainer.handled.to_list())  # slots back
+
+    async def dead_letters() -> list[tuple[str | None, str]]:
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-dlq")
+        entries, _ = await read_dead_letters(nc.jetstream(), names, after_seq=0, limit=10)
+        await nc.drain()
+        return [(e.original_id, e.reason) for e in entries]
+
+    assert asyncio.run(dead_letters()) == [(poison, "max_deliveries"), (mate, "max_deliveries")]
