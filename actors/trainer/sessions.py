@@ -306,9 +306,15 @@ class LiveSession:
     async def _catch_up_from(self, seq: int, state: TrainerState) -> None:
         """Read `seq`..the stream's current end again (acked after the checkpoint, training lost) first.
 
-        Groups retention removed before `seq` could be read are counted in `state.lost_to_retention`."""
+        Groups retention removed before `seq` could be read are counted in `state.lost_to_retention`, which
+        returns their admission slots (`admit`): they will never arrive. The watermark then moves past them,
+        so a later resume from the same checkpointed state does not count (and free) them again."""
         info = await asyncio.wait_for(self.link.js.stream_info(self.names.trajectory_stream), STREAM_INFO_TIMEOUT_S)
-        state.lost_to_retention += count_lost_to_retention(seq, info.state.first_seq, info.state.last_seq, "resume")
+        lost = count_lost_to_retention(seq, info.state.first_seq, info.state.last_seq, "resume")
+        if lost:
+            state.lost_to_retention += lost
+            state.consumed_seq = seq + lost - 1
+            seq = state.consumed_seq + 1
         if info.state.last_seq < seq:
             return
         seq = max(seq, info.state.first_seq)
@@ -330,9 +336,10 @@ class LiveSession:
     async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
         """Publish as many prompts as `admissible_prompts` allows, tagged with the current version.
 
-        Dropped, refused and dead-lettered groups are no longer outstanding: their slots are free."""
+        Dropped, refused, dead-lettered and lost-to-retention groups are no longer outstanding: their slots
+        are free (`TrainerState`)."""
         assert self.prompt_feed is not None, "admit before start"
-        dropped = state.discarded_groups + state.dead_lettered_groups + pending_dropped
+        dropped = state.discarded_groups + state.dead_lettered_groups + state.lost_to_retention + pending_dropped
         count = admissible_prompts(
             steps=state.step,
             max_staleness=self.cfg.staleness.max_staleness,

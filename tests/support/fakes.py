@@ -191,9 +191,9 @@ class FakeSession:
 
     async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
         """`LiveSession.admit`'s rule; the prompts go to `admitted_ids` (and `on_admit`) instead of a queue."""
-        dropped = state.discarded_groups + state.dead_lettered_groups + pending_dropped
+        dropped = state.discarded_groups + state.dead_lettered_groups + state.lost_to_retention + pending_dropped
         count = admissible_prompts(
-            version=state.step,
+            steps=state.step,
             max_staleness=self.cfg.staleness.max_staleness,
             batch_groups=self.cfg.trainer.batch_groups,
             outstanding=max(0, state.admitted - state.trained_groups - dropped),

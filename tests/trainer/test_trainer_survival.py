@@ -16,7 +16,7 @@ import torch
 
 from actors.endpoints import open_run_store, resolve_endpoints
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
-from actors.trainer.checkpoints import complete_checkpoints, load_latest_checkpoint
+from actors.trainer.checkpoints import TrainerState, complete_checkpoints, load_latest_checkpoint
 from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, parse_report
 from actors.trainer.loop import QueueWaitTimeout, Trainer
 from actors.trainer.runtime import open_trainer
@@ -316,3 +316,63 @@ def test_a_group_that_kills_every_resume_is_dead_lettered_and_later_groups_train
         return [(e.original_id, e.reason) for e in entries]
 
     assert asyncio.run(dead_letters()) == [(poison, "max_deliveries"), (mate, "max_deliveries")]
+
+
+def test_groups_lost_to_retention_return_their_admission_slots(stack: StackState, tmp_path: Path) -> None:
+    """With `max_staleness=0` every slot is taken by the batch in flight; when retention removes exactly those
+    groups before a resume, only their slots coming back lets admission (and the run) go on."""
+    cfg = trainer_cfg(
+        stack,
+        tmp_path,
+        "trainer.max_steps=2",
+        "trainer.checkpoint_every=50",
+        "staleness.max_staleness=0",
+        "trainer.queue_wait_timeout_s=1",
+    )
+    names = RunNames.for_run(cfg.run.name)
+    asyncio.run(publish_groups(cfg, [make_group("a"), make_group("b")]))
+
+    async def first_run() -> None:  # step 1, then step 2 admits its 2 prompts and waits in vain
+        trainer = await open_trainer(cfg)
+        await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    with pytest.raises(QueueWaitTimeout):
+        asyncio.run(first_run())
+    state = _latest_state(cfg)
+    assert (state.step, state.admitted, state.trained_groups, state.consumed_seq) == (1, 4, 2, 2)
+    asyncio.run(publish_groups(cfg, [make_group("c"), make_group("d")]))  # seqs 3, 4: step 2's groups
+    asyncio.run(_purge_below(cfg, names, 5))  # ... removed by retention before the resume reads them
+
+    patient = {**cfg.trainer.model_dump(), "queue_wait_timeout_s": EVENT_DEADLINE_S}  # wedged: fails the wait below
+    resumed = LeewayConfig.model_validate({**cfg.model_dump(), "trainer": patient})
+
+    async def resumed_run() -> tuple[int, Trainer]:
+        trainer = await open_trainer(resumed, resume=True)
+        running = asyncio.create_task(trainer.run())
+        deadline = asyncio.get_running_loop().time() + EVENT_DEADLINE_S
+        while trainer.state.admitted < 6:  # the two lost slots are admitted again
+            assert not running.done(), running.exception()
+            assert asyncio.get_running_loop().time() < deadline, trainer.state
+            await asyncio.sleep(0.02)
+        await publish_groups(cfg, [make_group("e", version=2), make_group("f", version=2)])
+        return await asyncio.wait_for(running, timeout=EVENT_DEADLINE_S), trainer
+
+    code, trainer = asyncio.run(resumed_run())
+    assert code == 0 and trainer.state.lost_to_retention == 2
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["e", "f"]]
+    state = _latest_state(cfg)  # the lost range is behind the watermark: a later resume does not count it again
+    assert (state.lost_to_retention, state.consumed_seq) == (2, 6)
+
+
+def _latest_state(cfg: LeewayConfig) -> TrainerState:
+    loaded = load_latest_checkpoint(open_run_store(cfg), cfg.run.name)
+    assert loaded is not None
+    return loaded[0]
+
+
+async def _purge_below(cfg: LeewayConfig, names: RunNames, seq: int) -> None:
+    """What max_age / max_bytes retention does to the oldest groups of the trajectory stream."""
+    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-retention")
+    await nc.jetstream().purge_stream(names.trajectory_stream, seq=seq)
+    await nc.drain()
