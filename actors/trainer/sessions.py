@@ -13,7 +13,8 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
                       dead-lettered (`resume_reads.py`)
   cap counts against  the trainer's version V                        the newest version recorded so far
   admission           `admissible_prompts` (`pipeline/rl/staleness.py`)  none
-                      + slots of dead letters (`slots.py`)
+                      + slots of dead letters of messages that
+                      exist (`slots.py`)
   refused group       dead-lettered (`token_out_of_vocab`, ...)       skipped and counted
   publish             V+1 (parts, manifest, LATEST), then announced   nothing
   ack / nak           the durable consumer                           nothing (an `ack none` consumer)
@@ -54,7 +55,7 @@ from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
 from actors.trainer.resume_reads import POISON_REASON, ResumeReads, dead_letter_stored
-from actors.trainer.slots import DeadLetterEntry, read_dead_letters_quietly
+from actors.trainer.slots import DeadLetterCheck, DeadLetterEntry, read_dead_letters_quietly
 from pipeline.config import LeewayConfig
 from pipeline.rl.staleness import admissible_prompts
 from pipeline.tasks import Task
@@ -212,6 +213,8 @@ class LiveSession:
         self.poisoned: set[str] = set()
         """Ids of groups this session dead-lettered from the catch-up: a durable redelivery of one is acked."""
         self.last_checkpoint_step = 0
+        self.dead_letter_check = DeadLetterCheck(link.js, link.names)
+        """Only dead letters of messages that exist return slots; `dead_letter_check.forged` counts the rest."""
 
     @classmethod
     async def open(
@@ -357,10 +360,9 @@ class LiveSession:
         await self.prompt_queue.admit_many(prompts)  # a retry re-sends all: the queue dedupes by prompt id
 
     async def new_dead_letters(self, state: TrainerState) -> list[DeadLetterEntry]:
-        entries, state.dead_letter_seq = await read_dead_letters_quietly(
-            self.link.js, self.names, after_seq=state.dead_letter_seq
-        )
-        return entries
+        entries, watermark = await read_dead_letters_quietly(self.link.js, self.names, after_seq=state.dead_letter_seq)
+        genuine, state.dead_letter_seq = await self.dead_letter_check.genuine(entries, watermark)
+        return genuine
 
     # ---- groups in
 

@@ -25,6 +25,7 @@ from infra.stack import StackState
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import ModelLimits
 from pipeline.wire.announce import generator_metrics_subject
+from pipeline.wire.headers import H_DLQ_MSG_ID, H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STREAM, H_MSG_ID
 from pipeline.wire.jetstream import connect, read_dead_letters
 from pipeline.wire.names import RunNames
 from pipeline.wire.retry import Backoff, retry_async
@@ -376,3 +377,45 @@ async def _purge_below(cfg: LeewayConfig, names: RunNames, seq: int) -> None:
     nc = await connect(resolve_endpoints(cfg).nats_url, name="test-retention")
     await nc.jetstream().purge_stream(names.trajectory_stream, seq=seq)
     await nc.drain()
+
+
+# ---- forged dead letters: only those of messages that exist return a slot ---------------------------------
+
+
+def test_forged_dead_letters_are_counted_and_cancel_nothing(stack: StackState, tmp_path: Path) -> None:
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=1", "staleness.max_staleness=0")
+    names = RunNames.for_run(cfg.run.name)
+
+    async def scenario() -> tuple[Trainer, list[str]]:
+        trainer = await open_trainer(cfg)
+        assert isinstance(trainer.session, LiveSession)
+        running = asyncio.create_task(trainer.run())
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-forger")
+        js = nc.jetstream()
+        deadline = asyncio.get_running_loop().time() + EVENT_DEADLINE_S
+        while trainer.state.admitted < 2:  # both prompts of step 1 are queued (no generator takes them)
+            assert not running.done() and asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        ids = [(await js.get_msg(names.prompt_stream, seq=s)).headers[H_MSG_ID] for s in (1, 2)]
+        await publish_groups(cfg, [make_group("other", rewards=(1.0, 1.0))])  # seq 1 holds "other" (filtered)
+        prompts, trajectories = names.prompt_dead_letter_subject, names.trajectory_dead_letter_subject
+        forged = [  # each names a real, outstanding prompt id: a dead letter taken at its word cancels its group
+            (prompts, {H_DLQ_MSG_ID: ids[1]}),  # no original
+            (trajectories, {H_DLQ_MSG_ID: ids[1], H_DLQ_STREAM: names.trajectory_stream, H_DLQ_SEQ: "1"}),
+            (trajectories, {H_DLQ_MSG_ID: ids[1], H_DLQ_STREAM: names.trajectory_stream, H_DLQ_SEQ: "99"}),
+            (prompts, {H_DLQ_MSG_ID: ids[0], H_DLQ_STREAM: names.prompt_stream, H_DLQ_SEQ: "1"}),  # still queued
+        ]
+        for subject, headers in forged:
+            await js.publish(subject, b"", headers={H_DLQ_REASON: "max_deliveries", **headers})
+        while trainer.state.dead_letter_seq < 3:  # the first three were read (and refused)
+            assert not running.done() and asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        await nc.drain()
+        await publish_groups(cfg, [make_group(ids[0]), make_group(ids[1])])  # the real groups come
+        assert await asyncio.wait_for(running, timeout=EVENT_DEADLINE_S) == 0
+        return trainer, ids
+
+    trainer, ids = asyncio.run(scenario())
+    [record] = metrics_records(cfg.run.run_dir / "metrics.jsonl")
+    assert record["trained_group_ids"] == ids and trainer.state.dead_lettered_groups == 0
+    assert isinstance(trainer.session, LiveSession) and trainer.session.dead_letter_check.forged == 3
