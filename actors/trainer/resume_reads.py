@@ -26,12 +26,15 @@ it: inspectable, their slots returned, never trained twice nor silently lost.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Sequence
 
 import nats.js.errors
 import orjson
 from nats.js import JetStreamContext
 
+from pipeline.wire.consumer import Delivery
 from pipeline.wire.headers import (
     H_DLQ_BODY_OMITTED,
     H_DLQ_DETAIL,
@@ -43,6 +46,7 @@ from pipeline.wire.headers import (
     H_MSG_ID,
 )
 from pipeline.wire.names import RunNames
+from pipeline.wire.retry import retry_async
 from storage.objectstore import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -100,6 +104,32 @@ class ResumeReads:
 
     def save(self) -> None:
         self.store.put(resume_reads_key(self.run), self.to_json())
+
+    async def screen(
+        self, deliveries: Sequence[Delivery], js: JetStreamContext, names: RunNames, *, limit: int, max_body: int
+    ) -> tuple[list[Delivery], list[str]]:
+        """Count a read of each re-read group and store the counts before any of them can train; dead-letter
+        the groups read more than `limit` times instead. Returns the groups to hand on and the ids dead-lettered.
+
+        Both writes are retried; one that still fails ends the run with the counts on record, so the next
+        resume dead-letters the group again instead of training it."""
+        counted = [(d, self.read(d.seq, d.group.group_id)) for d in deliveries]
+        await retry_async(lambda: asyncio.to_thread(self.save), what="storing the resume read counts")
+        keep: list[Delivery] = []
+        poisoned: list[str] = []
+        for delivery, count in counted:
+            if count <= limit:
+                keep.append(delivery)
+                continue
+            seq, group_id = delivery.seq, delivery.group.group_id
+            detail = f"re-read {count} times by resumed trainers without a committed step (limit {limit})"
+            log.error("group %s (stream seq %d) %s: dead-lettered as %s", group_id, seq, detail, POISON_REASON)
+            await retry_async(
+                lambda: dead_letter_stored(js, names, seq, POISON_REASON, detail, max_body=max_body),  # noqa: B023
+                what=f"dead-lettering group {group_id} (stream seq {seq})",
+            )
+            poisoned.append(group_id)
+        return keep, poisoned
 
 
 async def dead_letter_stored(

@@ -49,12 +49,13 @@ from nats.js.kv import KeyValue
 from transformers import PreTrainedModel
 
 from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
+from actors.models import load_tokenizer
 from actors.trainer.backends import TrainingBackend
 from actors.trainer.checkpoints import RecentIds, TrainerState, load_latest_checkpoint, write_checkpoint
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
-from actors.trainer.resume_reads import POISON_REASON, ResumeReads, dead_letter_stored
+from actors.trainer.resume_reads import ResumeReads
 from actors.trainer.slots import DeadLetterCheck, DeadLetterEntry, read_dead_letters_quietly
 from pipeline.config import LeewayConfig
 from pipeline.rl.staleness import admissible_prompts
@@ -252,7 +253,7 @@ class LiveSession:
                 f"run {self.names.run!r} already has published weights (version {latest}); continue it with "
                 f"`leeway trainer CONFIG --resume`, or start a new run with --set run.name=<new name>"
             )
-        self.prompt_feed = PromptFeed(self.cfg, self.task, start=0)
+        self.prompt_feed = self._prompt_feed(start=0)
         await self._publish(0)
         log.info("trainer ready: fresh run %s, version 0 published", self.names.run)
         return TrainerState()
@@ -271,6 +272,7 @@ class LiveSession:
             )
         else:
             state = loaded
+        self.prompt_feed = self._prompt_feed(start=state.admitted)  # a bad prompts file is refused before publishing
         restored = state.version
         state.version = max(latest if latest is not None else -1, restored) + 1
         await self._publish(state.version)
@@ -281,12 +283,18 @@ class LiveSession:
             state.version,
         )
         self.last_checkpoint_step = state.step
-        self.prompt_feed = PromptFeed(self.cfg, self.task, start=state.admitted)
         moved = roll_back_metrics(self.metrics_path, state.step)
         if moved:
             log.info("moved %d metrics records of steps after %d to metrics.rolled_back.jsonl", moved, state.step)
         await self._catch_up_from(state.consumed_seq + 1, state)
         return state
+
+    def _prompt_feed(self, start: int) -> PromptFeed:
+        """The run's prompts from admission `start` on; the rows of `task.prompts_file` are checked against the
+        queue's message size and the model's context first (`check_prompt_rows`), before anything is published."""
+        limits = self.backend.model_limits()
+        tokenizer = load_tokenizer(self.cfg, self.task) if self.cfg.task.prompts_file is not None else None
+        return PromptFeed(self.cfg, self.task, start, tokenizer=tokenizer, max_context_tokens=limits.max_positions)
 
     def _load_latest_checkpoint(self) -> TrainerState | None:
         """Restore the newest complete checkpoint into the backend (every rank's) and return its state."""
@@ -378,42 +386,20 @@ class LiveSession:
             return [d for d in deliveries if d.group.group_id not in self.poisoned]
         deliveries = await self.catch_up.fetch(max_groups=max_groups, timeout_s=timeout_s)
         if deliveries:
-            deliveries = await self._count_resume_reads(deliveries)
+            assert self.resume_reads is not None, "catch-up without resume reads"
+            deliveries, poisoned = await self.resume_reads.screen(
+                deliveries,
+                self.link.js,
+                self.names,
+                limit=self.resume_read_limit,
+                max_body=self.cfg.stream.max_msg_bytes,
+            )
+            self.poisoned.update(poisoned)
         if self.catch_up.done:
             log.info("caught up with the groups whose training was lost; continuing with live data")
             await self.catch_up.close()
             self.catch_up = None
         return deliveries
-
-    async def _count_resume_reads(self, deliveries: list[Delivery]) -> list[Delivery]:
-        """Count a read of each re-read group and store the counts before any of them can train; dead-letter
-        the groups read more than `resume_read_limit` times instead of returning them (`resume_reads.py`)."""
-        reads = self.resume_reads
-        assert reads is not None, "catch-up without resume reads"
-        counted = [(d, reads.read(d.seq, d.group.group_id)) for d in deliveries]
-        await retry_async(lambda: asyncio.to_thread(reads.save), what="storing the resume read counts")
-        keep = []
-        for delivery, count in counted:
-            if count <= self.resume_read_limit:
-                keep.append(delivery)
-                continue
-            seq, group_id = delivery.seq, delivery.group.group_id
-            detail = (
-                f"re-read {count} times by resumed trainers without a committed step (limit {self.resume_read_limit})"
-            )
-            log.error("group %s (stream seq %d) %s: dead-lettered as %s", group_id, seq, detail, POISON_REASON)
-            await self._dead_letter_stored(seq, group_id, detail)
-            self.poisoned.add(group_id)
-        return keep
-
-    async def _dead_letter_stored(self, seq: int, group_id: str, detail: str) -> None:
-        """Dead-letter stored message `seq` (retried; a dead letter that cannot be written ends the run, the
-        count stays on record, and the next resume dead-letters it again instead of training it)."""
-        js, names, max_body = self.link.js, self.names, self.cfg.stream.max_msg_bytes
-        await retry_async(
-            lambda: dead_letter_stored(js, names, seq, POISON_REASON, detail, max_body=max_body),
-            what=f"dead-lettering group {group_id} (stream seq {seq})",
-        )
 
     async def refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
         if delivery.msg is not None:  # catch-up deliveries were acked or dead-lettered before the resume

@@ -30,6 +30,7 @@ from pipeline.wire.jetstream import connect, read_dead_letters
 from pipeline.wire.names import RunNames
 from pipeline.wire.retry import Backoff, retry_async
 from storage.manifest import manifest_key
+from storage.weights import list_versions
 from tests.support.builders import live_trainer, make_group, metrics_records, publish_groups, trainer_cfg
 from tests.support.stores import WRITE_METHODS, Fault, FaultyStore
 
@@ -419,3 +420,23 @@ def test_forged_dead_letters_are_counted_and_cancel_nothing(stack: StackState, t
     [record] = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     assert record["trained_group_ids"] == ids and trainer.state.dead_lettered_groups == 0
     assert isinstance(trainer.session, LiveSession) and trainer.session.dead_letter_check.forged == 3
+
+
+# ---- a prompts file with a row that can never be admitted: refused when loaded, before anything is published
+
+
+def test_a_prompts_file_row_over_the_queue_message_limit_stops_the_trainer_before_it_publishes(
+    stack: StackState, tmp_path: Path
+) -> None:
+    path = tmp_path / "prompts.jsonl"
+    huge = "1" * (3 * 1024 * 1024)  # over stream.max_msg_bytes (2 MiB): its admission publish could never succeed
+    path.write_text(orjson.dumps({"prompt": "12>"}).decode() + "\n" + orjson.dumps({"prompt": huge}).decode() + "\n")
+    cfg = trainer_cfg(stack, tmp_path, f"task.prompts_file={path}")
+
+    async def scenario() -> None:
+        trainer = await open_trainer(cfg)
+        await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    with pytest.raises(ValueError, match=rf"{path}: row 1 .* over stream.max_msg_bytes = 2097152"):
+        asyncio.run(scenario())
+    assert list_versions(open_run_store(cfg), cfg.run.name) == []  # refused at load: nothing was published
