@@ -78,11 +78,12 @@ class TrainerState:
     group delivered twice, or stored twice in the stream, is trained once.
 
     Admission slots (`pipeline/rl/staleness.py`): `admitted - trained_groups - discarded_groups -
-    dead_lettered_groups` groups are outstanding. `discarded_groups` counts the groups the trainer
-    dropped or refused itself; `dead_lettered_groups` the prompts and groups dead-lettered before
+    dead_lettered_groups - lost_to_retention` groups are outstanding. `discarded_groups` counts the
+    groups the trainer dropped or refused itself; `dead_lettered_groups` the prompts and groups dead-lettered before
     they reached it, read from the dead-letter stream up to `dead_letter_seq`
     (`actors/trainer/slots.py`). `lost_to_retention` counts trajectory-stream sequences that
-    retention removed before the trainer read them (a resume past the stream's first sequence).
+    retention removed before the trainer read them (a resume past the stream's first sequence); they
+    never arrive, so their slots are free, and `consumed_seq` moves past them when they are counted.
     """
 
     step: int = 0

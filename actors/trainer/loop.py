@@ -55,7 +55,8 @@ Invariants and failure behaviour:
   the manifest's `parent_version` is the version published before it; (3) moves the metrics of
   the lost steps to `metrics.rolled_back.jsonl`; (4) re-reads the stream from the checkpoint's
   watermark (`consumed_seq + 1`) to its current end before returning to the durable consumer
-  (groups retention removed before that start are logged and counted, `groups/lost_to_retention`).
+  (groups retention removed before that start are logged and counted, `groups/lost_to_retention`,
+  and their admission slots return: they will never arrive).
   The groups whose training was lost (acked after the checkpoint) are thus trained again, once.
   Their staleness is counted against the new version as usual (a resume makes them one version
   staler; the importance ratio is unaffected, it uses the recorded behaviour log-probs).
@@ -279,7 +280,7 @@ class Trainer:
     def _still_to_come(self, batch: Batch) -> int:
         """Admitted groups not yet delivered: neither decided in a committed step nor held by `batch`."""
         state = self.state
-        decided = state.trained_groups + state.discarded_groups + state.dead_lettered_groups
+        decided = state.trained_groups + state.discarded_groups + state.dead_lettered_groups + state.lost_to_retention
         return state.admitted - decided - len(batch.consumed) - len(batch.refused)
 
     async def _while_waiting(self, batch: Batch, idle_s: float) -> None:

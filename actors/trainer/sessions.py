@@ -8,10 +8,13 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
                       resume: newest checkpoint, republished as
                       newest+1, lost metrics rolled back
   groups from         catch-up `ReplayReader` (after a resume), then  the recorded range, until it ends
-                      the durable `TrajectoryConsumer`
+                      the durable `TrajectoryConsumer`; a group
+                      re-read by resumes past the limit is
+                      dead-lettered (`resume_reads.py`)
   cap counts against  the trainer's version V                        the newest version recorded so far
   admission           `admissible_prompts` (`pipeline/rl/staleness.py`)  none
-                      + slots of dead letters (`slots.py`)
+                      + slots of dead letters of messages that
+                      exist (`slots.py`)
   refused group       dead-lettered (`token_out_of_vocab`, ...)       skipped and counted
   publish             V+1 (parts, manifest, LATEST), then announced   nothing
   ack / nak           the durable consumer                           nothing (an `ack none` consumer)
@@ -47,12 +50,14 @@ from nats.js.kv import KeyValue
 from transformers import PreTrainedModel
 
 from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
+from actors.models import load_tokenizer
 from actors.trainer.backends import TrainingBackend
 from actors.trainer.checkpoints import RecentIds, TrainerState, load_latest_checkpoint, write_checkpoint
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
-from actors.trainer.slots import DeadLetterEntry, read_dead_letters_quietly
+from actors.trainer.resume_reads import ResumeReads
+from actors.trainer.slots import DeadLetterCheck, DeadLetterEntry, read_dead_letters_quietly
 from pipeline.config import LeewayConfig
 from pipeline.rl.staleness import admissible_prompts
 from pipeline.tasks import Task
@@ -203,7 +208,15 @@ class LiveSession:
         """Built by `start`, at the count of prompts admitted so far."""
         self.catch_up: ReplayReader | None = None
         """After a resume: the groups acked after the checkpoint, read again before the durable consumer."""
+        self.resume_reads: ResumeReads | None = None
+        """After a resume: how often resumes re-read each group past the watermark (`resume_reads.py`)."""
+        self.resume_read_limit = consumer.max_deliver
+        """Re-reads of one group on resume before it is dead-lettered (`max_deliveries`): the consumer's limit."""
+        self.poisoned: set[str] = set()
+        """Ids of groups this session dead-lettered from the catch-up: a durable redelivery of one is acked."""
         self.last_checkpoint_step = 0
+        self.dead_letter_check = DeadLetterCheck(link.js, link.names)
+        """Only dead letters of messages that exist return slots; `dead_letter_check.forged` counts the rest."""
 
     @classmethod
     async def open(
@@ -241,7 +254,7 @@ class LiveSession:
                 f"run {self.names.run!r} already has published weights (version {latest}); continue it with "
                 f"`leeway trainer CONFIG --resume`, or start a new run with --set run.name=<new name>"
             )
-        self.prompt_feed = PromptFeed(self.cfg, self.task, start=0)
+        self.prompt_feed = self._prompt_feed(start=0)
         await self._publish(0)
         log.info("trainer ready: fresh run %s, version 0 published", self.names.run)
         return TrainerState()
@@ -260,6 +273,7 @@ class LiveSession:
             )
         else:
             state = loaded
+        self.prompt_feed = self._prompt_feed(start=state.admitted)  # a bad prompts file is refused before publishing
         restored = state.version
         state.version = max(latest if latest is not None else -1, restored) + 1
         await self._publish(state.version)
@@ -270,12 +284,18 @@ class LiveSession:
             state.version,
         )
         self.last_checkpoint_step = state.step
-        self.prompt_feed = PromptFeed(self.cfg, self.task, start=state.admitted)
         moved = roll_back_metrics(self.metrics_path, state.step)
         if moved:
             log.info("moved %d metrics records of steps after %d to metrics.rolled_back.jsonl", moved, state.step)
         await self._catch_up_from(state.consumed_seq + 1, state)
         return state
+
+    def _prompt_feed(self, start: int) -> PromptFeed:
+        """The run's prompts from admission `start` on; the rows of `task.prompts_file` are checked against the
+        queue's message size and the model's context first (`check_prompt_rows`), before anything is published."""
+        limits = self.backend.model_limits()
+        tokenizer = load_tokenizer(self.cfg, self.task) if self.cfg.task.prompts_file is not None else None
+        return PromptFeed(self.cfg, self.task, start, tokenizer=tokenizer, max_context_tokens=limits.max_positions)
 
     def _load_latest_checkpoint(self) -> TrainerState | None:
         """Restore the newest complete checkpoint into the backend (every rank's) and return its state."""
@@ -298,12 +318,21 @@ class LiveSession:
     async def _catch_up_from(self, seq: int, state: TrainerState) -> None:
         """Read `seq`..the stream's current end again (acked after the checkpoint, training lost) first.
 
-        Groups retention removed before `seq` could be read are counted in `state.lost_to_retention`."""
+        Groups retention removed before `seq` could be read are counted in `state.lost_to_retention`, which
+        returns their admission slots (`admit`): they will never arrive. The watermark then moves past them,
+        so a later resume from the same checkpointed state does not count (and free) them again."""
         info = await asyncio.wait_for(self.link.js.stream_info(self.names.trajectory_stream), STREAM_INFO_TIMEOUT_S)
-        state.lost_to_retention += count_lost_to_retention(seq, info.state.first_seq, info.state.last_seq, "resume")
+        lost = count_lost_to_retention(seq, info.state.first_seq, info.state.last_seq, "resume")
+        if lost:
+            state.lost_to_retention += lost
+            state.consumed_seq = seq + lost - 1
+            seq = state.consumed_seq + 1
         if info.state.last_seq < seq:
             return
         seq = max(seq, info.state.first_seq)
+        self.resume_reads = await asyncio.to_thread(
+            ResumeReads.load, self.link.store, self.names.run, after_seq=state.consumed_seq
+        )
         selection = ReplaySelection(from_seq=seq, until_seq=info.state.last_seq)
         self.catch_up = await ReplayReader.open(self.link.js, self.names, self.cfg.stream, self.link.store, selection)
         log.info("catching up: re-reading trajectory stream seqs %d..%d", seq, info.state.last_seq)
@@ -319,9 +348,10 @@ class LiveSession:
     async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
         """Publish as many prompts as `admissible_prompts` allows, tagged with the current version.
 
-        Dropped, refused and dead-lettered groups are no longer outstanding: their slots are free."""
+        Dropped, refused, dead-lettered and lost-to-retention groups are no longer outstanding: their slots
+        are free (`TrainerState`)."""
         assert self.prompt_feed is not None, "admit before start"
-        dropped = state.discarded_groups + state.dead_lettered_groups + pending_dropped
+        dropped = state.discarded_groups + state.dead_lettered_groups + state.lost_to_retention + pending_dropped
         count = admissible_prompts(
             steps=state.step,
             max_staleness=self.cfg.staleness.max_staleness,
@@ -339,18 +369,33 @@ class LiveSession:
         await self.prompt_queue.admit_many(prompts)  # a retry re-sends all: the queue dedupes by prompt id
 
     async def new_dead_letters(self, state: TrainerState) -> list[DeadLetterEntry]:
-        entries, state.dead_letter_seq = await read_dead_letters_quietly(
-            self.link.js, self.names, after_seq=state.dead_letter_seq
-        )
-        return entries
+        entries, watermark = await read_dead_letters_quietly(self.link.js, self.names, after_seq=state.dead_letter_seq)
+        genuine, state.dead_letter_seq = await self.dead_letter_check.genuine(entries, watermark)
+        return genuine
 
     # ---- groups in
 
     async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]:
         """The catch-up range first (after a resume), then the durable consumer."""
         if self.catch_up is None:
-            return await self.consumer.fetch(max_groups=max_groups, timeout_s=timeout_s)
+            deliveries = await self.consumer.fetch(max_groups=max_groups, timeout_s=timeout_s)
+            if not self.poisoned:
+                return deliveries
+            gone = [d.seq for d in deliveries if d.group.group_id in self.poisoned]
+            if gone:  # dead-lettered from the catch-up already: this copy is done with
+                await self.consumer.ack(gone)
+            return [d for d in deliveries if d.group.group_id not in self.poisoned]
         deliveries = await self.catch_up.fetch(max_groups=max_groups, timeout_s=timeout_s)
+        if deliveries:
+            assert self.resume_reads is not None, "catch-up without resume reads"
+            deliveries, poisoned = await self.resume_reads.screen(
+                deliveries,
+                self.link.js,
+                self.names,
+                limit=self.resume_read_limit,
+                max_body=self.cfg.stream.max_msg_bytes,
+            )
+            self.poisoned.update(poisoned)
         if self.catch_up.done:
             log.info("caught up with the groups whose training was lost; continuing with live data")
             await self.catch_up.close()

@@ -13,6 +13,17 @@ the run. So the trainer reads the run's dead-letter stream (both subjects) from 
 - is not handled yet (trained, dropped, refused, or returned before) nor in the open batch: a
   group the trainer dead-letters itself is counted by its step, not again here.
 
+Anyone holding the run's NATS token can publish on the dead-letter subjects, so before either check an
+entry must refer to a message that exists (`DeadLetterCheck`): a trajectory dead letter names a
+sequence of the trajectory stream that holds that very group id (the stream keeps terminated
+messages); a prompt dead letter names a sequence of the prompt queue that was used and no longer
+holds that prompt (a dead-lettered prompt is terminated, so it leaves the work queue; one still
+queued is held back for `DEAD_LETTER_HOLD_S`, the time its genuine termination can take, then
+refused). Other entries (no or foreign original stream, a sequence never used or holding another id,
+an unknown subject) are forged: counted (`DeadLetterCheck.forged`), logged and ignored, so the real
+group still trains. What the check cannot tell: an original already removed by retention (accepted:
+its slot must not leak), or a prompt a generator already took out of the queue.
+
 A returned id joins the trainer's handled ids, so a group that still turns up for it later (its
 prompt was dead-lettered while a slow generator finished it) is skipped as a duplicate: one slot,
 one decision. The watermark, the count (`TrainerState.dead_lettered_groups`) and the handled ids
@@ -23,12 +34,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 
 from actors.trainer.prompt_feed import admitted_index
+from pipeline.wire.headers import H_MSG_ID
 from pipeline.wire.jetstream import DeadLetterEntry, read_dead_letters
 from pipeline.wire.names import RunNames
 
@@ -36,6 +50,11 @@ log = logging.getLogger(__name__)
 
 DEAD_LETTER_READS_PER_CALL = 256
 """Dead letters read per admission round at most (they are rare; a flood is read over several rounds)."""
+DEAD_LETTER_HOLD_S = 30.0
+"""How long a prompt dead letter whose prompt is still queued waits for its termination before it is refused
+as forged (`DeadLetters.dispose` stores the copy, then terminates: one bounded request, 5 s at most)."""
+CHECK_TIMEOUT_S = 5.0
+"""Bound on one stream request of the check; a timeout leaves the entry to the next admission round."""
 
 
 def slots_to_return(entries: Sequence[DeadLetterEntry], *, admitted: int, is_known: Callable[[str], bool]) -> list[str]:
@@ -64,3 +83,77 @@ async def read_dead_letters_quietly(
     except (nats.errors.Error, asyncio.TimeoutError) as exc:
         log.debug("dead-letter stream not read this round: %s: %s", type(exc).__name__, exc)
         return [], after_seq
+
+
+class DeadLetterCheck:
+    """Which dead letters refer to a message that exists (see the module docstring); `forged` counts the rest."""
+
+    def __init__(self, js: JetStreamContext, names: RunNames, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._js = js
+        self._names = names
+        self._clock = clock
+        self.forged = 0
+        """Dead letters refused as forged or unknown since this trainer started."""
+        self._held_since: dict[int, float] = {}
+
+    async def genuine(self, entries: Sequence[DeadLetterEntry], watermark: int) -> tuple[list[DeadLetterEntry], int]:
+        """The genuine ones among `entries` (read up to `watermark`), and the watermark to keep.
+
+        An entry that cannot be decided now (its prompt is still queued, or the server did not answer) stops
+        the round: the watermark stays just before it, so the next round reads it (and those after) again."""
+        out: list[DeadLetterEntry] = []
+        for entry in entries:
+            try:
+                why = await self._forged_because(entry)
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                log.debug("dead letter %d not checked this round: %s: %s", entry.seq, type(exc).__name__, exc)
+                return out, entry.seq - 1
+            if why == _WAIT:
+                first = self._held_since.setdefault(entry.seq, self._clock())
+                if self._clock() - first < DEAD_LETTER_HOLD_S:
+                    return out, entry.seq - 1
+                why = f"its prompt is still queued {DEAD_LETTER_HOLD_S:.0f} s later"
+            self._held_since.pop(entry.seq, None)
+            if why is None:
+                out.append(entry)
+                continue
+            self.forged += 1
+            log.warning(
+                "ignoring dead letter %d (%s, id %r, original %s seq %s): %s; %d forged or unknown so far",
+                entry.seq,
+                entry.subject,
+                entry.original_id,
+                entry.original_stream,
+                entry.original_seq,
+                why,
+                self.forged,
+            )
+        return out, watermark
+
+    async def _forged_because(self, entry: DeadLetterEntry) -> str | None:
+        """None: genuine; `_WAIT`: not decidable yet; else why it is refused."""
+        names = self._names
+        if entry.subject == names.trajectory_dead_letter_subject:
+            stream, kept = names.trajectory_stream, True
+        elif entry.subject == names.prompt_dead_letter_subject:
+            stream, kept = names.prompt_stream, False
+        else:
+            return f"subject {entry.subject!r} is no dead-letter subject of run {names.run!r}"
+        if entry.original_id is None or entry.original_seq is None or entry.original_stream != stream:
+            return f"it names no original message of stream {stream}"
+        try:
+            raw = await asyncio.wait_for(self._js.get_msg(stream, seq=entry.original_seq), CHECK_TIMEOUT_S)
+        except nats.js.errors.NotFoundError:
+            info = await asyncio.wait_for(self._js.stream_info(stream), CHECK_TIMEOUT_S)
+            if entry.original_seq > info.state.last_seq:
+                return f"{stream} never had seq {entry.original_seq} (last {info.state.last_seq})"
+            if kept and entry.original_seq >= info.state.first_seq:
+                return f"{stream} seq {entry.original_seq} was deleted, not dead-lettered"
+            return None  # removed by retention (trajectories) or taken out of the work queue (prompts)
+        held = (raw.headers or {}).get(H_MSG_ID)
+        if held != entry.original_id:
+            return f"{stream} seq {entry.original_seq} holds {held!r}, not {entry.original_id!r}"
+        return None if kept else _WAIT
+
+
+_WAIT = "wait"

@@ -377,6 +377,10 @@ class DeadLetterEntry:
     reason: str
     original_id: str | None
     """The dead-lettered message's `Nats-Msg-Id` (a prompt's or a group's id); None if it had none."""
+    original_stream: str | None = None
+    """The stream it says the original was delivered from (`Leeway-Original-Stream`); None if unsaid."""
+    original_seq: int | None = None
+    """Its sequence there (`Leeway-Original-Stream-Seq`); None if unsaid or not a number."""
 
 
 async def read_dead_letters(
@@ -411,8 +415,16 @@ async def read_dead_letters(
             watermark = last
             break
         headers = raw.headers or {}
+        original_seq = headers.get(H_DLQ_SEQ, "")
         entries.append(
-            DeadLetterEntry(int(raw.seq), str(raw.subject), headers.get(H_DLQ_REASON, ""), headers.get(H_DLQ_MSG_ID))
+            DeadLetterEntry(
+                int(raw.seq),
+                str(raw.subject),
+                headers.get(H_DLQ_REASON, ""),
+                headers.get(H_DLQ_MSG_ID),
+                headers.get(H_DLQ_STREAM),
+                int(original_seq) if original_seq.isdigit() and len(original_seq) < 19 else None,
+            )
         )
         watermark = int(raw.seq)
         seq = watermark + 1

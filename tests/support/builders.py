@@ -148,9 +148,10 @@ async def live_trainer(
     *,
     wrap_backend: Callable[[TrainingBackend], TrainingBackend] | None = None,
     wrap_store: Callable[[ObjectStore], ObjectStore] | None = None,
+    resume: bool = False,
 ) -> Trainer:
-    """`open_trainer`'s fresh live path, assembled from its public parts, with the backend wrapped by
-    `wrap_backend` and the store the weight publisher writes through wrapped by `wrap_store`."""
+    """`open_trainer`'s live path (fresh, or `--resume` with `resume`), assembled from its public parts, with
+    the backend wrapped by `wrap_backend` and the store the weight publisher writes through wrapped by `wrap_store`."""
     task = get_task(cfg.task.name, **cfg.task.args)
     model = build_policy_model(cfg, load_tokenizer(cfg, task))
     backend = build_backend(cfg, model)
@@ -159,7 +160,7 @@ async def live_trainer(
     link = await RunLink.open(cfg)
     store = wrap_store(link.store) if wrap_store is not None else link.store
     publisher = build_weight_publisher(cfg, store, model)
-    session = await LiveSession.open(cfg, link, backend, publisher, task, resume=False)
+    session = await LiveSession.open(cfg, link, backend, publisher, task, resume=resume)
     return Trainer(cfg, backend, session)
 
 

@@ -191,7 +191,7 @@ class FakeSession:
 
     async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
         """`LiveSession.admit`'s rule; the prompts go to `admitted_ids` (and `on_admit`) instead of a queue."""
-        dropped = state.discarded_groups + state.dead_lettered_groups + pending_dropped
+        dropped = state.discarded_groups + state.dead_lettered_groups + state.lost_to_retention + pending_dropped
         count = admissible_prompts(
             steps=state.step,
             max_staleness=self.cfg.staleness.max_staleness,

@@ -9,6 +9,7 @@ import orjson
 import pytest
 import torch
 
+from actors.models import load_tokenizer
 from actors.trainer.backends.checkpoint import encode_checkpoint
 from actors.trainer.checkpoints import (
     KEEP_CHECKPOINTS,
@@ -232,3 +233,28 @@ def test_recent_ids_forget_the_oldest_past_the_limit() -> None:
     ids.add_all(["b", "c", "d"])
     assert "a" not in ids and all(x in ids for x in "bcd")
     assert ids.to_list() == ["b", "c", "d"]
+
+
+def test_a_prompts_file_with_a_row_that_can_never_be_admitted_is_refused_naming_file_row_and_limit(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "12>", "answer": "21"}, {"prompt": "3" * 5000 + ">", "answer": "3"}]
+    path.write_text("".join(orjson.dumps(r).decode() + "\n" for r in rows))
+    cfg = LeewayConfig.model_validate(
+        {"task": {"name": "exact_match", "args": {"path": str(path)}, "prompts_file": str(path)}}
+    )
+    task = get_task("exact_match", path=str(path))
+    assert len(PromptFeed(cfg, task, start=0).take(2)) == 2  # fits the 2 MiB queue message, no context given
+    small = LeewayConfig.model_validate(
+        {**cfg.model_dump(), "stream": {**cfg.stream.model_dump(), "max_msg_bytes": 4096}}
+    )
+    with pytest.raises(ValueError, match=rf"{path}: row 1 .* over stream.max_msg_bytes = 4096"):
+        PromptFeed(small, task, start=0)
+    tokenizer = load_tokenizer(cfg, task)
+    with pytest.raises(ValueError, match=rf"{path}: row 1: .*prompt_too_long; model context 64 tokens"):
+        PromptFeed(cfg, task, start=0, tokenizer=tokenizer, max_context_tokens=64)
+    long_id = tmp_path / "id.jsonl"
+    long_id.write_text(orjson.dumps({"prompt": "1>", "id": "x" * 195}).decode() + "\n")
+    with pytest.raises(ValueError, match=rf"{long_id}: row 0: cannot be admitted"):
+        PromptFeed(LeewayConfig.model_validate({"task": {"prompts_file": str(long_id)}}), task, start=0)

@@ -5,26 +5,32 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
+import torch
 
 from actors.endpoints import open_run_store, resolve_endpoints
-from actors.trainer.checkpoints import complete_checkpoints, load_latest_checkpoint
+from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
+from actors.trainer.checkpoints import TrainerState, complete_checkpoints, load_latest_checkpoint
 from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, parse_report
 from actors.trainer.loop import QueueWaitTimeout, Trainer
 from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
+from pipeline.rl.batching import ModelLimits
 from pipeline.wire.announce import generator_metrics_subject
-from pipeline.wire.jetstream import connect
+from pipeline.wire.headers import H_DLQ_MSG_ID, H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STREAM, H_MSG_ID
+from pipeline.wire.jetstream import connect, read_dead_letters
 from pipeline.wire.names import RunNames
 from pipeline.wire.retry import Backoff, retry_async
 from storage.manifest import manifest_key
+from storage.weights import list_versions
 from tests.support.builders import live_trainer, make_group, metrics_records, publish_groups, trainer_cfg
 from tests.support.stores import WRITE_METHODS, Fault, FaultyStore
 
@@ -236,3 +242,201 @@ def test_resume_says_how_many_groups_retention_removed(
     assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["e", "f"]]
     assert records[-1]["groups/lost_to_retention"] == 2
     assert any("seqs 3..4 (2 groups) were removed by retention" in m for m in caplog.messages)
+
+
+# ---- a poison group: re-read on every resume, counted across resumes, dead-lettered past the limit ---------
+
+
+class _PoisonBackend(TrainingBackend):
+    """The real backend, except that a step holding a sample of group `poison` raises (and notes that it did):
+    what a group that kills the trainer (an OOM, a kernel assert) looks like to the loop."""
+
+    def __init__(self, inner: TrainingBackend, poison: str, hits: list[str]) -> None:
+        self.inner, self.poison, self.hits = inner, poison, hits
+
+    def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
+        return self.inner.logprobs(batch)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
+        if any(s.sample_id.rpartition(":")[0] == self.poison for s in batch.sequences):
+            self.hits.append(self.poison)
+            raise RuntimeError(f"poison group {self.poison} killed the step")
+        return self.inner.train_step(batch, loss_fn, num_minibatches=num_minibatches)
+
+    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self.inner.export_weights(dtype)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_tensors()
+
+    def state_meta(self) -> dict[str, Any]:
+        return self.inner.state_meta()
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        self.inner.load_state(tensors, meta)
+
+    def model_limits(self) -> ModelLimits:
+        return self.inner.model_limits()
+
+
+def test_a_group_that_kills_every_resume_is_dead_lettered_and_later_groups_train(
+    stack: StackState, tmp_path: Path
+) -> None:
+    limit = 2  # the session's re-read limit (the consumer's max_deliver, 20, in a real run): 3 resumes, not 21
+    cfg = trainer_cfg(
+        stack, tmp_path, "trainer.max_steps=2", "trainer.checkpoint_every=50", "staleness.max_staleness=4"
+    )
+    names = RunNames.for_run(cfg.run.name)
+    # admitted-prompt ids (their dead letters return slots); g.1 shares the poison's batch, so every read too
+    poison, mate, rest = "g.0", "g.1", ["g.2", "g.3", "g.4", "g.5"]
+    asyncio.run(publish_groups(cfg, [make_group(g) for g in [poison, mate, *rest]]))
+    hits: list[str] = []
+
+    async def attempt(*, resume: bool) -> Trainer:
+        trainer = await live_trainer(cfg, wrap_backend=lambda b: _PoisonBackend(b, poison, hits), resume=resume)
+        assert isinstance(trainer.session, LiveSession)
+        trainer.session.resume_read_limit = limit
+        await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+        return trainer
+
+    with pytest.raises(RuntimeError, match="poison"):  # the durable consumer's first delivery
+        asyncio.run(attempt(resume=False))
+    for resume in range(limit):  # each resume re-reads it (catch-up) and dies of it again
+        with pytest.raises(RuntimeError, match="poison"):
+            asyncio.run(attempt(resume=True))
+        assert len(hits) == resume + 2
+    trainer = asyncio.run(attempt(resume=True))  # read once more than the limit: dead-lettered, not trained
+    assert hits == [poison] * (limit + 1)
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [rest[:2], rest[2:]]
+    assert trainer.state.dead_lettered_groups == 2 and {poison, mate} <= set(trainer.handled.to_list())  # slots back
+
+    async def dead_letters() -> list[tuple[str | None, str]]:
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-dlq")
+        entries, _ = await read_dead_letters(nc.jetstream(), names, after_seq=0, limit=10)
+        await nc.drain()
+        return [(e.original_id, e.reason) for e in entries]
+
+    assert asyncio.run(dead_letters()) == [(poison, "max_deliveries"), (mate, "max_deliveries")]
+
+
+def test_groups_lost_to_retention_return_their_admission_slots(stack: StackState, tmp_path: Path) -> None:
+    """With `max_staleness=0` every slot is taken by the batch in flight; when retention removes exactly those
+    groups before a resume, only their slots coming back lets admission (and the run) go on."""
+    cfg = trainer_cfg(
+        stack,
+        tmp_path,
+        "trainer.max_steps=2",
+        "trainer.checkpoint_every=50",
+        "staleness.max_staleness=0",
+        "trainer.queue_wait_timeout_s=1",
+    )
+    names = RunNames.for_run(cfg.run.name)
+    asyncio.run(publish_groups(cfg, [make_group("a"), make_group("b")]))
+
+    async def first_run() -> None:  # step 1, then step 2 admits its 2 prompts and waits in vain
+        trainer = await open_trainer(cfg)
+        await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    with pytest.raises(QueueWaitTimeout):
+        asyncio.run(first_run())
+    state = _latest_state(cfg)
+    assert (state.step, state.admitted, state.trained_groups, state.consumed_seq) == (1, 4, 2, 2)
+    asyncio.run(publish_groups(cfg, [make_group("c"), make_group("d")]))  # seqs 3, 4: step 2's groups
+    asyncio.run(_purge_below(cfg, names, 5))  # ... removed by retention before the resume reads them
+
+    patient = {**cfg.trainer.model_dump(), "queue_wait_timeout_s": EVENT_DEADLINE_S}  # wedged: fails the wait below
+    resumed = LeewayConfig.model_validate({**cfg.model_dump(), "trainer": patient})
+
+    async def resumed_run() -> tuple[int, Trainer]:
+        trainer = await open_trainer(resumed, resume=True)
+        running = asyncio.create_task(trainer.run())
+        deadline = asyncio.get_running_loop().time() + EVENT_DEADLINE_S
+        while trainer.state.admitted < 6:  # the two lost slots are admitted again
+            assert not running.done(), running.exception()
+            assert asyncio.get_running_loop().time() < deadline, trainer.state
+            await asyncio.sleep(0.02)
+        await publish_groups(cfg, [make_group("e", version=2), make_group("f", version=2)])
+        return await asyncio.wait_for(running, timeout=EVENT_DEADLINE_S), trainer
+
+    code, trainer = asyncio.run(resumed_run())
+    assert code == 0 and trainer.state.lost_to_retention == 2
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [["a", "b"], ["e", "f"]]
+    state = _latest_state(cfg)  # the lost range is behind the watermark: a later resume does not count it again
+    assert (state.lost_to_retention, state.consumed_seq) == (2, 6)
+
+
+def _latest_state(cfg: LeewayConfig) -> TrainerState:
+    loaded = load_latest_checkpoint(open_run_store(cfg), cfg.run.name)
+    assert loaded is not None
+    return loaded[0]
+
+
+async def _purge_below(cfg: LeewayConfig, names: RunNames, seq: int) -> None:
+    """What max_age / max_bytes retention does to the oldest groups of the trajectory stream."""
+    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-retention")
+    await nc.jetstream().purge_stream(names.trajectory_stream, seq=seq)
+    await nc.drain()
+
+
+# ---- forged dead letters: only those of messages that exist return a slot ---------------------------------
+
+
+def test_forged_dead_letters_are_counted_and_cancel_nothing(stack: StackState, tmp_path: Path) -> None:
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=1", "staleness.max_staleness=0")
+    names = RunNames.for_run(cfg.run.name)
+
+    async def scenario() -> tuple[Trainer, list[str]]:
+        trainer = await open_trainer(cfg)
+        assert isinstance(trainer.session, LiveSession)
+        running = asyncio.create_task(trainer.run())
+        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-forger")
+        js = nc.jetstream()
+        deadline = asyncio.get_running_loop().time() + EVENT_DEADLINE_S
+        while trainer.state.admitted < 2:  # both prompts of step 1 are queued (no generator takes them)
+            assert not running.done() and asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        ids = [(await js.get_msg(names.prompt_stream, seq=s)).headers[H_MSG_ID] for s in (1, 2)]
+        await publish_groups(cfg, [make_group("other", rewards=(1.0, 1.0))])  # seq 1 holds "other" (filtered)
+        prompts, trajectories = names.prompt_dead_letter_subject, names.trajectory_dead_letter_subject
+        forged = [  # each names a real, outstanding prompt id: a dead letter taken at its word cancels its group
+            (prompts, {H_DLQ_MSG_ID: ids[1]}),  # no original
+            (trajectories, {H_DLQ_MSG_ID: ids[1], H_DLQ_STREAM: names.trajectory_stream, H_DLQ_SEQ: "1"}),
+            (trajectories, {H_DLQ_MSG_ID: ids[1], H_DLQ_STREAM: names.trajectory_stream, H_DLQ_SEQ: "99"}),
+            (prompts, {H_DLQ_MSG_ID: ids[0], H_DLQ_STREAM: names.prompt_stream, H_DLQ_SEQ: "1"}),  # still queued
+        ]
+        for subject, headers in forged:
+            await js.publish(subject, b"", headers={H_DLQ_REASON: "max_deliveries", **headers})
+        while trainer.state.dead_letter_seq < 3:  # the first three were read (and refused)
+            assert not running.done() and asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        await nc.drain()
+        await publish_groups(cfg, [make_group(ids[0]), make_group(ids[1])])  # the real groups come
+        assert await asyncio.wait_for(running, timeout=EVENT_DEADLINE_S) == 0
+        return trainer, ids
+
+    trainer, ids = asyncio.run(scenario())
+    [record] = metrics_records(cfg.run.run_dir / "metrics.jsonl")
+    assert record["trained_group_ids"] == ids and trainer.state.dead_lettered_groups == 0
+    assert isinstance(trainer.session, LiveSession) and trainer.session.dead_letter_check.forged == 3
+
+
+# ---- a prompts file with a row that can never be admitted: refused when loaded, before anything is published
+
+
+def test_a_prompts_file_row_over_the_queue_message_limit_stops_the_trainer_before_it_publishes(
+    stack: StackState, tmp_path: Path
+) -> None:
+    path = tmp_path / "prompts.jsonl"
+    huge = "1" * (3 * 1024 * 1024)  # over stream.max_msg_bytes (2 MiB): its admission publish could never succeed
+    path.write_text(orjson.dumps({"prompt": "12>"}).decode() + "\n" + orjson.dumps({"prompt": huge}).decode() + "\n")
+    cfg = trainer_cfg(stack, tmp_path, f"task.prompts_file={path}")
+
+    async def scenario() -> None:
+        trainer = await open_trainer(cfg)
+        await asyncio.wait_for(trainer.run(), timeout=EVENT_DEADLINE_S)
+
+    with pytest.raises(ValueError, match=rf"{path}: row 1 .* over stream.max_msg_bytes = 2097152"):
+        asyncio.run(scenario())
+    assert list_versions(open_run_store(cfg), cfg.run.name) == []  # refused at load: nothing was published
