@@ -284,7 +284,9 @@ class TaskConfig(Section):
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the task factory (e.g. num_digits)."""
     prompts_file: str | None = None
-    """A JSONL or Parquet file of prompts (overrides the task's own prompt source)."""
+    """A JSONL or Parquet file of prompts (overrides the task's own prompt source). Checked when the
+    trainer loads it: a row over `stream.max_msg_bytes` as a queued prompt, or whose tokens fill the
+    model's context, refuses the file with an error naming the row."""
 
 
 class WeightsConfig(Section):
