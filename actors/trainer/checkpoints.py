@@ -99,6 +99,11 @@ class TrainerState:
     lost_to_retention: int = 0
     state_format: int = STATE_FORMAT
 
+    @property
+    def decided_groups(self) -> int:
+        """Admitted groups whose slot is free: trained, discarded, dead-lettered or lost to retention."""
+        return self.trained_groups + self.discarded_groups + self.dead_lettered_groups + self.lost_to_retention
+
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
 

@@ -280,8 +280,7 @@ class Trainer:
     def _still_to_come(self, batch: Batch) -> int:
         """Admitted groups not yet delivered: neither decided in a committed step nor held by `batch`."""
         state = self.state
-        decided = state.trained_groups + state.discarded_groups + state.dead_lettered_groups + state.lost_to_retention
-        return state.admitted - decided - len(batch.consumed) - len(batch.refused)
+        return state.admitted - state.decided_groups - len(batch.consumed) - len(batch.refused)
 
     async def _while_waiting(self, batch: Batch, idle_s: float) -> None:
         """No group arrived: refill admission, keep held groups from redelivery, say why we wait, give up late."""

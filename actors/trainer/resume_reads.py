@@ -35,16 +35,8 @@ import orjson
 from nats.js import JetStreamContext
 
 from pipeline.wire.consumer import Delivery
-from pipeline.wire.headers import (
-    H_DLQ_BODY_OMITTED,
-    H_DLQ_DETAIL,
-    H_DLQ_MSG_ID,
-    H_DLQ_REASON,
-    H_DLQ_SEQ,
-    H_DLQ_STREAM,
-    H_DLQ_SUBJECT,
-    H_MSG_ID,
-)
+from pipeline.wire.headers import H_DLQ_BODY_OMITTED
+from pipeline.wire.jetstream import dead_letter_headers
 from pipeline.wire.names import RunNames
 from pipeline.wire.retry import retry_async
 from storage.objectstore import ObjectNotFound, ObjectStore
@@ -146,20 +138,7 @@ async def dead_letter_stored(
     except nats.js.errors.NotFoundError:  # retention removed it since it was read: nothing left to copy
         log.warning("%s seq %d is gone (retention) before its dead letter (%s) was written", stream, seq, reason)
         return
-    original = raw.headers or {}
-    headers = {k: v for k, v in original.items() if not k.startswith("Nats-")}
-    headers.update(
-        {
-            H_DLQ_REASON: reason,
-            H_DLQ_DETAIL: " ".join(detail.split())[:500],
-            H_DLQ_STREAM: stream,
-            H_DLQ_SEQ: str(seq),
-            H_DLQ_SUBJECT: str(raw.subject),
-            H_MSG_ID: f"{stream}:{seq}",
-        }
-    )
-    if H_MSG_ID in original:
-        headers[H_DLQ_MSG_ID] = original[H_MSG_ID]
+    headers = dead_letter_headers(raw.headers, reason, detail, stream=stream, seq=seq, subject=str(raw.subject))
     body = raw.data or b""
     if len(body) > max_body:
         headers[H_DLQ_BODY_OMITTED] = str(len(body))

@@ -351,14 +351,7 @@ class LiveSession:
         Dropped, refused, dead-lettered and lost-to-retention groups are no longer outstanding: their slots
         are free (`TrainerState`)."""
         assert self.prompt_feed is not None, "admit before start"
-        dropped = state.discarded_groups + state.dead_lettered_groups + state.lost_to_retention + pending_dropped
-        count = admissible_prompts(
-            steps=state.step,
-            max_staleness=self.cfg.staleness.max_staleness,
-            batch_groups=self.cfg.trainer.batch_groups,
-            outstanding=max(0, state.admitted - state.trained_groups - dropped),
-            trained=state.trained_groups,
-        )
+        count = admission_count(self.cfg, state, pending_dropped)
         if count <= 0:
             return
         prompts = [queue_prompt(p, state.version) for p in self.prompt_feed.take(count)]
@@ -576,6 +569,18 @@ class ReplaySession:
     async def close(self) -> None:
         await self.reader.close()
         await self.link.nc.drain()
+
+
+def admission_count(cfg: LeewayConfig, state: TrainerState, pending_dropped: int = 0) -> int:
+    """How many prompts the staleness rule admits now; `pending_dropped`: groups of the step still filling
+    that are already decided (dropped or refused) but not yet committed, whose slots are free too."""
+    return admissible_prompts(
+        steps=state.step,
+        max_staleness=cfg.staleness.max_staleness,
+        batch_groups=cfg.trainer.batch_groups,
+        outstanding=max(0, state.admitted - state.decided_groups - pending_dropped),
+        trained=state.trained_groups,
+    )
 
 
 def count_lost_to_retention(start_seq: int, first_seq: int, last_seq: int, what: str) -> int:

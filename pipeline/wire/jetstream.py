@@ -285,6 +285,29 @@ def _header_safe(text: str) -> str:
     return " ".join(text.split())[:DLQ_DETAIL_MAX_CHARS]
 
 
+def dead_letter_headers(
+    original: Mapping[str, str] | None, reason: str, detail: str, *, stream: str, seq: int, subject: str
+) -> dict[str, str]:
+    """The headers of a dead-letter copy of stream message `seq`: the original's own (but `Nats-*`), the
+    reason and where it came from, and `Nats-Msg-Id` = `<stream>:<seq>`, so that dead-lettering the same
+    message again (after a crash, or by a resuming trainer) stores it once."""
+    original = original or {}
+    headers = {k: v for k, v in original.items() if not k.startswith("Nats-")}
+    headers.update(
+        {
+            H_DLQ_REASON: reason,
+            H_DLQ_DETAIL: _header_safe(detail),
+            H_DLQ_STREAM: stream,
+            H_DLQ_SEQ: str(seq),
+            H_DLQ_SUBJECT: subject,
+            H_MSG_ID: f"{stream}:{seq}",
+        }
+    )
+    if H_MSG_ID in original:
+        headers[H_DLQ_MSG_ID] = _header_safe(original[H_MSG_ID])
+    return headers
+
+
 class DeadLetters:
     """Copies bad messages (original bytes, original headers, reason) to a dead-letter subject.
 
@@ -315,19 +338,9 @@ class DeadLetters:
     async def send(self, msg: Msg, reason: str, detail: str) -> bool:
         """Publish the copy; True once stored (then the caller may `term()` the original)."""
         meta = msg.metadata
-        headers = {k: v for k, v in (msg.headers or {}).items() if not k.startswith("Nats-")}
-        headers.update(
-            {
-                H_DLQ_REASON: reason,
-                H_DLQ_DETAIL: _header_safe(detail),
-                H_DLQ_STREAM: meta.stream,
-                H_DLQ_SEQ: str(meta.sequence.stream),
-                H_DLQ_SUBJECT: msg.subject,
-                H_MSG_ID: f"{meta.stream}:{meta.sequence.stream}",  # re-dead-lettering after a crash dedupes
-            }
+        headers = dead_letter_headers(
+            msg.headers, reason, detail, stream=meta.stream, seq=meta.sequence.stream, subject=msg.subject
         )
-        if msg.headers and H_MSG_ID in msg.headers:
-            headers[H_DLQ_MSG_ID] = _header_safe(msg.headers[H_MSG_ID])
         body = msg.data
         try:
             try:

@@ -20,9 +20,9 @@ from actors.generator.engines.base import Engine, GenerateRequest, GenerateResul
 from actors.generator.weight_sync import Pulled
 from actors.trainer.checkpoints import RecentIds, TrainerState
 from actors.trainer.generator_reports import GeneratorReports
+from actors.trainer.sessions import admission_count
 from actors.trainer.slots import DeadLetterEntry
 from pipeline.config import LeewayConfig
-from pipeline.rl.staleness import admissible_prompts
 from pipeline.wire.consumer import Delivery
 from pipeline.wire.trajectory import TrajectoryGroup
 
@@ -191,14 +191,7 @@ class FakeSession:
 
     async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
         """`LiveSession.admit`'s rule; the prompts go to `admitted_ids` (and `on_admit`) instead of a queue."""
-        dropped = state.discarded_groups + state.dead_lettered_groups + state.lost_to_retention + pending_dropped
-        count = admissible_prompts(
-            steps=state.step,
-            max_staleness=self.cfg.staleness.max_staleness,
-            batch_groups=self.cfg.trainer.batch_groups,
-            outstanding=max(0, state.admitted - state.trained_groups - dropped),
-            trained=state.trained_groups,
-        )
+        count = admission_count(self.cfg, state, pending_dropped)
         if count <= 0:
             return
         ids = [f"{PROMPT_TASK_ID}.{i}" for i in range(state.admitted, state.admitted + count)]
