@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
 from actors.generator.weight_sync import Pulled
+from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
 from actors.trainer.checkpoints import RecentIds, TrainerState
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.sessions import admission_count
 from actors.trainer.slots import DeadLetterEntry
 from pipeline.config import LeewayConfig
+from pipeline.rl.batching import ModelLimits
 from pipeline.wire.consumer import Delivery
 from pipeline.wire.trajectory import TrajectoryGroup
 
@@ -261,3 +264,31 @@ def event_index(events: Iterable[Event], predicate: Callable[[Event], bool]) -> 
         if predicate(event):
             return i
     raise AssertionError(f"no such event in {events}")
+
+
+class WrappedBackend(TrainingBackend):
+    """A real backend behind every method, for a test to override the one it watches or breaks."""
+
+    def __init__(self, inner: TrainingBackend) -> None:
+        self.inner = inner
+
+    def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
+        return self.inner.logprobs(batch)
+
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
+        return self.inner.train_step(batch, loss_fn, num_minibatches=num_minibatches)
+
+    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self.inner.export_weights(dtype)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.inner.state_tensors()
+
+    def state_meta(self) -> dict[str, Any]:
+        return self.inner.state_meta()
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        self.inner.load_state(tensors, meta)
+
+    def model_limits(self) -> ModelLimits:
+        return self.inner.model_limits()

@@ -7,7 +7,6 @@ import asyncio
 import random
 import signal
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession, ReplaySession, RunLink
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
-from pipeline.rl.batching import GroupPolicy, ModelLimits, prepare_group
+from pipeline.rl.batching import GroupPolicy, prepare_group
 from pipeline.wire.announce import version_kv, watch_announcements
 from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
@@ -50,38 +49,21 @@ from tests.support.builders import (
     spawn_trainer,
     trainer_cfg,
 )
+from tests.support.fakes import WrappedBackend
 
 # ---- integration: train, cap, versions out, acks after publish --------------------------------------------
 
 
-class _RecordingBackend(TrainingBackend):
+class _RecordingBackend(WrappedBackend):
     """The real backend, noting which samples reach the loss (a loss mask with any 1) on their way in."""
 
     def __init__(self, inner: TrainingBackend) -> None:
         self.inner = inner
         self.trained_sample_ids: list[str] = []
 
-    def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
-        return self.inner.logprobs(batch)
-
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
         self.trained_sample_ids += [s.sample_id for s in batch.sequences if s.loss_mask.any()]
         return self.inner.train_step(batch, loss_fn, num_minibatches=num_minibatches)
-
-    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return self.inner.export_weights(dtype)
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return self.inner.state_tensors()
-
-    def state_meta(self) -> dict[str, Any]:
-        return self.inner.state_meta()
-
-    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        self.inner.load_state(tensors, meta)
-
-    def model_limits(self) -> ModelLimits:
-        return self.inner.model_limits()
 
 
 async def _watch_acks(nc: NatsClient, cfg: LeewayConfig, store: ObjectStore, acks: dict[int, int]) -> None:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 import pytest
-import torch
 
 from actors.endpoints import open_run_store, resolve_endpoints
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
@@ -23,7 +21,6 @@ from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
-from pipeline.rl.batching import ModelLimits
 from pipeline.wire.announce import generator_metrics_subject
 from pipeline.wire.headers import H_DLQ_MSG_ID, H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STREAM, H_MSG_ID
 from pipeline.wire.jetstream import connect, read_dead_letters
@@ -32,6 +29,7 @@ from pipeline.wire.retry import Backoff, retry_async
 from storage.manifest import manifest_key
 from storage.weights import list_versions
 from tests.support.builders import live_trainer, make_group, metrics_records, publish_groups, trainer_cfg
+from tests.support.fakes import WrappedBackend
 from tests.support.stores import WRITE_METHODS, Fault, FaultyStore
 
 EVENT_DEADLINE_S = 60.0
@@ -247,36 +245,18 @@ def test_resume_says_how_many_groups_retention_removed(
 # ---- a poison group: re-read on every resume, counted across resumes, dead-lettered past the limit ---------
 
 
-class _PoisonBackend(TrainingBackend):
+class _PoisonBackend(WrappedBackend):
     """The real backend, except that a step holding a sample of group `poison` raises (and notes that it did):
     what a group that kills the trainer (an OOM, a kernel assert) looks like to the loop."""
 
     def __init__(self, inner: TrainingBackend, poison: str, hits: list[str]) -> None:
         self.inner, self.poison, self.hits = inner, poison, hits
 
-    def logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
-        return self.inner.logprobs(batch)
-
     def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, num_minibatches: int = 1) -> StepResult:
         if any(s.sample_id.rpartition(":")[0] == self.poison for s in batch.sequences):
             self.hits.append(self.poison)
             raise RuntimeError(f"poison group {self.poison} killed the step")
         return self.inner.train_step(batch, loss_fn, num_minibatches=num_minibatches)
-
-    def export_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return self.inner.export_weights(dtype)
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return self.inner.state_tensors()
-
-    def state_meta(self) -> dict[str, Any]:
-        return self.inner.state_meta()
-
-    def load_state(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
-        self.inner.load_state(tensors, meta)
-
-    def model_limits(self) -> ModelLimits:
-        return self.inner.model_limits()
 
 
 def test_a_group_that_kills_every_resume_is_dead_lettered_and_later_groups_train(
