@@ -1,0 +1,298 @@
+"""The sections of a run's config, one pydantic model each; `pipeline/config.py` assembles them into
+`LeewayConfig` and loads files, environment and `--set` overrides.
+
+Kept apart from the loader so each file stays readable: this one is the reference (the docstring under each
+field is what `leeway config reference` and the README print), that one the rules between sections.
+Like the loader, it must import without torch or transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipeline.config_checks import MAX_STALENESS_LIMIT
+from pipeline.wire.names import validate_run_name
+
+MiB = 1024 * 1024
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, docstrings under fields are the reference."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "demo"
+    """Run name; derives NATS subjects, stream names and the object-store prefix. Letters, digits, '-', '_'."""
+    dir: str | None = None
+    """Local directory for metrics, reports and logs. Default: `runs/<name>`."""
+    seed: int = 0
+    """Seed for prompts, sampling and initialisation."""
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        return validate_run_name(value)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+class NatsConfig(Section):
+    url: str | None = None
+    """NATS server URL (e.g. nats://host:4222). None: use the embedded stack started by `leeway stack up`."""
+    creds_file: str | None = None
+    """Path to a NATS credentials file; never put credentials in the URL of a committed config."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Timeout of one connection attempt."""
+    stack_dir: str = ".leeway/stack"
+    """Where the embedded stack keeps its data and state file (used when url is None)."""
+
+
+class StoreConfig(Section):
+    url: str = "s3://leeway/"
+    """Object store root: `s3://bucket/prefix` or `file:///absolute/path`."""
+    endpoint: str | None = None
+    """S3 endpoint URL. None with an s3:// url: the embedded stack's gateway if one is up, else AWS's default."""
+    region: str = "us-east-1"
+    """S3 region."""
+    max_concurrency: int = Field(8, ge=1, le=256)
+    """Parallel transfers for multipart uploads and ranged downloads."""
+    multipart_threshold_bytes: int = Field(64 * MiB, ge=5 * MiB)
+    """Objects at least this large upload in parts and download by ranges."""
+    part_size_bytes: int = Field(16 * MiB, ge=5 * MiB)
+    """Size of one multipart part / ranged GET."""
+    max_retries: int = Field(5, ge=0, le=20)
+    """Retries (with backoff) on 5xx responses and timeouts."""
+    connect_timeout_s: float = Field(5.0, gt=0)
+    """Connection timeout of one S3 request."""
+    read_timeout_s: float = Field(60.0, gt=0)
+    """Read timeout of one S3 request."""
+
+
+class ModelConfig(Section):
+    name_or_path: str = "tiny-llama-2x64"
+    """A local HF checkpoint directory, or a built-in tiny preset (random init) such as `tiny-llama-2x64`."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """The dtype the engine serves and the weight store publishes."""
+    tokenizer: str | None = None
+    """A tokenizer.json or HF tokenizer directory. None: the task's own tokenizer."""
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; behaviour log-probs are recorded under the tempered distribution."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Length limit of one generated turn."""
+
+
+class EngineConfig(Section):
+    kind: Literal["torch"] = "torch"
+    """Inference engine: `torch` (in-process on `engine.device`, its own forward over a slot KV cache:
+    `actors/generator/engines/`), the only one built so far."""
+    device: str = "cpu"
+    """Torch device for the torch engine (`cpu`, `cuda`, `cuda:1`)."""
+    torch_threads: int = Field(1, ge=1)
+    """torch.set_num_threads for a generator process."""
+    max_slots: int = Field(64, ge=1)
+    """Sequences the torch engine decodes at once (KV-cache slots); more requests wait for a free slot."""
+    max_len: int | None = Field(None, ge=2)
+    """Prompt + reply tokens per sequence; the KV cache holds max_slots x max_len positions. None: the
+    model's max_position_embeddings, at most 4096. A longer prompt finishes with reason prompt_too_long."""
+    cuda_graphs: bool = True
+    """Capture the torch engine's decode step in CUDA graphs (CUDA devices only; CPU decodes eagerly)."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Sampling parameters for every rollout."""
+
+
+class GeneratorConfig(Section):
+    concurrency: int = Field(2, ge=1)
+    """Rollouts (each a group of advantages.group_size samples) a generator runs at once."""
+    poll_interval_s: float = Field(2.0, gt=0)
+    """How often a generator polls LATEST when no KV announcement arrives."""
+    update_mode: Literal["in_flight", "between_rollouts"] = "in_flight"
+    """Apply new weights between two decode steps of running rollouts, or only between rollouts."""
+    verifier_timeout_s: float = Field(10.0, gt=0)
+    """A verifier that takes longer yields infra_error with a null reward."""
+    heartbeat_s: float = Field(10.0, gt=0)
+    """Interval of in-progress acks on held prompts during long rollouts; must be below stream.prompt_ack_wait_s."""
+    id: str | None = None
+    """Generator id recorded on trajectories. None: hostname-pid."""
+
+
+class TrainerConfig(Section):
+    batch_groups: int = Field(16, ge=1)
+    """Trainable groups per optimizer step."""
+    max_steps: int = Field(300, ge=1)
+    """Stop once this many trainer steps (one batch each) are taken; a resume continues the checkpoint's count,
+    a replay counts its own. Not versions: each resume also publishes one, so versions run ahead of steps."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    micro_batch_tokens: int = Field(8192, ge=1)
+    """Token budget of one packed micro-batch."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per trainer step, each on its share of the batch (decoupled_ppo uses several)."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory in the backend."""
+    packing: bool = True
+    """Concatenate whole sequences into one row per micro-batch (document mask, no padding); false: right-pad.
+    Torch backend only: megatron always right-pads."""
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
+    """liger-kernel RoPE/RMSNorm/SwiGLU (the `gpu` extra). auto: on for CUDA when installed; on: required.
+    Torch backend only (`on` is refused under megatron)."""
+    lm_head_chunk_tokens: int | None = Field(None, ge=0)
+    """Chunked LM head: log-probs from this many tokens' logits at a time. None: 4096 on CUDA, off on CPU; 0: off.
+    Torch backend only (a positive value is refused under megatron)."""
+    checkpoint_every: int = Field(50, ge=1)
+    """Write a resumable checkpoint every this many trainer steps (and at the end of a session)."""
+    torch_threads: int = Field(1, ge=1)
+    """torch.set_num_threads for the trainer process."""
+    device: str = "cpu"
+    """Torch device the trainer's backend trains on (`cpu`, `cuda`, `cuda:1`)."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend: `torch` (HF model, AdamW, FSDP2 over ranks) or `megatron` (megatron-core, the `megatron` extra)."""
+    queue_wait_timeout_s: float = Field(600.0, gt=0)
+    """Give up (and say why) when no trainable group arrives for this long."""
+    nproc: int = Field(1, ge=1)
+    """Trainer ranks `leeway trainer` (and `leeway run`) start on this machine (`--nproc` overrides); 1: one process."""
+    dist_timeout_s: float = Field(300.0, gt=0)
+    """Collective timeout of the trainer ranks, on top of queue_wait_timeout_s (rank 0 may wait that long for groups)."""
+
+
+class MegatronConfig(Section):
+    """Read only under `trainer.backend: megatron`; a non-default value under `torch` is refused."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks that split each layer (megatron-core TP); must divide the KV heads. Data parallel = world / (TP x PP)."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Ranks that split the layers into stages (must divide the layers; untied embeddings when > 1)."""
+    use_transformer_engine: Literal["auto"] | bool = "auto"
+    """Transformer Engine layer spec: auto = on a CUDA device where TE is installed; false = megatron-core's local spec."""
+
+
+class StalenessConfig(Section):
+    max_staleness: int = Field(2, ge=0, le=MAX_STALENESS_LIMIT)
+    """K: tokens more than K versions behind the trainer never reach the loss; 0 = synchronous; at most 64."""
+    policy: Literal["drop_trajectory", "mask_tokens"] = "drop_trajectory"
+    """What happens to tokens over the cap: drop the whole trajectory, or mask only the stale tokens."""
+    abort_in_flight: bool = False
+    """Abort rollouts that cross the cap mid-way instead of finishing them (the trainer decides)."""
+    cap_in_replay: bool = True
+    """Apply the cap during replay (staleness counted against the replaying trainer's version)."""
+
+
+class CorrectionConfig(Section):
+    method: Literal["tis", "mis", "decoupled_ppo", "none"] = "tis"
+    """Importance correction for off-policy tokens."""
+    clip_c: float = Field(2.0, gt=1)
+    """C: truncation bound of the importance weight (tis, decoupled_ppo) or mask band [1/C, C] (mis)."""
+    level: Literal["token", "sequence"] = "token"
+    """Per-token ratios, or one geometric-mean ratio per sequence."""
+    ppo_eps_low: float = Field(0.2, gt=0, lt=1)
+    """decoupled_ppo: lower clip epsilon."""
+    ppo_eps_high: float = Field(0.28, gt=0)
+    """decoupled_ppo: upper clip epsilon."""
+    staleness_decay: float | None = Field(None, gt=0, le=1)
+    """Optional weight gamma**staleness per token; None = off."""
+
+
+class AdvantagesConfig(Section):
+    estimator: Literal["grpo", "rloo"] = "grpo"
+    """Group baseline: GRPO (mean of the group's valid samples) or RLOO (leave-one-out)."""
+    group_size: int = Field(8, ge=2)
+    """Samples per prompt."""
+    std_normalize: bool = False
+    """Divide advantages by the group's reward std."""
+    loss_norm: Literal["constant", "token_mean"] = "constant"
+    """Loss divisor: a constant token budget (Dr. GRPO) or the minibatch's loss tokens (MIS-rejected ones included)."""
+    constant_tokens: int | None = Field(None, ge=1)
+    """Divisor for loss_norm=constant. None: batch_groups * group_size * max_new_tokens."""
+
+
+class TaskConfig(Section):
+    name: str = "reverse_digits"
+    """Built-in task name or `module:function` returning a Task."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the task factory (e.g. num_digits)."""
+    prompts_file: str | None = None
+    """A JSONL or Parquet file of prompts (overrides the task's own prompt source). Checked when the
+    trainer loads it: a row over `stream.max_msg_bytes` as a queued prompt, or whose tokens fill the
+    model's context, refuses the file with an error naming the row."""
+
+
+class WeightsConfig(Section):
+    full_every: int = Field(50, ge=1)
+    """A full snapshot every this many versions (version 0 is always full); deltas in between."""
+    keep_versions: int = Field(10, ge=1)
+    """Versions kept in the store (plus the chains they need); retention runs every keep_versions/2 publishes."""
+    grace_s: float = Field(120.0, ge=0)
+    """Never delete a version a reader may still be pulling: younger than LATEST by less than this."""
+    part_bytes: int = Field(16 * MiB, ge=1024)
+    """Target size of one delta/snapshot part."""
+    parallelism: int = Field(4, ge=1)
+    """Parallel uploads/downloads and codec threads."""
+    announce: bool = True
+    """Announce new versions on the NATS KV bucket as well as LATEST."""
+
+
+class StreamConfig(Section):
+    max_age_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """Trajectories are kept (for replay) this long."""
+    max_bytes: int = Field(10 * 1024 * MiB, ge=MiB)
+    """Size limit of the trajectory stream; oldest messages go first."""
+    max_inline_bytes: int = Field(1 * MiB, ge=1024)
+    """Larger encoded groups go to the object store and the message carries a pointer."""
+    max_msg_bytes: int = Field(2 * MiB, ge=1024)
+    """Largest message the stream accepts (the embedded server allows 8 MiB); larger groups are claim-checked."""
+    fetch_batch: int = Field(16, ge=1)
+    """Messages per consumer fetch."""
+    fetch_max_bytes: int = Field(16 * MiB, ge=MiB)
+    """fetch_batch is lowered so that batch x max message size stays below this."""
+    publish_ack_timeout_s: float = Field(5.0, gt=0)
+    """Bound on every wait for a publish ack; after it the message is re-published with the same id."""
+    publish_retries: int = Field(20, ge=0)
+    """Publish attempts before giving up (with backoff, while the server is away)."""
+    prompt_ack_wait_s: float = Field(60.0, gt=0)
+    """A prompt not acked or heartbeated for this long is redelivered to another generator."""
+    prompt_max_deliver: int = Field(5, ge=1)
+    """Deliveries of one prompt before it is dead-lettered."""
+    replicas: int = Field(1, ge=1, le=5)
+    """JetStream replicas (clusters)."""
+
+
+class LoggingConfig(Section):
+    """`<run.dir>/metrics.jsonl`, one object per trainer step, is always written; TensorBoard and W&B get
+    the same records."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars under `<run.dir>/tb` (needs the tensorboard package)."""
+    wandb_project: str | None = None
+    """Also log to this W&B project (needs wandb and its credentials in the environment)."""
+
+
+class FleetConfig(Section):
+    address: str | None = None
+    """Ray cluster (host:port) of `leeway fleet`; `--address` beats it. None: RAY_ADDRESS, else a local cluster."""
+    max_restarts: int = Field(3, ge=0)
+    """How often Ray restarts a role whose process died (a generator; the trainer with trainer_restart: resume)."""
+    trainer_restart: Literal["stop", "resume"] = "stop"
+    """When the trainer dies: stop the fleet's generators, or restart it with `--resume` (up to max_restarts)."""
