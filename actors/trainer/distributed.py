@@ -27,6 +27,7 @@ the others do after that is in `actors/trainer/rank_group.py`.
 from __future__ import annotations
 
 import datetime
+import gc
 import ipaddress
 import logging
 import os
@@ -169,8 +170,24 @@ def loopback_store(rank_env: RankEnv, timeout: datetime.timedelta) -> dist.TCPSt
 
 
 def leave_rank_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy this rank's process groups now, while the interpreter is whole (no-op when none was joined).
+
+    Why: a gloo group left to interpreter exit is destroyed during finalization (its worker threads
+    release tensors, which needs the GIL) and after the peers' sockets are gone, and the rank can die
+    with SIGABRT. `destroy_process_group` alone does not free the groups: megatron-core keeps its
+    TP/PP/DP groups in module globals and FSDP2's device mesh holds the default one in reference
+    cycles. So every group is destroyed, megatron's globals are dropped and the cycles collected, and
+    each group's destructor (which joins its threads) runs here. Callers drop their own references to
+    the backend first, and end their collectives together before (`RankGroup.stop` waits in a barrier
+    until every rank has read STOP).
+    """
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    parallel_state = sys.modules.get("megatron.core.parallel_state")  # imported only by the megatron backend
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+    gc.collect()
 
 
 def rank_environ(base: Mapping[str, str], rank: int, world_size: int, port: int) -> dict[str, str]:

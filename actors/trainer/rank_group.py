@@ -15,7 +15,7 @@ the other ranks wait in `follow` and do the same::
                                                rank 0 the index, the trainer state and the manifest (last)
     RankGroup.load          ──LOAD(v)────────► each rank assembles whole tensors, keeps its rows (a
                                                checkpoint some rank cannot load: LOAD of the one before)
-    RankGroup.stop          ──STOP───────────► exit 0
+    RankGroup.stop          ──STOP, barrier──► exit 0 (every rank has read STOP before any leaves)
 
 Commands are JSON headers and batches are safetensors bytes (`encode_batch`), broadcast as uint8
 tensors: nothing is pickled. Every command is one round in which each rank enters the same
@@ -174,11 +174,15 @@ class RankGroup:
             broadcast_bytes(payload)
 
     def stop(self) -> None:
-        """Tell the other ranks to exit (once; a failure is logged: they exit when rank 0 does)."""
+        """Tell the other ranks to exit and wait until all have read it (once; a failure is logged: they
+        exit when rank 0 does). The barrier after STOP: the root of a broadcast returns before its
+        receivers have read it, so without it rank 0 could tear its group down under a rank still
+        reading (`distributed.leave_rank_group`)."""
         if self.stopped:
             return
         try:
             self.send(STOP)
+            dist.barrier()
         except Exception as exc:  # a rank is gone: the others end when this process exits (launcher, gloo)
             log.warning("could not tell the other trainer ranks to stop: %s", str(exc).splitlines()[0][:300])
         self.stopped = True
@@ -419,6 +423,7 @@ def follow(group: RankGroup) -> int:
         command = header["command"]
         if command == STOP:
             log.info("rank %d: stop", group.rank)
+            dist.barrier()  # rank 0's STOP barrier: every rank has left every collective
             return 0
         if command == TRAIN:
             objective = CorrectedObjective(cfg.correction, cfg.advantages, header["version"], header["constant_tokens"])

@@ -136,7 +136,8 @@ def _fail_once_past_the_manifest(run: str) -> Any:
 
 
 def worker(store_root: str, run: str, load_run: str | None, out: str, layout: RankLayout) -> None:
-    """One rank: [load `load_run`'s checkpoint |] step on batch 1, publish v1, checkpoint, step on batch 2, publish v2.
+    """One rank: [load `load_run`'s checkpoint |] step on batch 1, publish v1, checkpoint, step on batch 2, publish v2
+    (the caller leaves the rank group, once this frame and its backend are gone).
 
     When two ranks train from scratch, rank 0's read-back of the v1 manifest fails once (the retry settles the
     commit: every rank adopts its share, so v2 is a delta), rank 1's first store of v2 fails (the round fails
@@ -145,7 +146,7 @@ def worker(store_root: str, run: str, load_run: str | None, out: str, layout: Ra
     from actors.models import build_model
     from actors.trainer.backends import build_backend
     from actors.trainer.checkpoints import TrainerState, load_latest_checkpoint, write_checkpoint
-    from actors.trainer.distributed import join_rank_group, leave_rank_group
+    from actors.trainer.distributed import join_rank_group
     from actors.trainer.objective import CorrectedObjective
     from actors.trainer.rank_group import LeaderBackend, RankGroup, RankRoundError, follow
     from actors.trainer.sessions import build_weight_publisher
@@ -214,7 +215,6 @@ def worker(store_root: str, run: str, load_run: str | None, out: str, layout: Ra
         if group is not None and rank_env.is_leader:
             group.stop()
         publisher.close()
-        leave_rank_group()
 
 
 def run_ranks(
@@ -276,4 +276,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 if __name__ == "__main__":  # one rank of `run_ranks`
     store_root, run, load_run, out, *layout_argv = sys.argv[1:]
-    worker(store_root, run, None if load_run == "-" else load_run, out, RankLayout.from_argv(layout_argv))
+    try:
+        worker(store_root, run, None if load_run == "-" else load_run, out, RankLayout.from_argv(layout_argv))
+    finally:  # once the worker's frame (its backend, which holds the groups) is gone
+        from actors.trainer.distributed import leave_rank_group
+
+        leave_rank_group()

@@ -435,3 +435,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
     {"reference": _rank_reference, "tp2": _rank_tp2, "pp2": _rank_pp2}[mode](out_dir)
+    from actors.trainer.distributed import leave_rank_group
+
+    torch.distributed.barrier()  # no rank tears its groups down under a peer still in the last collective
+    leave_rank_group()

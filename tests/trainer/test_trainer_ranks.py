@@ -154,6 +154,29 @@ def test_the_nproc_rendezvous_listens_on_loopback_only(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == ["127.0.0.1"]
 
 
+LEAVE_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from megatron.core import parallel_state as ps
+from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
+def gloo_threads():
+    return sum("gloo" in open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task"))
+join_rank_group(RankEnv.from_environ(), "cpu", 60)
+ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+dist.all_reduce(torch.ones(4), group=ps.get_tensor_model_parallel_group())
+dist.barrier()
+before = gloo_threads()
+leave_rank_group()
+assert not ps.model_parallel_is_initialized(), "megatron's groups outlive the rank group"
+assert gloo_threads() < before / 2, (before, gloo_threads())
+"""
+
+
+def test_leaving_the_rank_group_destroys_megatrons_groups_before_the_interpreter_exits() -> None:
+    # megatron-core keeps its TP/PP/DP groups in module globals: left alone they are destroyed during
+    # interpreter finalization, after the peers' sockets are gone (a rank then dies with SIGABRT)
+    assert launch_ranks([sys.executable, "-c", LEAVE_SCRIPT], 2) == 0
+
+
 # ---- the real trainer: `leeway trainer --nproc 2` on the stack, a rank SIGKILLed, then --resume ------------
 
 
