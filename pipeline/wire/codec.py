@@ -125,16 +125,20 @@ def decode_group(
     lengths) always run because the numpy views rely on them.
     """
     buffer = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
-    decoded = inflated_size(buffer)
+    schema_message, batch_message = _stream_messages(buffer)  # the stream is parsed once, for both steps
+    decoded = _inflated_size(batch_message)
     if decoded > max_decoded_bytes:
         raise CodecError("too_large", f"the record batch inflates to {decoded} bytes, over the {max_decoded_bytes} cap")
     try:
-        batches = list(pa.ipc.open_stream(buffer))
+        schema = pa.ipc.read_schema(schema_message)
+    except (pa.ArrowException, ValueError, OSError) as exc:
+        raise CodecError("decode_error", f"not a readable Arrow IPC schema: {exc}") from exc
+    check_schema(schema)  # before anything is decompressed
+    try:
+        batch = pa.ipc.read_record_batch(batch_message, schema)
     except (pa.ArrowException, ValueError, MemoryError, OSError) as exc:
         raise CodecError("decode_error", f"not a readable Arrow IPC stream: {exc}") from exc
-    if len(batches) != 1:
-        raise CodecError("decode_error", f"expected exactly one record batch, got {len(batches)}")
-    return group_from_record_batch(batches[0], validate=validate)
+    return group_from_record_batch(batch, validate=validate)
 
 
 def inflated_size(data: pa.Buffer) -> int:
@@ -145,21 +149,29 @@ def inflated_size(data: pa.Buffer) -> int:
     inflate to gigabytes is refused before a byte is decompressed. A stream with other than one record
     batch is refused here too, without decoding any.
     """
+    return _inflated_size(_stream_messages(data)[1])
+
+
+def _stream_messages(data: pa.Buffer) -> tuple[pa.ipc.Message, pa.ipc.Message]:
+    """The schema message and the one record batch message of a stream (anything else: `CodecError`)."""
     try:
         messages = list(pa.ipc.MessageReader.open_stream(data))
     except (pa.ArrowException, ValueError, OSError) as exc:
         raise CodecError("decode_error", f"not a readable Arrow IPC stream: {exc}") from exc
-    batches = [m for m in messages if m.type == "record batch"]
-    if len(batches) != 1 or len(messages) != 2 or messages[0].type != "schema":
-        kinds = [m.type for m in messages]
+    kinds = [m.type for m in messages]
+    if kinds != ["schema", "record batch"]:
         raise CodecError("decode_error", f"expected exactly one record batch after the schema, got {kinds}")
-    try:
-        return _batch_body_size(batches[0].metadata.to_pybytes(), batches[0].body.to_pybytes())
+    return messages[0], messages[1]
+
+
+def _inflated_size(batch: pa.ipc.Message) -> int:
+    try:  # views of the message's buffers, not copies of its body
+        return _batch_body_size(memoryview(batch.metadata), memoryview(batch.body))
     except (struct.error, IndexError) as exc:
         raise CodecError("decode_error", f"malformed record batch metadata: {exc}") from exc
 
 
-def _batch_body_size(meta: bytes, body: bytes) -> int:
+def _batch_body_size(meta: memoryview, body: memoryview) -> int:
     """Sum of the uncompressed sizes of a RecordBatch message's buffers (Arrow `Message.fbs`, `Schema.fbs`)."""
     root = _offset(meta, 0)
     header = _field(meta, root, _MESSAGE_HEADER)
@@ -192,19 +204,19 @@ _RECORD_BATCH_COMPRESSION = 3
 """Field index of `RecordBatch.compression`: absent when the buffers are stored raw."""
 
 
-def _offset(buf: bytes, pos: int) -> int:
+def _offset(buf: memoryview, pos: int) -> int:
     """Follow the flatbuffer uoffset stored at `pos` (hostile offsets that leave the buffer are refused)."""
     target = pos + struct.unpack_from("<I", _within(buf, pos), pos)[0]
     return _within(buf, target) and target
 
 
-def _within(buf: bytes, pos: int) -> bytes:
+def _within(buf: memoryview, pos: int) -> memoryview:
     if not 0 <= pos < len(buf):
         raise CodecError("decode_error", f"record batch metadata points outside itself ({pos})")
     return buf
 
 
-def _field(buf: bytes, table: int, index: int) -> int:
+def _field(buf: memoryview, table: int, index: int) -> int:
     """Position of the object an offset field of a flatbuffer table points to; 0 if the field is absent."""
     vtable = table - struct.unpack_from("<i", buf, table)[0]
     slot = 4 + 2 * index
