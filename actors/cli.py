@@ -140,7 +140,7 @@ def cmd_trainer(args: argparse.Namespace) -> int:
     if nproc > 1 and "WORLD_SIZE" not in os.environ:  # ranks see WORLD_SIZE and run the trainer itself
         from actors.trainer.distributed import launch_ranks
 
-        return launch_ranks([sys.executable, "-m", "actors.cli", *args.argv], nproc)
+        return launch_ranks([sys.executable, "-m", "actors.cli", *args.argv], nproc, grace_s=cfg.stop_grace_s)
     from actors.tools.replay import selection_from_args
     from actors.trainer.runtime import main as trainer_main
 
@@ -325,16 +325,21 @@ def _watch_launcher() -> None:
     The variable is removed from the environment, so nothing this process starts inherits a pid that is
     not its parent.
     """
-    from infra.process import PARENT_PID_ENV, watch_parent
+    from infra.process import ORPHAN_GRACE_S, PARENT_GRACE_ENV, PARENT_PID_ENV, watch_parent
 
     value = os.environ.pop(PARENT_PID_ENV, None)
+    grace = os.environ.pop(PARENT_GRACE_ENV, None)
     if value is None:
         return
     try:
         parent_pid = int(value)
     except ValueError:
         raise SystemExit(f"leeway: {PARENT_PID_ENV}={value!r} is not a process id") from None
-    watch_parent(parent_pid)
+    try:
+        grace_s = ORPHAN_GRACE_S if grace is None else float(grace)
+    except ValueError:
+        raise SystemExit(f"leeway: {PARENT_GRACE_ENV}={grace!r} is not a number of seconds") from None
+    watch_parent(parent_pid, grace_s=grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:

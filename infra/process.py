@@ -65,13 +65,16 @@ KILL_WAIT_S = 10.0
 
 PARENT_PID_ENV = "LEEWAY_PARENT_PID"
 """Set in a role's environment by its launcher: the pid the role must not outlive (see `watch_parent`)."""
+PARENT_GRACE_ENV = "LEEWAY_PARENT_GRACE_S"
+"""Set beside `PARENT_PID_ENV` when the launcher knows the run's stop grace (`LeewayConfig.stop_grace_s`):
+the orphaned role's grace, so a trainer left alone still has its final checkpoint's budget."""
 
 ORPHAN_POLL_S = 0.5
 """How often an orphan watchdog checks that its parent is still its parent."""
 
-ORPHAN_GRACE_S = 20.0
-"""How long an orphaned role may take to stop cleanly after SIGTERM before it SIGKILLs itself: the grace
-`leeway run` gives a role it stops itself. A role whose servers died with the launcher (its private
+ORPHAN_GRACE_S = 150.0
+"""How long an orphaned role may take to stop cleanly after SIGTERM before it SIGKILLs itself, unless its
+launcher set `PARENT_GRACE_ENV`: the default stop grace (the final checkpoint's default budget + 30 s). A role whose servers died with the launcher (its private
 stack) does not wait for it: see `ORPHAN_EXIT_CODE`."""
 
 ORPHAN_PROBE_TIMEOUT_S = 1.0
@@ -363,6 +366,7 @@ def spawn_child(
     cwd: Path | None = None,
     death_signal: signal.Signals | None = None,
     watchdog: bool = False,
+    watchdog_grace_s: float | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `argv` as the leader of a new session and process group: how Leeway starts every child.
 
@@ -376,7 +380,8 @@ def spawn_child(
     - `death_signal`: sent by the kernel when the calling *thread* exits (Linux, `die_with_parent`),
       so call this from a thread that outlives the child.
     - `watchdog`: `PARENT_PID_ENV` is set to this pid, so a child that runs `watch_parent` (every
-      `leeway` command, through `actors/cli.py`) stops itself when orphaned, on every platform.
+      `leeway` command, through `actors/cli.py`) stops itself when orphaned, on every platform;
+      `watchdog_grace_s` its grace after the SIGTERM it sends itself (`PARENT_GRACE_ENV`).
 
     Raises `OSError` when `argv[0]` cannot be executed.
     """
@@ -385,6 +390,8 @@ def spawn_child(
         child_env = dict(os.environ if env is None else env)
         if watchdog:
             child_env[PARENT_PID_ENV] = str(os.getpid())
+            if watchdog_grace_s is not None:
+                child_env[PARENT_GRACE_ENV] = repr(float(watchdog_grace_s))
     preexec_fn = die_with_parent(death_signal) if death_signal is not None else None
     if log_path is None:
         return subprocess.Popen(list(argv), env=child_env, cwd=cwd, start_new_session=True, preexec_fn=preexec_fn)

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipeline.config_checks import SettingConflicts, heartbeat_conflict, window_warning
+from pipeline.config_checks import SettingConflicts, heartbeat_conflict, stop_grace_conflict, window_warning
 from pipeline.config_sections import (
     AdvantagesConfig,
     CorrectionConfig,
@@ -37,6 +37,7 @@ from pipeline.config_sections import (
     MegatronConfig,
     ModelConfig,
     NatsConfig,
+    OutageConfig,
     RunConfig,
     Section,
     StalenessConfig,
@@ -50,6 +51,8 @@ from pipeline.config_sections import (
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "LEEWAY_"
+STOP_GRACE_MARGIN_S = 30.0
+"""Added to `outages.final_checkpoint_s` for the default stop grace: the step in flight and the exit itself."""
 
 
 class ConfigError(ValueError):
@@ -105,6 +108,7 @@ class LeewayConfig(Section):
     task: TaskConfig = Field(default_factory=TaskConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
+    outages: OutageConfig = Field(default_factory=OutageConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
 
@@ -124,9 +128,18 @@ class LeewayConfig(Section):
         t, st = self.trainer, self.stream
         if conflict := heartbeat_conflict(self.generator.heartbeat_s, st.prompt_ack_wait_s):
             raise SettingConflicts([conflict])
+        if conflict := stop_grace_conflict(self.run.stop_grace_s, self.outages.final_checkpoint_s):
+            raise SettingConflicts([conflict])
         if warning := window_warning(self.staleness.max_staleness, t.batch_groups, st.max_inline_bytes, st.max_bytes):
             log.warning("%s", warning)
         return self
+
+    @property
+    def stop_grace_s(self) -> float:
+        """SIGTERM-to-SIGKILL grace of the roles: `run.stop_grace_s`, or the final checkpoint's budget + 30 s."""
+        if self.run.stop_grace_s is not None:
+            return self.run.stop_grace_s
+        return self.outages.final_checkpoint_s + STOP_GRACE_MARGIN_S
 
     @property
     def uses_embedded_stack(self) -> bool:

@@ -47,6 +47,19 @@ def heartbeat_conflict(heartbeat_s: float, prompt_ack_wait_s: float) -> tuple[st
     )
 
 
+def stop_grace_conflict(stop_grace_s: float | None, final_checkpoint_s: float) -> tuple[str, Any, str] | None:
+    """`run.stop_grace_s`, when set, must leave the trainer its final checkpoint budget: a SIGKILL in the
+    middle of the final checkpoint loses every step since the last periodic one."""
+    if stop_grace_s is None or stop_grace_s > final_checkpoint_s:
+        return None
+    return (
+        "run.stop_grace_s",
+        stop_grace_s,
+        f"must be above outages.final_checkpoint_s = {final_checkpoint_s!r}: a stop would SIGKILL the trainer in its "
+        "final checkpoint; raise run.stop_grace_s, lower outages.final_checkpoint_s, or leave run.stop_grace_s unset",
+    )
+
+
 def window_warning(max_staleness: int, batch_groups: int, max_inline_bytes: int, max_bytes: int) -> str | None:
     """A warning when the staleness window (of admission) may not fit in the trajectory stream, else None.
 

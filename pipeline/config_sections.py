@@ -32,6 +32,9 @@ class RunConfig(Section):
     """Local directory for metrics, reports and logs. Default: `runs/<name>`."""
     seed: int = 0
     """Seed for prompts, sampling and initialisation."""
+    stop_grace_s: float | None = Field(None, gt=0)
+    """How long `leeway run`, a fleet and an orphaned role wait after SIGTERM before SIGKILL. None: the
+    trainer's final checkpoint budget (`outages.final_checkpoint_s`) plus 30 s, so a stop never kills it."""
 
     @field_validator("name")
     @classmethod
@@ -125,6 +128,9 @@ class GeneratorConfig(Section):
     """A verifier that takes longer yields infra_error with a null reward."""
     heartbeat_s: float = Field(10.0, gt=0)
     """Interval of in-progress acks on held prompts during long rollouts; must be below stream.prompt_ack_wait_s."""
+    weight_pull_timeout_s: float = Field(180.0, gt=0)
+    """How long a generator holding prompts waits for their policy version (pulls failing, or the version not in
+    the store) before it hands them back to other generators, says why, and takes no prompt until it has it."""
     id: str | None = None
     """Generator id recorded on trajectories. None: hostname-pid."""
 
@@ -275,6 +281,21 @@ class StreamConfig(Section):
     """Deliveries of one prompt before it is dead-lettered."""
     replicas: int = Field(1, ge=1, le=5)
     """JetStream replicas (clusters)."""
+
+
+class OutageConfig(Section):
+    """How long the trainer rides out its servers being away before it gives up (and says which one). Held
+    groups are kept alive meanwhile (in-progress acks), so none is redelivered while the trainer waits."""
+
+    publish_s: float = Field(600.0, gt=0)
+    """A weight publish retries through an object-store outage this long; only the LATEST move is retried."""
+    checkpoint_s: float = Field(600.0, gt=0)
+    """A periodic checkpoint write retries this long (a refused write, another trainer's, is not retried)."""
+    final_checkpoint_s: float = Field(120.0, gt=0)
+    """The checkpoint at a stop or after a failure retries this long; stop graces wait for it (`run.stop_grace_s`)."""
+    fetch_s: float = Field(600.0, gt=0)
+    """The trainer's stream traffic outside fetches (prompt admission, dead-letter reads) retries this long;
+    a fetch itself rides out any outage and only `trainer.queue_wait_timeout_s` without groups ends the run."""
 
 
 class LoggingConfig(Section):

@@ -36,8 +36,8 @@ START_TIMEOUT_S = 300.0
 """How long `up`/`scale` wait for roles to be placed and started (a busy cluster may queue them)."""
 STATUS_TIMEOUT_S = 30.0
 """How long one role may take to answer `status`."""
-DRAIN_TIMEOUT_S = 60.0
-"""How long `scale`/`down` wait for roles to drain (each role has its own SIGTERM grace inside)."""
+DRAIN_MARGIN_S = 30.0
+"""How much longer than a role's own SIGTERM grace (`run.stop_grace_s`) `scale`/`down` wait for it to drain."""
 LOCAL_CLUSTER_TIMEOUT_S = 120.0
 """How long a local cluster started by `up` may take to accept connections."""
 LOCAL_CLUSTER_STOP_S = 10.0
@@ -258,6 +258,7 @@ def start_trainer(cfg: LeewayConfig, run_dir: Path, num_ranks: int) -> list[Any]
             restart_on_failure=resume,
             resume_on_restart=resume,
             stops_fleet=rank == 0,
+            stop_grace_s=cfg.stop_grace_s,
         )
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
         resources = {"num_cpus": bundles[rank]["CPU"], "num_gpus": bundles[rank].get("GPU", 0.0)}
@@ -278,7 +279,12 @@ def start_generators(cfg_yaml: str, cfg: LeewayConfig, run_dir: Path, names: tup
     handles = []
     for name in names:
         spec = RoleSpec(
-            name=name, kind="generator", config_yaml=cfg_yaml, run_dir=str(run_dir), sets=(f"generator.id={name}",)
+            name=name,
+            kind="generator",
+            config_yaml=cfg_yaml,
+            run_dir=str(run_dir),
+            sets=(f"generator.id={name}",),
+            stop_grace_s=cfg.stop_grace_s,
         )
         handles.append(
             _create(
@@ -357,8 +363,9 @@ def _wait_for_trainer(handle: Any) -> int:
 # ------------------------------------------------------------------------------------------ scale
 
 
-def _drain(names: list[str]) -> list[dict[str, Any]]:
-    """Stop these roles (all at once) and kill their actors; their final statuses."""
+def _drain(names: list[str], grace_s: float) -> list[dict[str, Any]]:
+    """Stop these roles (all at once) and kill their actors; their final statuses. Each role gets `grace_s`
+    after SIGTERM inside its actor (the trainer's final checkpoint), so the wait here is a little longer."""
     import ray
 
     handles = {}
@@ -369,7 +376,7 @@ def _drain(names: list[str]) -> list[dict[str, Any]]:
     refs = {name: h.stop.remote() for name, h in handles.items()}
     for name, ref in refs.items():
         try:
-            results.append(ray.get(ref, timeout=DRAIN_TIMEOUT_S))
+            results.append(ray.get(ref, timeout=grace_s + DRAIN_MARGIN_S))
         except Exception as exc:  # dead or unreachable: killing the actor kills its role too
             results.append({"name": name, "state": f"unreachable ({type(exc).__name__})"})
     for handle in handles.values():
@@ -394,7 +401,7 @@ def cmd_scale(cfg: LeewayConfig, args: argparse.Namespace) -> int:
             wait_started(started, START_TIMEOUT_S)
             print(f"leeway fleet: started {', '.join(plan.start)}")
         if plan.drain:
-            for result in _drain(list(plan.drain)):
+            for result in _drain(list(plan.drain), cfg.stop_grace_s):
                 print(f"leeway fleet: {result['name']} {result['state']} (exit {result.get('returncode')})")
         if not plan.start and not plan.drain:
             print(f"leeway fleet: {args.generators} generator(s) already run")
@@ -469,9 +476,9 @@ def cmd_down(cfg: LeewayConfig, args: argparse.Namespace) -> int:
             import ray
 
             names = role_names()
-            stopped += _drain([n for n in names if not placement.is_trainer(n)])
-            stopped += _drain([n for n in names if n == placement.trainer_names(1)[0]])
-            stopped += _drain([n for n in names if placement.is_trainer(n)])
+            stopped += _drain([n for n in names if not placement.is_trainer(n)], cfg.stop_grace_s)
+            stopped += _drain([n for n in names if n == placement.trainer_names(1)[0]], cfg.stop_grace_s)
+            stopped += _drain([n for n in names if placement.is_trainer(n)], cfg.stop_grace_s)
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(
                     ray.util.get_placement_group(placement.placement_group_name(cfg.run.name))

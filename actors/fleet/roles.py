@@ -52,8 +52,9 @@ from infra.process import (
     stop_processes,
 )
 
-STOP_TIMEOUT_S = 20.0
-"""Grace of a role after SIGTERM before its process group is killed (as `leeway run` gives it)."""
+STOP_TIMEOUT_S = 150.0
+"""Default grace of a role after SIGTERM before its process group is killed; a spec carries the run's
+(`LeewayConfig.stop_grace_s`, as `leeway run` gives it)."""
 PREDECESSOR_POLL_S = 0.1
 """How often a restarted actor checks whether its predecessor's role process has exited."""
 METRICS_TAIL_BYTES = 256 * 1024
@@ -82,6 +83,8 @@ class RoleSpec:
     """A restarted trainer starts with `--resume`."""
     stops_fleet: bool = False
     """Trainer rank 0: when it ends (and is not restarted) every generator of the run is stopped."""
+    stop_grace_s: float = STOP_TIMEOUT_S
+    """SIGTERM-to-SIGKILL grace of the role (`run.stop_grace_s`: the trainer's final checkpoint needs it)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -173,7 +176,7 @@ class RoleActor:
             info = ProcessInfo.from_json(json.loads(pid_path.read_text()))
         except (FileNotFoundError, ValueError, KeyError):
             return
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + self.role.stop_grace_s
         while is_running(info) and time.monotonic() < deadline:
             time.sleep(PREDECESSOR_POLL_S)
         if is_running(info):
@@ -204,6 +207,7 @@ class RoleActor:
             cwd=self.run_dir,
             death_signal=signal.SIGTERM,
             watchdog=True,
+            watchdog_grace_s=self.role.stop_grace_s,
         )
 
     def _keep(self) -> None:
@@ -239,7 +243,7 @@ class RoleActor:
             with contextlib.suppress(ValueError):
                 handles.append(ray.get_actor(name))
         with contextlib.suppress(Exception):
-            ray.get([h.stop.remote() for h in handles], timeout=STOP_TIMEOUT_S * 2)
+            ray.get([h.stop.remote() for h in handles], timeout=self.role.stop_grace_s * 2)
 
     # ------------------------------------------------------------------------------------ methods
 
@@ -266,8 +270,9 @@ class RoleActor:
         """The spec this role was started with: `fleet scale` starts new generators from the same config."""
         return self.role.to_json()
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> dict[str, Any]:
-        """SIGTERM the role's group, SIGKILL it after `timeout_s`; returns the final status."""
+    def stop(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """SIGTERM the role's group, SIGKILL it after `timeout_s` (default: the spec's grace); the final status."""
+        timeout_s = self.role.stop_grace_s if timeout_s is None else timeout_s
         self._stop_requested.set()
         popen = self.popen
         if popen is not None and self.returncode is None:

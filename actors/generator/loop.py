@@ -37,7 +37,7 @@ Invariants and failure behaviour:
   ids outside the vocabulary, no room in the engine's ``max_len``) is dead-lettered with its reason, and one
   admitted at a version the store's LATEST has not reached (left from an earlier run of the same name) is
   released with a WARNING instead of being waited for. A batch whose version the engine cannot reach within
-  `WEIGHT_PULL_TIMEOUT_S` (pulls failing) is handed back, said why (ERROR, ``weight_pull_timeouts``), and no
+  `generator.weight_pull_timeout_s` (pulls failing) is handed back, said why (ERROR, ``weight_pull_timeouts``), and no
   prompt is taken until the version is applied. If the engine refuses the batch or fails a group's
   requests, that group is generated again in an engine call of its own; a prompt whose rollout or publish
   fails is nak'ed alone. The others are published and acked.
@@ -73,7 +73,6 @@ from actors.generator.engines.base import Engine, SamplingParams
 from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
 from actors.generator.rollouts import Outcome, Rollouts
 from actors.generator.weight_sync import (
-    WEIGHT_PULL_TIMEOUT_S,
     WeightPullTimeout,
     WeightSync,
     unknown_version_message,
@@ -141,7 +140,7 @@ class Generator:
         self.verifiers = verifiers
         self.shutdown_grace_s = SHUTDOWN_GRACE_S
         self.unknown_version_nak_delay_s = UNKNOWN_VERSION_NAK_DELAY_S
-        self.weight_pull_timeout_s = WEIGHT_PULL_TIMEOUT_S
+        self.weight_pull_timeout_s = cfg.generator.weight_pull_timeout_s
         self._stuck_at: int | None = None
         """The version the engine could not reach in time for held prompts: no prompt is taken until it has it."""
         self.rollouts = Rollouts(

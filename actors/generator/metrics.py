@@ -24,7 +24,7 @@ version (a lower bound of the staleness the trainer will count). ``announce_to_a
 the announcement's ``published_at_s`` (KV), or the moment a LATEST poll found the version, to the
 moment the engine applied it (wall clock: across machines it includes their clock skew); ``versions_behind_at_pull`` is newest-known minus engine version when a pull starts.
 ``weight_pull_failures`` counts failed pulls; ``weight_pull_timeouts`` the times the generator handed its
-prompts back because the engine could not reach their version within ``WEIGHT_PULL_TIMEOUT_S``;
+prompts back because the engine could not reach their version within ``generator.weight_pull_timeout_s``;
 ``weights_stuck`` is 1 while it takes no prompts for that reason (the log says why).
 """
 

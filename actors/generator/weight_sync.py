@@ -32,7 +32,7 @@
 - A version that cannot be pulled at all (another model's manifest, a missing delta, a store away) must
   not hold prompts forever: `ensure` with ``give_up_after_s`` raises `WeightPullTimeout` (with the last
   pull error) after that long, so the generator hands its prompts back (`actors/generator/loop.py`,
-  `WEIGHT_PULL_TIMEOUT_S`); the next `ensure` simply tries again.
+  `generator.weight_pull_timeout_s`); the next `ensure` simply tries again.
 """
 
 from __future__ import annotations
@@ -57,9 +57,6 @@ RETRY_S = 1.0
 """Pause after a failed poll or pull before the next attempt."""
 WAIT_LOG_INTERVAL_S = 30.0
 """While waiting for a first version (no trainer yet), log this often; a pull that keeps failing, too."""
-WEIGHT_PULL_TIMEOUT_S = 180.0
-"""Default time a generator holding prompts waits for the engine to reach their version (pulls failing, or the
-version not in the store) before it hands them back to other generators and says why."""
 
 
 class WeightPullTimeout(Exception):

@@ -18,10 +18,11 @@ Invariants:
 - Every role runs in its own process group (a new session), so a terminal Ctrl-C reaches only this
   process, which then stops the roles in order: generators first (their held prompts go back to the
   queue), then the trainer (it finishes or abandons its step and checkpoints), each with SIGTERM
-  and, after `STOP_TIMEOUT_S` (or at once on a second Ctrl-C), SIGKILL to its whole group.
+  and, after the run's stop grace (`run.stop_grace_s`; by default the final checkpoint's budget + 30 s)
+  or at once on a second Ctrl-C, SIGKILL to its whole group.
 - Nothing outlives this process, even when it is SIGKILLed: the roles get SIGTERM from the kernel when
   it dies (Linux parent-death signal) and also watch its pid themselves (`LEEWAY_PARENT_PID`,
-  `infra.process.watch_parent`: SIGTERM, then SIGKILL after `ORPHAN_GRACE_S`, or an immediate exit
+  `infra.process.watch_parent`: SIGTERM, then SIGKILL after the same grace, or an immediate exit
   saying what it abandons once the servers its clean stop needs are all gone); the servers of a
   private stack get SIGKILL (`infra.process.tied_to_this_process`). Roles and the private stack are
   spawned from the main thread, which lives until everything is stopped.
@@ -60,8 +61,6 @@ from infra.process import StackError, log_tail, spawn_child, stop_groups, tied_t
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
 
-STOP_TIMEOUT_S = 20.0
-"""How long a role gets to finish after SIGTERM before its process group is killed."""
 POLL_S = 0.5
 """Refresh interval of the live view."""
 
@@ -125,7 +124,7 @@ class RunProcesses:
     hurry: threading.Event = field(default_factory=threading.Event)
     """Set by a second Ctrl-C: kill instead of waiting."""
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout_s: float) -> None:
         """Generators first (all at once), then the trainer; each group is killed if it does not exit in time."""
         stop_roles(self.generators, timeout_s, self.hurry)
         if self.trainer is not None:
@@ -165,7 +164,13 @@ def split_threads(num_generators: int, cores: int | None = None) -> tuple[int, i
 
 
 def spawn_role(
-    role: str, config_path: Path, overrides: list[str], log_path: Path, threads: int, name: str | None = None
+    role: str,
+    config_path: Path,
+    overrides: list[str],
+    log_path: Path,
+    threads: int,
+    name: str | None = None,
+    grace_s: float | None = None,
 ) -> RoleProcess:
     """Start `leeway <role> CONFIG` as its own session (process group), its threads pinned by env and config.
 
@@ -181,6 +186,7 @@ def spawn_role(
         env=dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)),
         death_signal=signal.SIGTERM,
         watchdog=True,
+        watchdog_grace_s=grace_s,
     )
     return RoleProcess(name or role, popen, log_path)
 
@@ -211,11 +217,16 @@ def start_roles(
     processes = processes if processes is not None else RunProcesses()
     logs = run_dir / "logs"
     trainer_sets = [*extra, f"trainer.torch_threads={trainer_threads}"]
-    processes.trainer = spawn_role("trainer", config_path, trainer_sets, logs / "trainer.log", trainer_threads)
+    grace_s = cfg.stop_grace_s
+    processes.trainer = spawn_role(
+        "trainer", config_path, trainer_sets, logs / "trainer.log", trainer_threads, grace_s=grace_s
+    )
     for gen_id in generator_ids(num_generators):
         sets = [*extra, f"engine.torch_threads={generator_threads}", f"generator.id={gen_id}"]
         processes.generators.append(
-            spawn_role("generator", config_path, sets, logs / f"{gen_id}.log", generator_threads, name=gen_id)
+            spawn_role(
+                "generator", config_path, sets, logs / f"{gen_id}.log", generator_threads, name=gen_id, grace_s=grace_s
+            )
         )
     return processes
 
@@ -359,7 +370,7 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
             if probe is not None:
                 probe.close()
             try:
-                processes.stop()
+                processes.stop(cfg.stop_grace_s)
                 new, offset = read_metrics(metrics_path, offset)
                 records.extend(new)
                 _show(view, records, processes, None, stopped=True)

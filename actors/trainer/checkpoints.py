@@ -183,13 +183,22 @@ def attempt_prefix(run: str, version: int, attempt: str) -> str:
 
 
 def write_checkpoint(
-    store: ObjectStore, run: str, state: TrainerState, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
+    store: ObjectStore,
+    run: str,
+    state: TrainerState,
+    tensors: Mapping[str, Tensor],
+    meta: Mapping[str, Any],
+    *,
+    attempt: str | None = None,
 ) -> str:
-    """Write every file under a fresh attempt, then the manifest (create-only), then prune older checkpoints.
+    """Write every file under `attempt` (default: a fresh one), then the manifest (create-only), then prune
+    older checkpoints.
 
-    Returns the version's prefix (where its manifest is). A version that already has a manifest raises
-    ValueError after deleting this attempt's files; the existing checkpoint is untouched."""
-    attempt = new_attempt()
+    Returns the version's prefix (where its manifest is). A retry passes the same `attempt`: a manifest
+    already naming it is this writer's own earlier commit (its response was lost) and is adopted. A
+    version whose manifest names another attempt raises ValueError after deleting this attempt's files;
+    the existing checkpoint is untouched."""
+    attempt = attempt or new_attempt()
     base = attempt_prefix(run, state.version, attempt)
     files = encode_checkpoint(tensors, meta)
     files[STATE_FILE] = state.to_json()
@@ -212,6 +221,10 @@ def _commit(store: ObjectStore, run: str, prefix: str, manifest: dict[str, Any])
     try:
         store.put_if_absent(prefix + MANIFEST_FILE, orjson.dumps(manifest))
     except PreconditionFailed:
+        if _committed_attempt(store, prefix) == manifest["attempt"]:  # our own commit, its response lost
+            log.info("checkpoint %s: the manifest of this attempt was already committed; adopted", prefix)
+            prune_checkpoints(store, run, keep=KEEP_CHECKPOINTS)
+            return prefix
         own = prefix + manifest["attempt"] + "/"
         try:
             store.delete_many(store.list(own))
@@ -223,6 +236,16 @@ def _commit(store: ObjectStore, run: str, prefix: str, manifest: dict[str, Any])
         ) from None
     prune_checkpoints(store, run, keep=KEEP_CHECKPOINTS)
     return prefix
+
+
+def _committed_attempt(store: ObjectStore, prefix: str) -> str | None:
+    """The attempt named by the manifest under `prefix`, or None when it cannot be read as one."""
+    try:
+        committed = orjson.loads(store.get(prefix + MANIFEST_FILE))
+    except (ObjectNotFound, orjson.JSONDecodeError):
+        return None
+    attempt = committed.get("attempt") if isinstance(committed, dict) else None
+    return attempt if isinstance(attempt, str) else None
 
 
 def _scan(store: ObjectStore, run: str) -> dict[int, list[str]]:

@@ -204,12 +204,13 @@ def rank_environ(base: Mapping[str, str], rank: int, world_size: int, port: int)
     }
 
 
-def launch_ranks(argv: Sequence[str], nproc: int) -> int:
+def launch_ranks(argv: Sequence[str], nproc: int, *, grace_s: float = STOP_GRACE_S) -> int:
     """Start `argv` as `nproc` ranks, wait for them; 0 only if every rank exited 0 (see the module docstring).
+    `grace_s`: the ranks' SIGTERM-to-SIGKILL grace (the run's `stop_grace_s`: rank 0's final checkpoint).
 
     Each rank is its own session, so a terminal's Ctrl-C reaches the launcher alone, which hands it
     to rank 0. Waiting is `os.wait` (woken by each child's exit), never a poll; only stopping the
-    other ranks after a failure polls, for at most `STOP_GRACE_S`.
+    other ranks after a failure polls, for at most `grace_s`.
     """
     if nproc < 1:
         raise ValueError(f"--nproc {nproc} must be >= 1")
@@ -221,6 +222,7 @@ def launch_ranks(argv: Sequence[str], nproc: int) -> int:
             env=rank_environ(os.environ, rank, nproc, port),
             death_signal=signal.SIGTERM if rank == 0 else signal.SIGKILL,
             watchdog=True,
+            watchdog_grace_s=grace_s,
         )
     log.info(
         "started %d trainer ranks (pids %s), rendezvous %s:%d", nproc, [p.pid for p in procs.values()], LOOPBACK, port
@@ -249,7 +251,7 @@ def launch_ranks(argv: Sequence[str], nproc: int) -> int:
                 log.error("%s", failure)
                 print(f"leeway trainer: {failure}", file=sys.stderr, flush=True)
                 # not reaped meanwhile (this thread is the one that waits), so each pid is still that rank
-                stop_groups([procs[other].pid for other in sorted(remaining)], STOP_GRACE_S)
+                stop_groups([procs[other].pid for other in sorted(remaining)], grace_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

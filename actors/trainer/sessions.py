@@ -24,9 +24,11 @@ The loop in `actors/trainer/loop.py` is the same for both; it asks its session, 
 ```
 
 Each session owns its `RunLink` (NATS connection, object store) and closes it. The live session's
-writes that a passing outage should not end the run (weight publish, prompt admission) are retried
-with backoff and jitter (`pipeline/wire/retry.py`); both are idempotent. The KV announcement is tried
-once and only warns when it fails: generators also poll `LATEST`.
+writes that an outage of minutes should not end the run (weight publish, checkpoint, final checkpoint,
+prompt admission) are retried with backoff and jitter for their budget in `outages.*`
+(`pipeline/wire/retry.py`), the step's held groups kept alive by in-progress acks between tries; all are
+idempotent (a checkpoint retry reuses its attempt, so a commit of unknown outcome is adopted). The KV
+announcement is tried once and only warns when it fails: generators also poll `LATEST`.
 Both sessions compare the first stream sequence they mean to read with the stream's first one and
 say (WARNING, `groups/lost_to_retention`) how many groups retention removed before they were read. The replay session's
 version is the one the live trainer held at least when it consumed those groups, so the cap and the
@@ -51,15 +53,21 @@ from transformers import PreTrainedModel
 
 from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
 from actors.models import load_tokenizer
+from actors.trainer.admission import admission_count, count_lost_to_retention
 from actors.trainer.backends import TrainingBackend
-from actors.trainer.checkpoints import RecentIds, TrainerState, load_latest_checkpoint, write_checkpoint
+from actors.trainer.checkpoints import (
+    RecentIds,
+    TrainerState,
+    load_latest_checkpoint,
+    new_attempt,
+    write_checkpoint,
+)
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
 from actors.trainer.resume_reads import ResumeReads
 from actors.trainer.slots import DeadLetterCheck, DeadLetterEntry, read_dead_letters_quietly
 from pipeline.config import LeewayConfig
-from pipeline.rl.staleness import admissible_prompts
 from pipeline.tasks import Task
 from pipeline.wire.announce import generator_metrics_subject, try_announce, version_kv
 from pipeline.wire.consumer import Delivery, TrajectoryConsumer, ensure_trainer_consumer
@@ -67,7 +75,7 @@ from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
 from pipeline.wire.prompts import Prompt
 from pipeline.wire.replay import ReplayReader, ReplaySelection
-from pipeline.wire.retry import PERMANENT_ERRORS, retry_async
+from pipeline.wire.retry import PERMANENT_ERRORS, outage_backoff, retry_async
 from pipeline.wire.trajectories import ensure_trajectory_streams
 from pipeline.wire.trajectory import TrajectoryGroup
 from storage.manifest import config_hash
@@ -355,7 +363,12 @@ class LiveSession:
         if count <= 0:
             return
         prompts = [queue_prompt(p, state.version) for p in self.prompt_feed.take(count)]
-        await retry_async(lambda: self._admit_all(prompts), what=f"admitting {len(prompts)} prompts")
+        await retry_async(
+            lambda: self._admit_all(prompts),
+            what=f"admitting {len(prompts)} prompts",
+            backoff=outage_backoff(self.cfg.outages.fetch_s),
+            heartbeat=self.keep_alive,
+        )
         state.admitted += len(prompts)  # re-admitted duplicates (after a resume) count: they are outstanding
 
     async def _admit_all(self, prompts: Sequence[Prompt]) -> None:
@@ -413,8 +426,9 @@ class LiveSession:
         await self._publish(state.version)
 
     async def _publish(self, version: int) -> None:
-        """Publish `version` (retried: a failed publish leaves the publisher at the previous version), then
-        announce it (one bounded try that only warns if it fails: `try_announce`)."""
+        """Publish `version` (retried for `outages.publish_s`, the step's groups kept alive meanwhile: a failed
+        publish leaves the publisher at the previous version), then announce it (one bounded try that only
+        warns if it fails: `try_announce`)."""
         ranks = self.ranks
         if ranks is not None:  # every rank stores its parts; rank 0 commits
             publish = lambda: asyncio.to_thread(ranks.publish, version)  # noqa: E731
@@ -425,6 +439,8 @@ class LiveSession:
             publish,
             what=f"publishing weights version {version}",
             permanent=PUBLISH_PERMANENT_ERRORS,
+            backoff=outage_backoff(self.cfg.outages.publish_s),
+            heartbeat=self.keep_alive,
         )
         if self.kv is not None:  # a doorbell only: a failure warns (generators poll LATEST too), never ends the run
             await try_announce(self.kv, version)
@@ -454,11 +470,22 @@ class LiveSession:
         if not final and state.step % self.cfg.trainer.checkpoint_every:
             return
         state.handled_group_ids = handled.to_list()
-        if self.ranks is not None:
-            await asyncio.to_thread(self.ranks.checkpoint, state)
+        budget = self.cfg.outages.final_checkpoint_s if final else self.cfg.outages.checkpoint_s
+        ranks = self.ranks
+        if ranks is not None:
+            write = lambda: asyncio.to_thread(ranks.checkpoint, state)  # noqa: E731
         else:
             tensors, meta = self.backend.state_tensors(), self.backend.state_meta()
-            await asyncio.to_thread(write_checkpoint, self.link.store, self.names.run, state, tensors, meta)
+            attempt = new_attempt()  # one attempt for every retry: a commit of unknown outcome is adopted
+            write = lambda: asyncio.to_thread(  # noqa: E731
+                write_checkpoint, self.link.store, self.names.run, state, tensors, meta, attempt=attempt
+            )
+        await retry_async(
+            write,
+            what=f"writing the {'final ' if final else ''}checkpoint of step {state.step}",
+            backoff=outage_backoff(budget),
+            heartbeat=self.keep_alive,
+        )
         self.last_checkpoint_step = state.step
         log.info(
             "checkpoint written at step %d (version %d, stream seq %d)", state.step, state.version, state.consumed_seq
@@ -569,32 +596,3 @@ class ReplaySession:
     async def close(self) -> None:
         await self.reader.close()
         await self.link.nc.drain()
-
-
-def admission_count(cfg: LeewayConfig, state: TrainerState, pending_dropped: int = 0) -> int:
-    """How many prompts the staleness rule admits now; `pending_dropped`: groups of the step still filling
-    that are already decided (dropped or refused) but not yet committed, whose slots are free too."""
-    return admissible_prompts(
-        steps=state.step,
-        max_staleness=cfg.staleness.max_staleness,
-        batch_groups=cfg.trainer.batch_groups,
-        outstanding=max(0, state.admitted - state.decided_groups - pending_dropped),
-        trained=state.trained_groups,
-    )
-
-
-def count_lost_to_retention(start_seq: int, first_seq: int, last_seq: int, what: str) -> int:
-    """Groups between `start_seq` and the stream's first sequence, removed by retention before they were
-    read; said at WARNING (`what` names the reader), so a gap is never silent."""
-    end = min(first_seq - 1, last_seq)
-    lost = max(0, end - start_seq + 1)
-    if lost:
-        log.warning(
-            "%s: trajectory stream seqs %d..%d (%d groups) were removed by retention (stream.max_age_s / "
-            "stream.max_bytes) before this trainer read them; they are lost to training",
-            what,
-            start_seq,
-            end,
-            lost,
-        )
-    return lost

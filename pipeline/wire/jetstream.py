@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
@@ -135,13 +136,34 @@ async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create the stream, or bring an existing one to `config` (idempotent; safe from every process).
 
     Every process of a run calls this at start, in any order, so none depends on another having set up first.
+    A stream that already has every setting of `config` is left alone without a create request: the server
+    checks a create's `max_bytes` against its free store even when the stream exists, so a role restarting
+    while the store is nearly full (a small `max_file_store`, a filling disk) would be refused for nothing.
     """
+    assert config.name is not None
     try:
+        info = await js.stream_info(config.name)
+    except nats.js.errors.NotFoundError:
+        info = None
+    if info is not None:
+        if not _has_settings(info.config, config):
+            await js.update_stream(config)
+        return
+    try:  # another process may create it first
         await js.add_stream(config)
     except nats.js.errors.BadRequestError as exc:
         if exc.err_code != _STREAM_EXISTS_DIFFERENTLY:
             raise
         await js.update_stream(config)
+
+
+def _has_settings(current: StreamConfig, wanted: StreamConfig) -> bool:
+    """True when `current` holds every field `wanted` sets (None in `wanted`: the server's default, not compared)."""
+    for f in dataclasses.fields(wanted):
+        value = getattr(wanted, f.name)
+        if value is not None and getattr(current, f.name) != value:
+            return False
+    return True
 
 
 def handled_deliveries(server_max_deliver: int | None, dead_letter_tries: int) -> int:

@@ -247,14 +247,20 @@ class _PullsFail:
 
 
 def test_a_generator_that_cannot_pull_its_prompts_version_hands_them_back_and_says_why(stack, caplog) -> None:
-    cfg = generator_cfg(stack, unique_run(), "generator.concurrency=1", "staleness.max_staleness=0")
+    cfg = generator_cfg(
+        stack,
+        unique_run(),
+        "generator.concurrency=1",
+        "staleness.max_staleness=0",
+        "generator.weight_pull_timeout_s=0.5",
+    )
 
     async def main() -> None:
         async with FakeTrainer(cfg) as trainer:
             await trainer.publish(0)
             async with running_generator(cfg, "cannot-pull") as rt:
                 await until(lambda: rt.weights.engine_version == 0)
-                rt.generator.weight_pull_timeout_s = 0.5
+                assert rt.generator.weight_pull_timeout_s == 0.5  # from the config
                 broken = _PullsFail(rt.weights._source)
                 rt.weights._source = broken
                 await trainer.publish(1)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.process import ORPHAN_GRACE_S, is_running, start_ticks
+from infra.process import ORPHAN_GRACE_S, PARENT_GRACE_ENV, PARENT_PID_ENV, is_running, spawn_child, start_ticks
 from infra.stack import StackState, load_state, stack_status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ STARTED_DEADLINE_S = 150.0
 """Generous bound on a run (or a helper process) reaching the state a test waits for."""
 GONE_DEADLINE_S = ORPHAN_GRACE_S + 60.0
 """Generous bound on orphans disappearing: a role may take up to `ORPHAN_GRACE_S` before its SIGKILL."""
-ORPHAN_ABANDON_DEADLINE_S = ORPHAN_GRACE_S / 2
+ORPHAN_ABANDON_DEADLINE_S = 10.0
 """Generous bound on roles whose servers died with them being gone: the watchdog notices within
 `ORPHAN_POLL_S` and a refused connect is immediate; a stop that retried the dead servers took 13-21 s."""
 POLL_S = 0.1
@@ -283,3 +283,15 @@ def test_sigkill_of_leeway_run_on_a_shared_stack_stops_the_roles_and_leaves_the_
     assert all(is_running(p) for p in stack.processes), "the shared stack must outlive `leeway run`"
     status = stack_status(stack.dir)
     assert status["nats"]["healthy"] and status["seaweed"]["healthy"], status
+
+
+def test_a_watched_child_learns_its_parent_and_the_runs_stop_grace(tmp_path: Path) -> None:
+    """`leeway run`, fleet roles and `--nproc` ranks pass the run's stop grace (`run.stop_grace_s`) to the orphan
+    watchdog: a trainer left alone keeps its final checkpoint's budget instead of a fixed 20 s."""
+    out = tmp_path / "env.txt"
+    script = f"import os; open({str(out)!r}, 'w').write(os.environ['{PARENT_PID_ENV}'] + ' ' + os.environ['{PARENT_GRACE_ENV}'])"
+    child = spawn_child([sys.executable, "-c", script], watchdog=True, watchdog_grace_s=150)
+    assert child.wait(timeout=STARTED_DEADLINE_S) == 0
+    assert out.read_text() == f"{os.getpid()} 150.0"
+    plain = spawn_child([sys.executable, "-c", f"import os, sys; sys.exit('{PARENT_GRACE_ENV}' in os.environ)"])
+    assert plain.wait(timeout=STARTED_DEADLINE_S) == 0  # no watchdog, no grace

@@ -9,6 +9,7 @@ A trainer group is two samples of `PROMPT` plus four generated tokens; its rewar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -151,14 +152,18 @@ async def live_trainer(
     resume: bool = False,
 ) -> Trainer:
     """`open_trainer`'s live path (fresh, or `--resume` with `resume`), assembled from its public parts, with
-    the backend wrapped by `wrap_backend` and the store the weight publisher writes through wrapped by `wrap_store`."""
+    the backend wrapped by `wrap_backend` and the store (the weight publisher's and the checkpoints') wrapped by
+    `wrap_store`."""
     task = get_task(cfg.task.name, **cfg.task.args)
     model = build_policy_model(cfg, load_tokenizer(cfg, task))
     backend = build_backend(cfg, model)
     if wrap_backend is not None:
         backend = wrap_backend(backend)
     link = await RunLink.open(cfg)
-    store = wrap_store(link.store) if wrap_store is not None else link.store
+    store = link.store
+    if wrap_store is not None:
+        store = wrap_store(link.store)
+        link = dataclasses.replace(link, store=store)
     publisher = build_weight_publisher(cfg, store, model)
     session = await LiveSession.open(cfg, link, backend, publisher, task, resume=resume)
     return Trainer(cfg, backend, session)

@@ -19,10 +19,10 @@ import torch
 
 from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
 from actors.generator.weight_sync import Pulled
+from actors.trainer.admission import admission_count
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
 from actors.trainer.checkpoints import RecentIds, TrainerState
 from actors.trainer.generator_reports import GeneratorReports
-from actors.trainer.sessions import admission_count
 from actors.trainer.slots import DeadLetterEntry
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import ModelLimits

@@ -1,0 +1,45 @@
+"""How many prompts the live trainer admits now, and how many groups retention took before they were read.
+
+Both feed the admission rule (`pipeline/rl/staleness.py`): outstanding groups hold slots, and a group that
+can no longer arrive (decided, dropped, refused, or removed by stream retention) must give its slot back,
+or admission stalls. The live session, the trainer test fakes and the loop's still-to-come count share them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from actors.trainer.checkpoints import TrainerState
+from pipeline.config import LeewayConfig
+from pipeline.rl.staleness import admissible_prompts
+
+log = logging.getLogger(__name__)
+
+
+def admission_count(cfg: LeewayConfig, state: TrainerState, pending_dropped: int = 0) -> int:
+    """How many prompts the staleness rule admits now; `pending_dropped`: groups of the step still filling
+    that are already decided (dropped or refused) but not yet committed, whose slots are free too."""
+    return admissible_prompts(
+        steps=state.step,
+        max_staleness=cfg.staleness.max_staleness,
+        batch_groups=cfg.trainer.batch_groups,
+        outstanding=max(0, state.admitted - state.decided_groups - pending_dropped),
+        trained=state.trained_groups,
+    )
+
+
+def count_lost_to_retention(start_seq: int, first_seq: int, last_seq: int, what: str) -> int:
+    """Groups between `start_seq` and the stream's first sequence, removed by retention before they were
+    read; said at WARNING (`what` names the reader), so a gap is never silent."""
+    end = min(first_seq - 1, last_seq)
+    lost = max(0, end - start_seq + 1)
+    if lost:
+        log.warning(
+            "%s: trajectory stream seqs %d..%d (%d groups) were removed by retention (stream.max_age_s / "
+            "stream.max_bytes) before this trainer read them; they are lost to training",
+            what,
+            start_seq,
+            end,
+            lost,
+        )
+    return lost

@@ -1,0 +1,72 @@
+"""Stream set-up on a server whose JetStream store is small: a role restarting while the store is nearly full
+(a `max_file_store` limit, a filling disk) still starts, and a changed setting is still applied.
+
+A nats-server of this test's own (a store limit the session stack does not have), on 127.0.0.1 and a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infra import nats_server
+from infra.process import free_port
+from pipeline.config import load_config
+from pipeline.wire.jetstream import connect
+from pipeline.wire.names import RunNames
+from pipeline.wire.trajectories import ensure_trajectory_streams
+
+STORE_LIMIT = 180 * 1024 * 1024
+"""Above the run's two reserving streams (64 MiB each), below what a create of an existing one asks again."""
+START_DEADLINE_S = 60.0
+
+
+@pytest.fixture
+def small_store_url(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    conf = tmp_path / "nats.conf"
+    store = tmp_path / "js"
+    conf.write_text(
+        f'listen: 127.0.0.1:{port}\njetstream {{\n  store_dir: "{store}"\n  max_file_store: {STORE_LIMIT}\n}}\n'
+    )
+    proc = subprocess.Popen(
+        nats_server.argv(nats_server.binary_path(), conf), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    url = nats_server.url(port)
+    try:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while nats_server.probe(url) is not None:
+            assert proc.poll() is None and time.monotonic() < deadline, "nats-server did not start"
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_restart_on_a_nearly_full_store_finds_its_streams_without_asking_for_room_again(
+    small_store_url: str,
+) -> None:
+    names = RunNames.for_run("tight")
+    stream = load_config(None, ["stream.max_bytes=67108864"], environ={}).stream
+
+    async def scenario() -> tuple[int, float]:
+        nc = await connect(small_store_url, name="test-setup")
+        js = nc.jetstream()
+        try:
+            await ensure_trajectory_streams(js, names, stream)  # first start: creates both
+            await js.publish(names.trajectory_subject, b"g" * 1000)
+            await ensure_trajectory_streams(js, names, stream)  # a restart: was refused, 10047 insufficient storage
+            shorter = stream.model_copy(update={"max_age_s": 3600.0})
+            await ensure_trajectory_streams(js, names, shorter)  # a changed setting is still applied
+            info = await js.stream_info(names.trajectory_stream)
+            return int(info.state.messages), float(info.config.max_age or 0.0)
+        finally:
+            await nc.drain()
+
+    assert asyncio.run(scenario()) == (1, 3600.0)
