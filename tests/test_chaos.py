@@ -1,43 +1,53 @@
-"""Chaos on the demo: a seeded schedule of SIGKILLs of the trainer and the generators, and one nats-server
-restart, for at least `CHAOS_S` seconds; then the run's own records must show exactly-once training.
+"""Chaos on the demo, over a run of `CHAOS_STEPS` steps: a seeded schedule of SIGKILLs of the trainer and the
+generators, and once each: nats-server SIGKILLed and restarted, SeaweedFS SIGKILLed and restarted, SeaweedFS
+stopped (SIGSTOP) for two minutes, and JetStream's store made small and filled until it refuses writes. No
+human steps in: the trainer ends by itself at max_steps.
 
-The schedule is driven by progress, not by the clock alone: each event waits until the trainer has
-committed a few more steps since the last one (read from `metrics.jsonl`), so a slow machine gets the
-same amount of chaos per step, and a fast one simply goes through more events. At the end, from
-`metrics.jsonl` (what the trainer committed) and a Parquet export of the trajectory stream
-(`leeway replay --to-parquet`): no group trained twice, every trained group is in the stream, versions
-strictly increase, and every process this test started is gone.
+The schedule is driven by progress, not by the clock: each event waits until the trainer has committed a
+few more steps since the last one (read from `metrics.jsonl`), so a slow machine gets the same chaos per
+step. At the end, from the run's own records (`metrics.jsonl`, the final checkpoint's state, the
+dead-letter stream, a Parquet export of the trajectory stream): every step committed once, versions
+strictly increase, no group trained twice, every admitted prompt trained once, dropped with a reason
+(the staleness cap) or dead-lettered with a reason, except the last steps' still in flight; and every
+process this test started is gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from infra import nats_server
-from infra.process import is_running
-from infra.stack import StackState, load_state
-from pipeline.config import load_config
+from actors.endpoints import open_run_store, resolve_endpoints
+from actors.trainer.checkpoints import load_latest_checkpoint
+from infra.stack import StackState
+from pipeline.config import LeewayConfig, load_config
+from pipeline.wire.jetstream import connect, read_dead_letters
+from pipeline.wire.names import RunNames
+from tests.support.chaos import Servers
 from tests.support.runs import leeway_argv
 from tests.support.stacks import running_stack
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 20261130
-CHAOS_S = 120.0
-"""The schedule keeps killing for at least this long (the issue asks for two minutes)."""
-MIN_EVENTS = 8
-STEPS_BETWEEN_EVENTS = (2, 6)
+CHAOS_STEPS = 250
+"""The run's max_steps: it ends by itself there. The task is the demo's with 8 digits, which keeps learning
+for this long (6 digits saturate near step 200: every group then agrees, is filtered, and steps starve)."""
+TRAINER_KILLS = 4
+GENERATOR_KILLS = 4
+S3_STOP_S = 120.0
+"""How long SeaweedFS is stopped (the issue asks for two minutes)."""
+LEASE_OVERRIDES: tuple[str, ...] = ()
+STEPS_BETWEEN_EVENTS = (4, 12)
 """Each event waits for this many (seeded, inclusive range) newly committed steps since the previous one."""
 PROGRESS_TIMEOUT_S = 240.0
 """A generous bound on waiting for steps after an event; only a stuck run gets near it."""
@@ -108,10 +118,11 @@ class Roles:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
-    def wait_ready(self) -> None:
-        """Until every current process has said it serves (a SIGTERM during start-up, before the role installs
-        its handler, would end it with -15 instead of a clean stop)."""
-        markers = {"trainer": READY_TRAINER, **dict.fromkeys(self.generators, READY_GENERATOR)}
+    def wait_ready(self, names: list[str]) -> None:
+        """Until each named current process has said it serves (a SIGTERM during start-up, before the role
+        installs its handler, would end it with -15 instead of a clean stop)."""
+        every = {"trainer": READY_TRAINER, **dict.fromkeys(self.generators, READY_GENERATOR)}
+        markers = {name: every[name] for name in names}
         deadline = time.monotonic() + PROGRESS_TIMEOUT_S
         for name, marker in markers.items():
             path = self.logs / f"{name}.log"
@@ -141,61 +152,20 @@ def _wait_for_steps(run_dir: Path, target: int, roles: Roles) -> None:
         time.sleep(0.2)
 
 
-def _restart_nats(stack_dir: Path) -> subprocess.Popen[bytes]:
-    """SIGKILL the stack's nats-server and start it again on the same config (same port, same data)."""
-    state = load_state(stack_dir)
-    assert state is not None
-    info = state.process("nats")
-    assert info is not None
-    os.kill(info.pid, signal.SIGKILL)
-    deadline = time.monotonic() + PROGRESS_TIMEOUT_S
-    while is_running(info) or not _port_free(_port_of(state.nats_url)):  # its socket closes as it exits
-        assert time.monotonic() < deadline, "the killed nats-server kept its port"
-        time.sleep(0.1)
-    conf = stack_dir / "nats" / "nats.conf"
-    log = open(stack_dir / "logs" / "nats-restarted.log", "ab")
-    proc = subprocess.Popen(
-        nats_server.argv(nats_server.binary_path(), conf),
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    log.close()
-    deadline = time.monotonic() + PROGRESS_TIMEOUT_S
-    while nats_server.probe(state.nats_url) is not None:
-        assert proc.poll() is None, "the restarted nats-server exited"
-        assert time.monotonic() < deadline, "the restarted nats-server never answered"
-        time.sleep(0.2)
-    return proc
-
-
-def _port_of(url: str) -> int:
-    port = urlsplit(url).port
-    assert port is not None
-    return port
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server binds: TIME_WAIT is no obstacle
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture
 def chaos_stack(tmp_path: Path) -> Iterator[StackState]:
-    """A stack of the chaos test's own: its nats-server is killed and restarted, which others must not see."""
+    """A stack of the chaos test's own: its servers are killed, stopped and restarted, which others must not see."""
     with running_stack(tmp_path / "stack") as state:
         yield state
 
 
+SERVER_EVENTS = ("nats-server", "s3-kill", "s3-stop", "jetstream-full")
+"""Each happens once, at a seeded place among the role kills."""
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_chaos_trains_every_group_at_most_once(tmp_path: Path, chaos_stack: StackState) -> None:
+@pytest.mark.timeout(1800)
+def test_chaos_trains_every_admitted_prompt_once_or_says_why(tmp_path: Path, chaos_stack: StackState) -> None:
     rng = random.Random(SEED)
     run_dir = tmp_path / "run"
     cfg = load_config(
@@ -204,14 +174,17 @@ def test_chaos_trains_every_group_at_most_once(tmp_path: Path, chaos_stack: Stac
             "run.name=chaos",
             f"run.dir={run_dir}",
             f"nats.stack_dir={chaos_stack.dir}",
-            "trainer.max_steps=100000",
+            f"trainer.max_steps={CHAOS_STEPS}",
             "trainer.checkpoint_every=5",
             "trainer.queue_wait_timeout_s=600",
             "stream.prompt_ack_wait_s=10",
             "generator.heartbeat_s=3",  # below the ack wait (refused otherwise)
-            "stream.max_bytes=268435456",
+            "stream.max_bytes=268435456",  # the whole run stays in the stream (checked against it at the end)
+            "task.args.num_digits=8",
+            "engine.sampling.max_new_tokens=8",
             "weights.grace_s=5",
             "logging.level=INFO",
+            *LEASE_OVERRIDES,
         ],
         environ={},
     )
@@ -219,74 +192,127 @@ def test_chaos_trains_every_group_at_most_once(tmp_path: Path, chaos_stack: Stac
     config_path = run_dir / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     roles = Roles(config_path, run_dir / "logs")
-    restarted: list[subprocess.Popen[bytes]] = []
+    servers = Servers(Path(chaos_stack.dir))
     events: list[str] = []
     try:
-        _run_chaos(run_dir, roles, Path(chaos_stack.dir), rng, events, restarted)
-        _check_records(run_dir, config_path, tmp_path / "export", cfg.trainer.batch_groups, events)
+        _run_chaos(run_dir, roles, servers, rng, events)
+        _check_records(cfg, run_dir, config_path, tmp_path / "export", events)
     except BaseException:
         print(f"events: {events}\n{roles.tails()}")
         raise
     finally:
-        for proc in [*roles.every, *restarted]:
+        for proc in roles.every:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        servers.kill_restarted()
     # no process left: every role, and everything in its process group
     for proc in roles.every:
         with pytest.raises(ProcessLookupError):
             os.killpg(proc.pid, 0)
 
 
-def _run_chaos(
-    run_dir: Path,
-    roles: Roles,
-    stack_dir: Path,
-    rng: random.Random,
-    events: list[str],
-    restarted: list[subprocess.Popen[bytes]],
-) -> None:
-    """The schedule: kill and restart roles (and nats-server once) until both `CHAOS_S` and `MIN_EVENTS` are
-    reached, then stop every role cleanly (SIGTERM: the trainer writes its final checkpoint, all exit 0)."""
+def _schedule(rng: random.Random) -> list[str]:
+    """Role kills and the four server events, shuffled; never two server events in a row."""
+    kills = ["trainer"] * TRAINER_KILLS + ["generator"] * GENERATOR_KILLS
+    rng.shuffle(kills)
+    slots = sorted(rng.sample(range(len(kills) + 1), len(SERVER_EVENTS)))
+    server_events = list(SERVER_EVENTS)
+    rng.shuffle(server_events)
+    out: list[str] = []
+    for i, kill in enumerate([*kills, None]):
+        if i in slots:
+            out.append(server_events[slots.index(i)])
+        if kill is not None:
+            out.append(kill)
+    return out
+
+
+def _run_chaos(run_dir: Path, roles: Roles, servers: Servers, rng: random.Random, events: list[str]) -> None:
+    """The schedule, each event after a few more committed steps; then the trainer must reach max_steps by
+    itself (exit 0) and the generators stop cleanly on SIGTERM (exit 0)."""
     roles.start_trainer(resume=False)
     for i in range(NUM_GENERATORS):
         roles.start_generator(f"gen-{i}")
-    started = time.monotonic()
-    while len(events) < MIN_EVENTS or time.monotonic() - started < CHAOS_S:
+    for event in _schedule(rng):
         _wait_for_steps(run_dir, _committed_steps(run_dir) + rng.randint(*STEPS_BETWEEN_EVENTS), roles)
-        if len(events) == MIN_EVENTS // 2 and not restarted:
-            restarted.append(_restart_nats(stack_dir))
-            events.append("nats-server")
-        elif rng.random() < 0.5:
+        if event == "trainer":
             assert roles.trainer is not None
             roles.kill(roles.trainer)
             roles.start_trainer(resume=True)
-            events.append("trainer")
-        else:
+        elif event == "generator":
             gen_id = rng.choice(sorted(roles.generators))
             roles.kill(roles.generators[gen_id])
             roles.start_generator(gen_id)
-            events.append(gen_id)
-    _wait_for_steps(run_dir, _committed_steps(run_dir) + 2, roles)  # it still trains after the last event
-    roles.wait_ready()
-    final = [*roles.generators.values(), roles.trainer]
-    for proc in final:
-        assert proc is not None
+            event = gen_id
+        elif event == "nats-server":
+            servers.restart("nats")
+        elif event == "s3-kill":
+            servers.restart("seaweed")
+        elif event == "s3-stop":
+            servers.pause("seaweed")
+            time.sleep(S3_STOP_S)  # the outage itself: two minutes of a store that takes requests and never answers
+            servers.resume("seaweed")
+        elif event == "jetstream-full":
+            servers.limit_jetstream_store()
+            offsets = {name: _log_size(roles, name) for name in ["trainer", *roles.generators]}
+            servers.fill_jetstream()
+            _wait_for_log(roles, offsets, b"insufficient resources")  # the roles met the full store
+            servers.drain_jetstream()
+        events.append(event)
+    assert roles.trainer is not None
+    code = roles.trainer.wait(timeout=PROGRESS_TIMEOUT_S * 4)  # max_steps reached: the run ends by itself
+    assert code == 0, f"trainer exit {code}\n{roles.tails()}"
+    assert _committed_steps(run_dir) == CHAOS_STEPS
+    roles.wait_ready(names=list(roles.generators))
+    for proc in roles.generators.values():
         os.killpg(proc.pid, signal.SIGTERM)
-    codes = {" ".join(proc.args[3:5]): proc.wait(timeout=STOP_TIMEOUT_S) for proc in final if proc is not None}
-    assert set(codes.values()) == {0}, f"exit codes {codes}\n{roles.tails()}"
-    assert "trainer" in events and "nats-server" in events and any(e.startswith("gen-") for e in events), events
+    codes = {gen_id: proc.wait(timeout=STOP_TIMEOUT_S) for gen_id, proc in roles.generators.items()}
+    assert set(codes.values()) == {0}, f"generator exit codes {codes}\n{roles.tails()}"
 
 
-def _check_records(run_dir: Path, config_path: Path, export: Path, batch_groups: int, events: list[str]) -> None:
-    """Exactly once, from the run's own records: metrics.jsonl against a Parquet export of the stream."""
+def _log_size(roles: Roles, name: str) -> int:
+    path = roles.logs / f"{name}.log"
+    return path.stat().st_size if path.exists() else 0
+
+
+def _wait_for_log(roles: Roles, offsets: dict[str, int], marker: bytes) -> None:
+    """Until one of the roles' logs (from its offset) holds `marker`."""
+    deadline = time.monotonic() + PROGRESS_TIMEOUT_S
+    while not any(marker in (roles.logs / f"{n}.log").read_bytes()[o:] for n, o in offsets.items()):
+        roles.check_alive()
+        assert time.monotonic() < deadline, f"no role logged {marker!r}\n{roles.tails()}"
+        time.sleep(0.2)
+
+
+def _check_records(cfg: LeewayConfig, run_dir: Path, config_path: Path, export: Path, events: list[str]) -> None:
+    """Exactly once, from the run's own records: metrics.jsonl, the final checkpoint's state, the dead-letter
+    stream and a Parquet export of the trajectory stream."""
     records = _records(run_dir)
-    trained = [g for r in records for g in r["trained_group_ids"]]
-    assert len(trained) == len(set(trained)), "a group was trained twice"
-    assert len(trained) >= len(events) * batch_groups
+    assert [r["step"] for r in records] == list(range(1, CHAOS_STEPS + 1))
     versions = [int(r["version"]) for r in records]
     assert all(b > a for a, b in zip(versions, versions[1:], strict=False)), versions
-    assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+    trained = [g for r in records for g in r["trained_group_ids"]]
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert len(trained) == CHAOS_STEPS * cfg.trainer.batch_groups
+    dropped = {g: why for r in records for g, why in r["dropped_group_ids"].items()}
+    assert not set(dropped) & set(trained), "a group was both dropped and trained"
+    assert all(dropped.values()), "a group was dropped without a reason"
+
+    store = open_run_store(cfg)
+    loaded = load_latest_checkpoint(store, cfg.run.name)
+    assert loaded is not None
+    state = loaded[0]
+    assert state.step == CHAOS_STEPS
+    dead = asyncio.run(_dead_letters(cfg))
+    assert all(reason for _, reason in dead), dead
+    dead_ids = {group_id for group_id, _ in dead if group_id is not None}
+    admitted = {_admission_index(g) for g in [*trained, *dropped, *dead_ids]}
+    assert max(admitted) < state.admitted, "a group the trainer never admitted"
+    undecided = set(range(state.admitted)) - admitted
+    window = (cfg.staleness.max_staleness + 2) * cfg.trainer.batch_groups
+    assert len(undecided) <= window, (len(undecided), sorted(undecided)[:20])  # only the last steps' still in flight
+    assert not set(trained) & dead_ids, "a dead-lettered group was trained"
 
     replay = subprocess.run(
         leeway_argv("replay", str(config_path), "--from-seq", "1", "--to-parquet", str(export)),
@@ -300,3 +326,25 @@ def _check_records(run_dir: Path, config_path: Path, export: Path, batch_groups:
     for path in export.glob("*.parquet"):
         in_stream.update(pq.read_table(path, columns=["group_id"]).column("group_id").to_pylist())
     assert set(trained) <= in_stream, sorted(set(trained) - in_stream)[:10]
+    assert {"trainer", "nats-server", "s3-kill", "s3-stop", "jetstream-full"} <= set(events), events
+
+
+def _admission_index(group_id: str) -> int:
+    """`<task prompt id>.<i>`: the admission index the trainer gave the prompt."""
+    return int(group_id.rpartition(".")[2])
+
+
+async def _dead_letters(cfg: LeewayConfig) -> list[tuple[str | None, str]]:
+    names = RunNames.for_run(cfg.run.name)
+    nc = await connect(resolve_endpoints(cfg).nats_url, name="chaos-dlq")
+    try:
+        out: list[tuple[str | None, str]] = []
+        seq = 0
+        while True:
+            entries, seq_next = await read_dead_letters(nc.jetstream(), names, after_seq=seq, limit=256)
+            out += [(e.original_id, e.reason) for e in entries]
+            if seq_next == seq:
+                return out
+            seq = seq_next
+    finally:
+        await nc.drain()
