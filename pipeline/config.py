@@ -26,7 +26,13 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipeline.config_checks import SettingConflicts, heartbeat_conflict, stop_grace_conflict, window_warning
+from pipeline.config_checks import (
+    SettingConflicts,
+    heartbeat_conflict,
+    lease_conflict,
+    stop_grace_conflict,
+    window_warning,
+)
 from pipeline.config_sections import (
     AdvantagesConfig,
     CorrectionConfig,
@@ -129,6 +135,8 @@ class LeewayConfig(Section):
         if conflict := heartbeat_conflict(self.generator.heartbeat_s, st.prompt_ack_wait_s):
             raise SettingConflicts([conflict])
         if conflict := stop_grace_conflict(self.run.stop_grace_s, self.outages.final_checkpoint_s):
+            raise SettingConflicts([conflict])
+        if conflict := lease_conflict(t.lease_heartbeat_s, t.lease_ttl_s):
             raise SettingConflicts([conflict])
         if warning := window_warning(self.staleness.max_staleness, t.batch_groups, st.max_inline_bytes, st.max_bytes):
             log.warning("%s", warning)

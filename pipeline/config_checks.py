@@ -47,6 +47,19 @@ def heartbeat_conflict(heartbeat_s: float, prompt_ack_wait_s: float) -> tuple[st
     )
 
 
+def lease_conflict(heartbeat_s: float, ttl_s: float) -> tuple[str, Any, str] | None:
+    """`trainer.lease_heartbeat_s` must be below `trainer.lease_ttl_s`: a lease renewed less often than it goes
+    stale would be taken over from a live trainer."""
+    if heartbeat_s < ttl_s:
+        return None
+    return (
+        "trainer.lease_heartbeat_s",
+        heartbeat_s,
+        f"must be below trainer.lease_ttl_s = {ttl_s!r}: a second trainer would take the lease over from a live "
+        "one; lower trainer.lease_heartbeat_s or raise trainer.lease_ttl_s",
+    )
+
+
 def stop_grace_conflict(stop_grace_s: float | None, final_checkpoint_s: float) -> tuple[str, Any, str] | None:
     """`run.stop_grace_s`, when set, must leave the trainer its final checkpoint budget: a SIGKILL in the
     middle of the final checkpoint loses every step since the last periodic one."""

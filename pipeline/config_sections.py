@@ -180,6 +180,11 @@ class TrainerConfig(Section):
     """Trainer ranks `leeway trainer` (and `leeway run`) start on this machine (`--nproc` overrides); 1: one process."""
     dist_timeout_s: float = Field(300.0, gt=0)
     """Collective timeout of the trainer ranks, on top of queue_wait_timeout_s (rank 0 may wait that long for groups)."""
+    lease_ttl_s: float = Field(20.0, gt=0)
+    """One trainer per run: a run lease not renewed for this long is stale and taken over (a killed trainer's);
+    a second trainer watches a live one's lease this long before it refuses to start, naming the holder."""
+    lease_heartbeat_s: float = Field(5.0, gt=0)
+    """How often the trainer renews its run lease; must be below lease_ttl_s."""
 
 
 class MegatronConfig(Section):

@@ -3,8 +3,8 @@
 ```
   leeway trainer CONFIG ─► main (logging, torch threads and seed; joins the rank group when RANK/WORLD_SIZE are set)
       ├─ rank 0 (or the only rank) ─► _lead: SIGINT/SIGTERM -> stop ─► open_trainer ─► Trainer.run
-      │     open_trainer: task, tokenizer, model, backend, RunLink (NATS + store), then a LiveSession (weight
-      │     publisher; several ranks: a RankGroup behind a LeaderBackend) or a ReplaySession
+      │     open_trainer: task, tokenizer, model, backend, RunLink (NATS + store), then the run lease and a
+      │     LeasedSession (weight publisher; several ranks: a RankGroup behind a LeaderBackend) or a ReplaySession
       └─ ranks 1..N-1 ─► _follow: the same model and backend, a store and publisher for their shares, no NATS;
                           they run rank 0's commands until it sends STOP (`actors/trainer/rank_group.py`)
 ```
@@ -31,7 +31,8 @@ from actors.trainer.backends.data_parallel import is_data_parallel
 from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
 from actors.trainer.loop import Trainer
 from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
-from actors.trainer.sessions import LiveSession, ReplaySession, RunLink, Session, build_weight_publisher
+from actors.trainer.run_lease import LeasedSession, LeaseKeeper
+from actors.trainer.sessions import ReplaySession, RunLink, Session, build_weight_publisher
 from pipeline.config import LeewayConfig
 from pipeline.tasks import get_task
 from pipeline.wire.replay import ReplaySelection
@@ -46,12 +47,17 @@ async def open_trainer(
     replay: ReplaySelection | None = None,
     stop: asyncio.Event | None = None,
 ) -> Trainer:
-    """Build the model and backend, connect, and open a live session (or a replay one); nothing is read yet."""
+    """Build the model and backend, connect, and open a live session (or a replay one); nothing is read yet.
+
+    A live session is opened only once this trainer holds the run's lease (`actors/trainer/run_lease.py`):
+    `LeaseHeld`, naming the holder, if another trainer of the run is alive."""
+    stop = stop if stop is not None else asyncio.Event()
     task = get_task(cfg.task.name, **cfg.task.args)
     model = build_policy_model(cfg, load_tokenizer(cfg, task))
     backend = build_backend(cfg, model)
     link = await RunLink.open(cfg)
     group: RankGroup | None = None
+    lease: LeaseKeeper | None = None
     try:
         session: Session
         if replay is not None:
@@ -60,16 +66,22 @@ async def open_trainer(
                 backend = LeaderBackend(group)
             session = await ReplaySession.open(cfg, link, replay)
         else:
+            lease = await LeaseKeeper.take(cfg, link.js, link.names, on_lost=stop.set)
             publisher = build_weight_publisher(cfg, link.store, model)
             try:
                 if is_data_parallel():  # rank 0 of several: the others follow its commands
                     group = RankGroup(cfg, backend, link.store, publisher)
                     backend = LeaderBackend(group)
-                session = await LiveSession.open(cfg, link, backend, publisher, task, resume=resume, ranks=group)
+                live = await LeasedSession.open(cfg, link, backend, publisher, task, resume=resume, ranks=group)
+                assert isinstance(live, LeasedSession)
+                live.lease = lease
+                session = live
             except BaseException:
                 publisher.close()
                 raise
     except BaseException:
+        if lease is not None:
+            await lease.close()
         await link.nc.close()
         if group is not None:
             group.stop()

@@ -280,6 +280,8 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
             f"nats.stack_dir={stack.dir}",
             f"trainer.max_steps={FLEET_DEMO_STEPS}",
             "fleet.trainer_restart=resume",
+            "trainer.lease_ttl_s=3",  # the SIGKILLed trainer's lease is taken over by its restart within seconds
+            "trainer.lease_heartbeat_s=1",
             # The whole stream is read back at the end: past the target almost every group agrees and is
             # filtered (tens of thousands in 300 steps), more than COMMON's 64 MiB keeps.
             f"stream.max_bytes={FLEET_STREAM_BYTES}",

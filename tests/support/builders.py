@@ -66,6 +66,8 @@ def trainer_cfg(stack: StackState, tmp_path: Path, *overrides: str, backend: Bac
         "stream.max_bytes=8388608",
         "weights.grace_s=0",
         "logging.level=WARNING",
+        "trainer.lease_ttl_s=3",  # a trainer SIGKILLed by a test leaves a lease the next one takes over: quickly
+        "trainer.lease_heartbeat_s=0.5",
     ]
     return load_config(None, [*base, *overrides, f"trainer.backend={backend}"], environ={})
 

@@ -1,0 +1,206 @@
+"""The run lease: one trainer per run, held in a NATS KV bucket.
+
+Two trainers on one run would split the durable consumer's groups between them and publish versions
+over each other. So the trainer (rank 0) takes the run's lease before it touches the consumer, renews
+it every `heartbeat_s`, and releases it when it stops:
+
+    KV bucket  leeway_<run>_lease   key "trainer" -> {"holder", "host", "pid", "since_s", "beat"}
+
+- Taking: `create` (succeeds only if no holder). If there is one, the taker watches the key for
+  `ttl_s`: a renewal (the revision moves) means the holder lives, and the taker refuses with
+  `LeaseHeld`, naming host, pid and since when. A key that does not move for `ttl_s` is stale (its
+  holder was killed) and is taken over with `update(last=revision)`: compare-and-set, so of two takers
+  only one wins and the other gets `LeaseHeld`. Staleness is judged by the revision standing still on
+  the taker's own monotonic clock, never by comparing wall clocks of two machines.
+- Renewing: `update(last=our revision)`. A failure because the revision moved means another trainer
+  took the lease over (we were silent past `ttl_s`): `LeaseLost`, and the trainer must stop writing at
+  once. A NATS error is transient and retried at the next beat.
+- Releasing: `delete(last=our revision)`, best effort; a lease not released goes stale after `ttl_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+import orjson
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+
+from pipeline.wire.names import RunNames
+
+log = logging.getLogger(__name__)
+
+LEASE_KEY = "trainer"
+WATCH_POLLS = 10
+"""Reads of the key while a taker watches a holder for `ttl_s` (at least one per heartbeat is what counts)."""
+
+
+class LeaseHeld(RuntimeError):
+    """Another trainer holds the run's lease and renews it."""
+
+    def __init__(self, run: str, holder: LeaseRecord | None) -> None:
+        self.holder = holder
+        who = holder.describe() if holder is not None else "another trainer"
+        super().__init__(
+            f"run {run!r} already has a trainer: {who} holds its lease and renews it. Stop that trainer first, "
+            "or use another run.name; a killed trainer's lease is taken over once it has not been renewed for "
+            "trainer.lease_ttl_s"
+        )
+
+
+class LeaseLost(RuntimeError):
+    """Another trainer took this trainer's lease over: it must stop writing."""
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """What the key holds: who holds the lease, since when (wall clock, for people), and a beat counter."""
+
+    holder: str
+    host: str
+    pid: int
+    since_s: float
+    beat: int = 0
+
+    @classmethod
+    def mine(cls) -> LeaseRecord:
+        host = socket.gethostname()
+        return cls(
+            holder=f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}", host=host, pid=os.getpid(), since_s=time.time()
+        )
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def parse(cls, data: bytes | None) -> LeaseRecord | None:
+        """The record, or None for anything else (a foreign or torn value is treated as an unknown holder)."""
+        try:
+            raw = orjson.loads(data or b"")
+            return cls(str(raw["holder"]), str(raw["host"]), int(raw["pid"]), float(raw["since_s"]), int(raw["beat"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return None
+
+    def describe(self) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since_s))
+        return f"the trainer on host {self.host!r} (pid {self.pid}, since {since})"
+
+
+def lease_bucket(names: RunNames) -> str:
+    return f"leeway_{names.run}_lease"
+
+
+async def lease_kv(js: JetStreamContext, names: RunNames) -> Any:
+    """The run's lease bucket, created on first use by whichever trainer comes first."""
+    try:
+        return await js.key_value(lease_bucket(names))
+    except nats.js.errors.BucketNotFoundError:
+        config = KeyValueConfig(bucket=lease_bucket(names), history=1, storage=StorageType.FILE)
+        try:
+            return await js.create_key_value(config)
+        except nats.js.errors.BadRequestError:
+            return await js.key_value(lease_bucket(names))  # created concurrently by another trainer
+
+
+class RunLease:
+    """One trainer's hold on its run (see the module docstring)."""
+
+    def __init__(
+        self,
+        kv: Any,
+        run: str,
+        *,
+        ttl_s: float,
+        me: LeaseRecord | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.kv = kv
+        self.run = run
+        self.ttl_s = ttl_s
+        self.me = me or LeaseRecord.mine()
+        self.revision: int | None = None
+        """The key's revision our last write made; None while not held."""
+        self._clock = clock
+        self._sleep = sleep
+
+    async def acquire(self) -> None:
+        """Hold the lease, taking over a stale one; `LeaseHeld` if a live trainer holds it."""
+        while True:
+            try:
+                self.revision = await self.kv.create(LEASE_KEY, self.me.to_bytes())
+                return
+            except nats.js.errors.KeyWrongLastSequenceError:
+                pass
+            try:
+                entry = await self.kv.get(LEASE_KEY)
+            except nats.js.errors.KeyNotFoundError:
+                continue  # released meanwhile: create again
+            holder = LeaseRecord.parse(entry.value)
+            who = holder.describe() if holder is not None else "an unknown holder"
+            log.info("run %s: lease held by %s; watching it for %.0f s", self.run, who, self.ttl_s)
+            if not await self._stands_still(entry.revision):
+                current = await self._current_holder()
+                raise LeaseHeld(self.run, current or holder)
+            try:
+                self.revision = await self.kv.update(LEASE_KEY, self.me.to_bytes(), last=entry.revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                raise LeaseHeld(self.run, await self._current_holder()) from None
+            log.warning(
+                "run %s: took over the lease of %s, not renewed for %.0f s (a killed trainer)",
+                self.run,
+                who,
+                self.ttl_s,
+            )
+            return
+
+    async def _stands_still(self, revision: int) -> bool:
+        """True when the key keeps `revision` for `ttl_s`; False as soon as it moves (or is deleted)."""
+        deadline = self._clock() + self.ttl_s
+        while (left := deadline - self._clock()) > 0:
+            await self._sleep(min(left, self.ttl_s / WATCH_POLLS))
+            try:
+                entry = await self.kv.get(LEASE_KEY)
+            except nats.js.errors.KeyNotFoundError:
+                return False
+            if entry.revision != revision:
+                return False
+        return True
+
+    async def _current_holder(self) -> LeaseRecord | None:
+        try:
+            return LeaseRecord.parse((await self.kv.get(LEASE_KEY)).value)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+
+    async def renew(self) -> None:
+        """One beat. `LeaseLost` if another trainer took the lease over; NATS errors are the caller's to retry."""
+        assert self.revision is not None, "renew before acquire"
+        beat = replace(self.me, beat=self.me.beat + 1)
+        try:
+            self.revision = await self.kv.update(LEASE_KEY, beat.to_bytes(), last=self.revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            holder = await self._current_holder()
+            who = holder.describe() if holder is not None else "another trainer"
+            raise LeaseLost(f"run {self.run!r}: the trainer lease was taken over by {who}") from None
+        self.me = beat
+
+    async def release(self) -> None:
+        """Give the lease up (best effort: a lease left behind goes stale after `ttl_s`)."""
+        if self.revision is None:
+            return
+        try:
+            await self.kv.delete(LEASE_KEY, last=self.revision)
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("run %s: lease not released (%s); it goes stale after %.0f s", self.run, exc, self.ttl_s)
+        self.revision = None

@@ -1,0 +1,98 @@
+"""The run lease on a real nats-server: one holder at a time, a live holder refused by name, a stale one taken
+over by exactly one of two takers, and a holder whose lease was taken over told so at its next renewal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+
+import pytest
+
+from infra.stack import StackState
+from pipeline.wire.jetstream import connect
+from pipeline.wire.lease import LEASE_KEY, LeaseHeld, LeaseLost, LeaseRecord, RunLease, lease_kv
+from pipeline.wire.names import RunNames
+
+TTL_S = 1.0
+"""Short, so a stale lease is taken over quickly; a live holder renews every `BEAT_S`, far below it."""
+BEAT_S = 0.05
+
+
+def _names() -> RunNames:
+    return RunNames.for_run(f"lease-{uuid.uuid4().hex[:8]}")
+
+
+async def _beating(lease: RunLease) -> None:
+    while True:
+        await asyncio.sleep(BEAT_S)
+        await lease.renew()
+
+
+def test_a_live_holder_is_refused_by_name_and_a_released_lease_is_taken_at_once(stack: StackState) -> None:
+    names = _names()
+
+    async def scenario() -> None:
+        nc = await connect(stack.nats_url, name="test-lease")
+        try:
+            kv = await lease_kv(nc.jetstream(), names)
+            first = RunLease(kv, names.run, ttl_s=TTL_S)
+            await first.acquire()
+            beat = asyncio.create_task(_beating(first))
+            with pytest.raises(LeaseHeld, match=rf"pid {os.getpid()}") as refused:
+                await RunLease(kv, names.run, ttl_s=TTL_S).acquire()
+            assert refused.value.holder is not None and refused.value.holder.holder == first.me.holder
+            assert first.me.beat > 0  # it kept renewing while the second watched
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            await first.release()
+            second = RunLease(kv, names.run, ttl_s=3600.0)  # no watching: the key is gone
+            await asyncio.wait_for(second.acquire(), timeout=30.0)
+            assert LeaseRecord.parse((await kv.get(LEASE_KEY)).value) == second.me
+        finally:
+            await nc.drain()
+
+    asyncio.run(scenario())
+
+
+def test_a_stale_lease_is_taken_over_by_one_taker_and_its_old_holder_learns_it_lost(stack: StackState) -> None:
+    names = _names()
+
+    async def scenario() -> None:
+        nc = await connect(stack.nats_url, name="test-lease")
+        try:
+            kv = await lease_kv(nc.jetstream(), names)
+            killed = RunLease(kv, names.run, ttl_s=TTL_S)
+            await killed.acquire()  # ... and never renews again: SIGKILLed
+            takers = [RunLease(kv, names.run, ttl_s=TTL_S) for _ in range(2)]
+            results = await asyncio.gather(*(t.acquire() for t in takers), return_exceptions=True)
+            winners = [t for t, r in zip(takers, results, strict=True) if r is None]
+            assert len(winners) == 1, results
+            assert sum(isinstance(r, LeaseHeld) for r in results) == 1, results
+            assert LeaseRecord.parse((await kv.get(LEASE_KEY)).value) == winners[0].me
+            with pytest.raises(LeaseLost, match="taken over"):
+                await killed.renew()  # it was only frozen after all: told to stop
+            await winners[0].renew()  # the winner holds it
+        finally:
+            await nc.drain()
+
+    asyncio.run(scenario())
+
+
+def test_a_value_that_is_no_lease_record_is_an_unknown_holder_taken_over_when_stale(stack: StackState) -> None:
+    names = _names()
+
+    async def scenario() -> None:
+        nc = await connect(stack.nats_url, name="test-lease")
+        try:
+            kv = await lease_kv(nc.jetstream(), names)
+            await kv.put(LEASE_KEY, b"not json")
+            taker = RunLease(kv, names.run, ttl_s=TTL_S)
+            await taker.acquire()
+            assert LeaseRecord.parse((await kv.get(LEASE_KEY)).value) == taker.me
+        finally:
+            await nc.drain()
+
+    asyncio.run(scenario())
