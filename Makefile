@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 demo: install
-	$(BIN)/leeway run configs/demo.yaml --fresh
+	$(BIN)/leeway run configs/demo.yaml --fresh --discard-checkpoints
 
 test: install-dev
 	$(BIN)/pytest $(PYTEST_ARGS)

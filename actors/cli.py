@@ -213,7 +213,19 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         "--fresh",
         action="store_true",
         help="delete an earlier run's directory (run.dir) first, after stopping its private stack; only a "
-        "directory `leeway run` created (it holds .leeway-run), never the working directory, home or /",
+        "directory `leeway run` created (it holds .leeway-run), never the working directory, home or /; "
+        "a run that trained steps also needs --discard-checkpoints (its stack holds its checkpoints)",
+    )
+    run.add_argument(
+        "--discard-checkpoints",
+        action="store_true",
+        help="with --fresh: delete an earlier run even though it trained steps (its checkpoints and weights go too)",
+    )
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in run.dir: its private stack starts again on the same data, the trainer from its "
+        "newest checkpoint (raise trainer.max_steps with --set to train past a finished run)",
     )
     run.set_defaults(handler=CONFIG_COMMANDS["run"])
 

@@ -171,13 +171,14 @@ def spawn_role(
     threads: int,
     name: str | None = None,
     grace_s: float | None = None,
+    flags: tuple[str, ...] = (),
 ) -> RoleProcess:
     """Start `leeway <role> CONFIG` as its own session (process group), its threads pinned by env and config.
 
     The role dies with this process: SIGTERM from the kernel (Linux), and its own watchdog on our pid.
     Call it from a thread that outlives the role (the parent-death signal fires when that thread exits).
     """
-    argv = [sys.executable, "-m", "actors.cli", role, str(config_path)]
+    argv = [sys.executable, "-m", "actors.cli", role, str(config_path), *flags]
     for item in overrides:
         argv += ["--set", item]
     popen = spawn_child(
@@ -206,9 +207,16 @@ def write_run_config(cfg: LeewayConfig, run_dir: Path) -> Path:
 
 
 def start_roles(
-    cfg: LeewayConfig, run_dir: Path, num_generators: int, extra: list[str], processes: RunProcesses | None = None
+    cfg: LeewayConfig,
+    run_dir: Path,
+    num_generators: int,
+    extra: list[str],
+    processes: RunProcesses | None = None,
+    *,
+    resume: bool = False,
 ) -> RunProcesses:
-    """Write the resolved config to `<run_dir>/config.yaml`; spawn the trainer, then the generators.
+    """Write the resolved config to `<run_dir>/config.yaml`; spawn the trainer (`--resume` with `resume`),
+    then the generators.
 
     Each process is recorded in `processes` as soon as it exists, so an interrupted start is stopped too.
     """
@@ -219,7 +227,13 @@ def start_roles(
     trainer_sets = [*extra, f"trainer.torch_threads={trainer_threads}"]
     grace_s = cfg.stop_grace_s
     processes.trainer = spawn_role(
-        "trainer", config_path, trainer_sets, logs / "trainer.log", trainer_threads, grace_s=grace_s
+        "trainer",
+        config_path,
+        trainer_sets,
+        logs / "trainer.log",
+        trainer_threads,
+        grace_s=grace_s,
+        flags=("--resume",) if resume else (),
     )
     for gen_id in generator_ids(num_generators):
         sets = [*extra, f"engine.torch_threads={generator_threads}", f"generator.id={gen_id}"]
@@ -318,15 +332,19 @@ def _show(
         view.update(records, processes.status(probe.values() if probe is not None else {}, **flags))
 
 
-def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fresh: bool = False) -> RunOutcome:
+def run_pipeline(
+    cfg: LeewayConfig, *, num_generators: int, view: Any = None, fresh: bool = False, resume: bool = False
+) -> RunOutcome:
     """Start the stack (if needed), the trainer and the generators; follow metrics until the trainer exits.
 
     `view`: anything with `update(records, status: RunStatus)`. Everything started here is stopped here,
     also on Ctrl-C or SIGTERM (which set `interrupted`). `records` holds every metrics record written.
     `cfg` is left as it is: a private stack started here goes into a copy, which the roles and the queue
-    probe run with. Raises `RunDirInUse` when run.dir holds an earlier run and `fresh` is false.
+    probe run with. Raises `RunDirInUse` when run.dir holds an earlier run and neither `fresh` nor `resume`
+    is set. With `resume` the private stack starts again on the data in `<run.dir>/stack` and the trainer
+    continues from its newest checkpoint (`leeway trainer --resume`); metrics.jsonl goes on where it was.
     """
-    run_dir = prepare_run_dir(cfg, fresh)
+    run_dir = prepare_run_dir(cfg, fresh, resume=resume)
     processes = RunProcesses()
     records: list[dict[str, Any]] = []
     offset = 0
@@ -343,7 +361,7 @@ def run_pipeline(cfg: LeewayConfig, *, num_generators: int, view: Any = None, fr
                 with tied_to_this_process():  # the servers die with this process, even on SIGKILL
                     start_stack(stack_started, bucket=stack_bucket(cfg))
                 cfg = _with_stack_dir(cfg, stack_started)
-            start_roles(cfg, run_dir, num_generators, [], processes)
+            start_roles(cfg, run_dir, num_generators, [], processes, resume=resume)
             probe = QueueProbe(cfg).start()
             assert processes.trainer is not None
             while True:
@@ -396,14 +414,21 @@ def _with_stack_dir(cfg: LeewayConfig, stack_dir: Path) -> LeewayConfig:
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
-    """`leeway run CONFIG [--generators N] [--no-live] [--fresh]`: the run, its report, and an exit status
-    (0 done, 1 a role or the servers failed, 2 bad arguments or run.dir in use, 130 interrupted)."""
+    """`leeway run CONFIG [--generators N] [--no-live] [--fresh [--discard-checkpoints] | --resume]`: the run, its
+    report, and an exit status (0 done, 1 a role or the servers failed, 2 bad arguments, run.dir in use or
+    nothing to resume, 130 interrupted)."""
     num_generators = args.generators or 1
     if num_generators < 1:
         print("leeway run: --generators must be at least 1", file=sys.stderr)
         return 2
+    resume = getattr(args, "resume", False)
     try:
-        prepare_run_dir(cfg, fresh=getattr(args, "fresh", False))
+        prepare_run_dir(
+            cfg,
+            fresh=getattr(args, "fresh", False),
+            resume=resume,
+            discard_checkpoints=getattr(args, "discard_checkpoints", False),
+        )
     except RunDirInUse as exc:
         print(f"leeway run: {exc}", file=sys.stderr)
         return 2
@@ -413,7 +438,7 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     view = LiveView(cfg, num_generators, plain=getattr(args, "no_live", False))
     try:
         with view:
-            outcome = run_pipeline(cfg, num_generators=num_generators, view=view)
+            outcome = run_pipeline(cfg, num_generators=num_generators, view=view, resume=resume)
     except StackError as exc:
         print(f"leeway run: the embedded servers did not start: {exc}", file=sys.stderr)
         return 1

@@ -5,6 +5,9 @@ must never mix in one, and `--fresh` must never delete what `leeway run` did not
 
 - `prepare_run_dir` refuses a directory holding an earlier run's `metrics.jsonl` (`RunDirInUse`)
   unless `fresh` is set, and writes `RUN_MARKER` into a directory it creates (or finds empty);
+  `--fresh` on a run that trained steps also needs `discard_checkpoints` (its private stack holds its
+  checkpoints and weights): the message points at `--resume`, which continues it instead;
+  `--resume` needs an earlier run there (`NothingToResume` otherwise) and changes nothing in it;
 - `delete_run_dir` (`--fresh`) deletes only a real directory holding `RUN_MARKER`, never the working
   directory, home or `/` or a parent of them (`protected_reason`), and stops the private stack recorded
   in it first (`infra.stack.stop_stack`), e.g. one left running by a killed run (`RunDirRefused`
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+import orjson
 
 from infra.stack import stop_stack
 from pipeline.config import LeewayConfig
@@ -29,29 +34,66 @@ class RunDirInUse(RuntimeError):
     """run.dir holds an earlier run; `--fresh` deletes it."""
 
 
+class NothingToResume(RunDirInUse):
+    """`--resume` found no earlier run in run.dir."""
+
+
 class RunDirRefused(RunDirInUse):
     """`--fresh` will not delete run.dir: it is not a run directory Leeway created, or it is a protected one."""
 
 
-def prepare_run_dir(cfg: LeewayConfig, fresh: bool) -> Path:
-    """The run directory, emptied first with `fresh`; an earlier run is never silently mixed in.
+def prepare_run_dir(cfg: LeewayConfig, fresh: bool, *, resume: bool = False, discard_checkpoints: bool = False) -> Path:
+    """The run directory: emptied first with `fresh`, kept as it is with `resume`; an earlier run is never
+    silently mixed in, nor its trained steps silently deleted.
 
     A directory created here (or found empty) gets `RUN_MARKER`. Raises `RunDirInUse` when it holds an
-    earlier run and `fresh` is false, `RunDirRefused` when `fresh` may not delete it.
+    earlier run and neither flag is set, or `fresh` would delete trained steps without `discard_checkpoints`;
+    `NothingToResume` when `resume` finds no earlier run; `RunDirRefused` when `fresh` may not delete it.
     """
+    if fresh and resume:
+        raise RunDirInUse("--fresh and --resume exclude each other")
     run_dir = cfg.run.run_dir
+    steps = trained_steps(run_dir)
+    if resume:
+        if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "stack").is_dir():
+            raise NothingToResume(
+                f"--resume: {run_dir} holds no earlier run (no metrics.jsonl, no private stack); start one with "
+                f"`leeway run CONFIG`"
+            )
+        return run_dir
+    if fresh and steps and not discard_checkpoints:
+        raise RunDirInUse(
+            f"{run_dir} holds a run with {steps} trained steps, its checkpoints and weights in its stack; "
+            f"continue it with --resume, or delete it all with --fresh --discard-checkpoints"
+        )
     if fresh and (run_dir.exists() or run_dir.is_symlink()):
         delete_run_dir(run_dir)
     elif (run_dir / "metrics.jsonl").exists():
         raise RunDirInUse(
-            f"{run_dir} holds an earlier run (metrics.jsonl); pass --fresh to delete it, or choose "
-            f"another directory with --set run.dir=... (and a new run.name if the servers are shared)"
+            f"{run_dir} holds an earlier run (metrics.jsonl); continue it with --resume, delete it with --fresh "
+            f"(--fresh --discard-checkpoints once it trained steps), or choose another directory with "
+            f"--set run.dir=... (and a new run.name if the servers are shared)"
         )
     new = not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir()))
     run_dir.mkdir(parents=True, exist_ok=True)
     if new:
         (run_dir / RUN_MARKER).write_text("created by `leeway run`; `leeway run --fresh` may delete this directory\n")
     return run_dir
+
+
+def trained_steps(run_dir: Path) -> int:
+    """The newest step in `run_dir/metrics.jsonl` (0 when there is none): what `--fresh` would delete."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    for line in reversed(path.read_bytes().splitlines()):
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue  # a line torn by a kill
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            return int(record["step"])
+    return 0
 
 
 def protected_reason(path: Path) -> str | None:

@@ -229,9 +229,12 @@ def test_run_dir_is_never_mixed_with_an_earlier_run(tmp_path: Path) -> None:
     cfg = demo_config(tmp_path)
     run_dir = prepare_run_dir(cfg, fresh=False)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(RunDirInUse, match="--fresh"):
+    with pytest.raises(RunDirInUse, match="--resume.*--fresh"):
         prepare_run_dir(cfg, fresh=False)
-    assert not (prepare_run_dir(cfg, fresh=True) / "metrics.jsonl").exists()
+    with pytest.raises(RunDirInUse, match="1 trained steps.*--fresh --discard-checkpoints"):
+        prepare_run_dir(cfg, fresh=True)  # its checkpoints are not deleted on --fresh alone
+    assert (run_dir / "metrics.jsonl").exists()
+    assert not (prepare_run_dir(cfg, fresh=True, discard_checkpoints=True) / "metrics.jsonl").exists()
 
 
 def test_fresh_deletes_only_a_directory_leeway_created(tmp_path: Path) -> None:
@@ -240,14 +243,14 @@ def test_fresh_deletes_only_a_directory_leeway_created(tmp_path: Path) -> None:
     (foreign / "thesis.tex").write_text("years of work")
     (foreign / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(RunDirRefused, match=RUN_MARKER):
-        prepare_run_dir(demo_config(tmp_path, f"run.dir={foreign}"), fresh=True)
+        prepare_run_dir(demo_config(tmp_path, f"run.dir={foreign}"), fresh=True, discard_checkpoints=True)
     assert (foreign / "thesis.tex").read_text() == "years of work"
 
     cfg = demo_config(tmp_path)
     created = prepare_run_dir(cfg, fresh=False)
     assert (created / RUN_MARKER).is_file()
     (created / "metrics.jsonl").write_text('{"step": 1}\n')
-    again = prepare_run_dir(cfg, fresh=True)
+    again = prepare_run_dir(cfg, fresh=True, discard_checkpoints=True)
     assert (again / RUN_MARKER).is_file() and not (again / "metrics.jsonl").exists()
 
 
@@ -264,7 +267,7 @@ def test_fresh_never_deletes_the_working_directory_home_or_root(
             (path / RUN_MARKER).write_text("")
             (path / "metrics.jsonl").write_text('{"step": 1}\n')
         with pytest.raises(RunDirRefused, match="refuses to delete"):
-            prepare_run_dir(demo_config(tmp_path, f"run.dir={run_dir}"), fresh=True)
+            prepare_run_dir(demo_config(tmp_path, f"run.dir={run_dir}"), fresh=True, discard_checkpoints=True)
         assert (work / "metrics.jsonl").exists() and (home / "metrics.jsonl").exists(), run_dir
     assert protected_reason(Path("/")) == "the filesystem root"
     assert protected_reason(work / "runs" / "demo") is None
@@ -277,7 +280,7 @@ def test_fresh_stops_the_private_stack_of_the_earlier_run(tmp_path: Path) -> Non
     state = start_stack(run_dir / "stack")  # as left running by a `leeway run` that was killed
     try:
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-        prepare_run_dir(cfg, fresh=True)
+        prepare_run_dir(cfg, fresh=True, discard_checkpoints=True)
         assert not [p.name for p in state.processes if is_running(p)], "the earlier run's stack is still running"
         assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "stack").exists()
     finally:
