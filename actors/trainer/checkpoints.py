@@ -32,8 +32,11 @@ Invariants and failure behaviour:
   newest complete checkpoint are deleted with it.
 - Every file's hash is in the manifest and checked on load; a mismatch raises ValueError naming the
   file. `load_latest_checkpoint` (and `RankGroup.load_latest`) then fall back to the newest complete
-  checkpoint that does load, with a WARNING naming what was wrong with each newer one. Nothing is
-  pickled.
+  checkpoint that does load, with a WARNING naming what was wrong with each newer one, and mark each
+  newer one damaged (`damaged.json` beside its manifest, with the reason): a damaged checkpoint no
+  longer counts as complete, so it is never loaded again and never takes the place of an intact one in
+  pruning (which would otherwise delete the very checkpoint the run resumed from once the next one is
+  written). Damaged checkpoints are kept for a person to inspect. Nothing is pickled.
 - The directory is named by the policy version the checkpoint holds. Versions only move forward
   across trainer sessions (a resume publishes LATEST+1), so the highest version is the newest.
 """
@@ -59,6 +62,8 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
+DAMAGED_FILE = "damaged.json"
+"""Beside the manifest of a checkpoint that failed to load: it no longer counts as complete."""
 KEEP_CHECKPOINTS = 2
 """Complete checkpoints kept; the newest is what `--resume` loads."""
 STATE_FORMAT = 1
@@ -259,21 +264,50 @@ def _scan(store: ObjectStore, run: str) -> dict[int, list[str]]:
 
 
 def _complete(run: str, dirs: Mapping[int, list[str]]) -> list[int]:
-    return sorted(v for v, keys in dirs.items() if checkpoint_prefix(run, v) + MANIFEST_FILE in keys)
+    """Versions with a manifest and no damage mark, oldest first."""
+    return sorted(
+        v
+        for v, keys in dirs.items()
+        if checkpoint_prefix(run, v) + MANIFEST_FILE in keys and checkpoint_prefix(run, v) + DAMAGED_FILE not in keys
+    )
+
+
+def _damaged(run: str, dirs: Mapping[int, list[str]]) -> set[int]:
+    return {v for v, keys in dirs.items() if checkpoint_prefix(run, v) + DAMAGED_FILE in keys}
+
+
+def mark_damaged(store: ObjectStore, run: str, version: int, reason: str) -> None:
+    """Mark checkpoint `version` damaged (best effort: unmarked, it is only tried and skipped again)."""
+    try:
+        store.put(checkpoint_prefix(run, version) + DAMAGED_FILE, orjson.dumps({"version": version, "reason": reason}))
+    except Exception:  # a boundary: the fallback goes on; the warning already names the damage
+        log.warning("could not mark checkpoint v%d of run %s damaged", version, run, exc_info=True)
 
 
 def complete_checkpoints(store: ObjectStore, run: str) -> list[int]:
-    """Versions whose manifest exists, oldest first."""
+    """Versions whose manifest exists and that are not marked damaged, oldest first."""
     return _complete(run, _scan(store, run))
 
 
+def refuse_if_all_damaged(store: ObjectStore, run: str) -> None:
+    """ValueError when the run has checkpoints but every one is marked damaged: a person must look, the run must
+    not start again from its initial weights as if it had never trained."""
+    damaged = sorted(_damaged(run, _scan(store, run)))
+    if damaged:
+        raise ValueError(
+            f"run {run}: every checkpoint is marked damaged ({', '.join(f'v{v}' for v in damaged)}; the reason is in "
+            f"each one's {DAMAGED_FILE}); restore one, or delete the marks to try them again"
+        )
+
+
 def prune_checkpoints(store: ObjectStore, run: str, keep: int = KEEP_CHECKPOINTS) -> list[int]:
-    """Keep the newest `keep` complete checkpoints; delete older ones and older incomplete leftovers."""
+    """Keep the newest `keep` complete checkpoints; delete older ones and older incomplete leftovers. Damaged
+    ones (`mark_damaged`) are neither counted nor deleted."""
     dirs = _scan(store, run)
     complete = _complete(run, dirs)
     if not complete:
         return []
-    kept = set(complete[-keep:]) if keep > 0 else set()
+    kept = (set(complete[-keep:]) if keep > 0 else set()) | _damaged(run, dirs)
     doomed = [v for v in dirs if v not in kept and v < complete[-1]]
     for version in sorted(doomed):
         # The manifest goes first, so a half-deleted checkpoint is never taken for a complete one.
@@ -375,12 +409,14 @@ def load_latest_checkpoint(
         except ValueError as exc:
             failures.append(f"v{version}: {exc}")
             log.warning("checkpoint v%d of run %s cannot be loaded (%s); trying the one before", version, run, exc)
+            mark_damaged(store, run, version, str(exc))
             continue
         if failures:
             log.warning("resuming run %s from checkpoint v%d, older than the damaged %s", run, version, failures)
         return loaded
     if failures:
         raise ValueError(f"run {run}: no complete checkpoint loads: {'; '.join(failures)}")
+    refuse_if_all_damaged(store, run)
     return None
 
 

@@ -58,7 +58,9 @@ from actors.trainer.checkpoints import (
     commit_sharded_checkpoint,
     complete_checkpoints,
     load_checkpoint,
+    mark_damaged,
     new_attempt,
+    refuse_if_all_damaged,
     write_rank_files,
 )
 from actors.trainer.objective import CorrectedObjective
@@ -238,11 +240,13 @@ class RankGroup:
                     )
                 return state
             failures.append(f"v{version}: {failure}")
+            mark_damaged(self.store, self.run, version, failure)
             log.warning(
                 "checkpoint v%d of run %s cannot be loaded (%s); trying the one before", version, self.run, failure
             )
         if failures:
             raise RankRoundError(f"run {self.run}: no complete checkpoint loads on every rank: {'; '.join(failures)}")
+        refuse_if_all_damaged(self.store, self.run)
         return None
 
     # ---- every rank: the rounds

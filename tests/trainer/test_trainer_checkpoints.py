@@ -12,6 +12,7 @@ import torch
 from actors.models import load_tokenizer
 from actors.trainer.backends.checkpoint import encode_checkpoint
 from actors.trainer.checkpoints import (
+    DAMAGED_FILE,
     KEEP_CHECKPOINTS,
     MANIFEST_FILE,
     RecentIds,
@@ -180,7 +181,11 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_with_a_warning(
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "v4" in warned and "model.safetensors" in warned
     assert ("does not match" if damage == "corrupted" else "missing") in warned
-    assert complete_checkpoints(store, RUN) == [2, 4], "the damaged checkpoint is kept for a person to look at"
+    assert complete_checkpoints(store, RUN) == [2], "v4 is marked damaged: never loaded again"
+    _write(store, 6)  # the resumed run's next checkpoint: pruning must keep the one it resumed from
+    assert complete_checkpoints(store, RUN) == [2, 6]
+    assert orjson.loads(store.get(checkpoint_prefix(RUN, 4) + DAMAGED_FILE))["version"] == 4  # kept for a person
+    assert store.list(checkpoint_prefix(RUN, 4) + MANIFEST_FILE)
 
 
 def test_resume_with_every_checkpoint_damaged_refuses_naming_each(tmp_path: Path) -> None:
@@ -191,6 +196,8 @@ def test_resume_with_every_checkpoint_damaged_refuses_naming_each(tmp_path: Path
         store.put(checkpoint_files(store, RUN, version)["trainer_state.json"], b"{}")
     with pytest.raises(ValueError, match=r"no complete checkpoint loads: v4: .*trainer_state.json.*; v2: "):
         load_latest_checkpoint(store, RUN)
+    with pytest.raises(ValueError, match=r"every checkpoint is marked damaged \(v2, v4"):
+        load_latest_checkpoint(store, RUN)  # a second resume: still refused, never a fresh start
 
 
 def test_state_of_another_format_is_refused() -> None:
