@@ -413,6 +413,7 @@ class Trainer:
             **refusal_metrics(batch.refused),
             "groups/dead_lettered_elsewhere_total": self.state.dead_lettered_groups,
             "groups/lost_to_retention": self.state.lost_to_retention,
+            **self.session.forged_counts(),
             **staleness_metrics(checked, trained_at_version),
             **timing_split(batch.consumed, batch.received_at_s, time.time()),
             **merge_loss_stats(result.micro_stats),

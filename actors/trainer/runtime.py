@@ -31,8 +31,9 @@ from actors.trainer.backends.data_parallel import is_data_parallel
 from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
 from actors.trainer.loop import Trainer
 from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
+from actors.trainer.replay_session import ReplaySession
 from actors.trainer.run_lease import LeasedSession, LeaseKeeper
-from actors.trainer.sessions import ReplaySession, RunLink, Session, build_weight_publisher
+from actors.trainer.sessions import RunLink, Session, build_weight_publisher
 from pipeline.config import LeewayConfig
 from pipeline.tasks import get_task
 from pipeline.wire.replay import ReplaySelection

@@ -63,7 +63,7 @@ from actors.trainer.checkpoints import (
     write_checkpoint,
 )
 from actors.trainer.generator_reports import GeneratorReports
-from actors.trainer.metrics_log import replay_metrics_path, roll_back_metrics
+from actors.trainer.metrics_log import roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
 from actors.trainer.resume_reads import ResumeReads
 from actors.trainer.slots import DeadLetterCheck, DeadLetterEntry, read_dead_letters_quietly
@@ -169,6 +169,10 @@ class Session(Protocol):
     async def queue_depth(self) -> int | None: ...
 
     async def checkpoint(self, state: TrainerState, handled: RecentIds, *, final: bool) -> None: ...
+
+    def forged_counts(self) -> dict[str, int]:
+        """Counts of forged input refused so far, by metric name (forged dead letters; forged versions)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -491,6 +495,9 @@ class LiveSession:
             "checkpoint written at step %d (version %d, stream seq %d)", state.step, state.version, state.consumed_seq
         )
 
+    def forged_counts(self) -> dict[str, int]:
+        return {"dead_letters/forged_total": self.dead_letter_check.forged}
+
     async def _on_generator_report(self, msg: Msg) -> None:
         self.generator_reports.receive(msg.data, msg.subject)  # validates; a bad report is logged and ignored
 
@@ -516,83 +523,3 @@ def build_weight_publisher(cfg: LeewayConfig, store: ObjectStore, model: PreTrai
         part_bytes=w.part_bytes,
         parallelism=w.parallelism,
     )
-
-
-# ---- replay -----------------------------------------------------------------------------------------------
-
-
-class ReplaySession:
-    """`leeway trainer --replay SELECTION`: trains on a recorded range; publishes, acks and checkpoints nothing."""
-
-    def __init__(self, cfg: LeewayConfig, link: RunLink, reader: ReplayReader) -> None:
-        self.cfg = cfg
-        self.link = link
-        self.reader = reader
-        self.metrics_path = replay_metrics_path(cfg)
-        self.staleness_cap: int | None = cfg.staleness.max_staleness if cfg.staleness.cap_in_replay else None
-        self.generator_reports = GeneratorReports()
-        self.newest_version = 0
-        """The newest policy version recorded in the groups replayed so far."""
-
-    @classmethod
-    async def open(cls, cfg: LeewayConfig, link: RunLink, selection: ReplaySelection) -> ReplaySession:
-        reader = await ReplayReader.open(link.js, link.names, cfg.stream, link.store, selection)
-        return cls(cfg, link, reader)
-
-    async def start(self) -> TrainerState:
-        log.info("replaying %s into training; metrics in %s", self.reader.selection, self.metrics_path)
-        state = TrainerState()
-        from_seq = self.reader.selection.from_seq
-        if from_seq is not None:
-            info = await asyncio.wait_for(
-                self.link.js.stream_info(self.link.names.trajectory_stream), STREAM_INFO_TIMEOUT_S
-            )
-            state.lost_to_retention = count_lost_to_retention(
-                from_seq, info.state.first_seq, info.state.last_seq, "replay"
-            )
-        return state
-
-    def cap_version(self, group: TrajectoryGroup, trainer_version: int) -> int:
-        self.newest_version = max(self.newest_version, group.group_max_version)
-        return self.newest_version
-
-    def current_version(self, trainer_version: int) -> int:
-        return self.newest_version
-
-    async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
-        return None
-
-    async def new_dead_letters(self, state: TrainerState) -> list[DeadLetterEntry]:
-        return []
-
-    async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]:
-        return await self.reader.fetch(max_groups=max_groups, timeout_s=timeout_s)
-
-    async def refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
-        return None  # a replay dead-letters nothing: the loop skips and counts the group
-
-    @property
-    def exhausted(self) -> bool:
-        return self.reader.done
-
-    async def keep_alive(self) -> None:
-        return None
-
-    async def publish(self, state: TrainerState) -> None:
-        return None
-
-    async def ack(self, seqs: Sequence[int]) -> None:
-        return None
-
-    async def give_back(self) -> None:
-        return None
-
-    async def queue_depth(self) -> int | None:
-        return None
-
-    async def checkpoint(self, state: TrainerState, handled: RecentIds, *, final: bool) -> None:
-        return None
-
-    async def close(self) -> None:
-        await self.reader.close()
-        await self.link.nc.drain()

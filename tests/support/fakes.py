@@ -244,6 +244,9 @@ class FakeSession:
     async def checkpoint(self, state: TrainerState, handled: RecentIds, *, final: bool) -> None:
         self.events.append(("checkpoint", state.step, final))
 
+    def forged_counts(self) -> dict[str, int]:
+        return {}
+
     async def close(self) -> None:
         self.events.append(("close",))
 

@@ -23,8 +23,9 @@ from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBack
 from actors.trainer.checkpoints import RecentIds, TrainerState, complete_checkpoints
 from actors.trainer.loop import Trainer
 from actors.trainer.objective import CorrectedObjective
+from actors.trainer.replay_session import ReplaySession
 from actors.trainer.runtime import open_trainer
-from actors.trainer.sessions import LiveSession, ReplaySession, RunLink
+from actors.trainer.sessions import LiveSession, RunLink
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
 from pipeline.rl.batching import GroupPolicy, prepare_group

@@ -400,6 +400,7 @@ def test_forged_dead_letters_are_counted_and_cancel_nothing(stack: StackState, t
     [record] = metrics_records(cfg.run.run_dir / "metrics.jsonl")
     assert record["trained_group_ids"] == ids and trainer.state.dead_lettered_groups == 0
     assert isinstance(trainer.session, LiveSession) and trainer.session.dead_letter_check.forged == 3
+    assert record["dead_letters/forged_total"] == 3  # in the run's own records, not only the log
 
 
 # ---- a prompts file with a row that can never be admitted: refused when loaded, before anything is published
