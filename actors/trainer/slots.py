@@ -141,6 +141,8 @@ class DeadLetterCheck:
             return f"subject {entry.subject!r} is no dead-letter subject of run {names.run!r}"
         if entry.original_id is None or entry.original_seq is None or entry.original_stream != stream:
             return f"it names no original message of stream {stream}"
+        if entry.original_seq < 1:  # not below the first seq by retention: no stream ever had it
+            return f"{stream} has no seq {entry.original_seq} (sequences start at 1)"
         try:
             raw = await asyncio.wait_for(self._js.get_msg(stream, seq=entry.original_seq), CHECK_TIMEOUT_S)
         except nats.js.errors.NotFoundError:
