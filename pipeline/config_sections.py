@@ -270,6 +270,9 @@ class StreamConfig(Section):
     """Size limit of the trajectory stream; oldest messages go first."""
     max_inline_bytes: int = Field(1 * MiB, ge=1024)
     """Larger encoded groups go to the object store and the message carries a pointer."""
+    claim_gc: Literal["after_retention", "after_ack", "never"] = "after_retention"
+    """When the trainer deletes a claim-checked group's object: once stream retention removed its message (replay
+    can no longer reach it), right after the group is acked (a replay then skips it, counted), or never."""
     max_msg_bytes: int = Field(2 * MiB, ge=1024)
     """Largest message the stream accepts (the embedded server allows 8 MiB); larger groups are claim-checked."""
     fetch_batch: int = Field(16, ge=1)

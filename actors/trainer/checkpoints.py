@@ -102,6 +102,8 @@ class TrainerState:
     dead_letter_seq: int = 0
     dead_lettered_groups: int = 0
     lost_to_retention: int = 0
+    claim_objects: list[tuple[int, str]] = field(default_factory=list)
+    """(stream seq, key) of claim objects of acked groups not yet deleted (`actors/trainer/claim_gc.py`)."""
     state_format: int = STATE_FORMAT
 
     @property

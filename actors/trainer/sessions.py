@@ -62,6 +62,7 @@ from actors.trainer.checkpoints import (
     new_attempt,
     write_checkpoint,
 )
+from actors.trainer.claim_gc import collect_claims
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
@@ -474,6 +475,8 @@ class LiveSession:
         if not final and state.step % self.cfg.trainer.checkpoint_every:
             return
         state.handled_group_ids = handled.to_list()
+        if self.cfg.stream.claim_gc != "never":
+            state.claim_objects = [*state.claim_objects, *self.consumer.take_acked_claims()]
         budget = self.cfg.outages.final_checkpoint_s if final else self.cfg.outages.checkpoint_s
         ranks = self.ranks
         if ranks is not None:
@@ -493,6 +496,14 @@ class LiveSession:
         self.last_checkpoint_step = state.step
         log.info(
             "checkpoint written at step %d (version %d, stream seq %d)", state.step, state.version, state.consumed_seq
+        )
+        state.claim_objects = await collect_claims(
+            self.link.js,
+            self.link.store,
+            self.names,
+            state.claim_objects,
+            policy=self.cfg.stream.claim_gc,
+            up_to_seq=state.consumed_seq,
         )
 
     def forged_counts(self) -> dict[str, int]:

@@ -35,6 +35,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from pipeline.wire.claim_check import ClaimStore, ClaimUnavailable, claim_retry_delay_s, fetch_claim, parse_claim_check
+from pipeline.wire.headers import H_CLAIM_CHECK
 from pipeline.wire.jetstream import (
     ACK_TIMEOUT_S,
     DISCONNECTED_ERRORS,
@@ -144,6 +145,9 @@ class TrajectoryConsumer:
         self._stream = stream
         self._store = store
         self._held: dict[int, Msg] = {}
+        self.acked_claims: list[tuple[int, str]] = []
+        """(stream seq, claim object key) of claim-checked groups acked since the owner last took them
+        (`take_acked_claims`): the trainer deletes those objects once replay can no longer reach them."""
         self.max_deliver = max_deliver
         """Deliveries of one message this consumer handles; a later delivery is dead-lettered (`max_deliveries`)."""
         self.dead_letters = DeadLetters(js, names.trajectory_dead_letter_subject)
@@ -229,9 +233,18 @@ class TrajectoryConsumer:
         msgs = [(s, self._held.pop(s)) for s in seqs if s in self._held]
         results = await asyncio.gather(*(m.ack_sync(timeout=ACK_TIMEOUT_S) for _, m in msgs), return_exceptions=True)
         failed = [s for (s, _), r in zip(msgs, results, strict=True) if isinstance(r, BaseException)]
+        for (seq, msg), result in zip(msgs, results, strict=True):
+            key = (msg.headers or {}).get(H_CLAIM_CHECK)
+            if key is not None and not isinstance(result, BaseException):  # validated when it was delivered
+                self.acked_claims.append((seq, key))
         if failed:
             log.warning("acks of %d groups not confirmed (they will be redelivered): seqs %s", len(failed), failed[:8])
         return len(msgs) - len(failed)
+
+    def take_acked_claims(self) -> list[tuple[int, str]]:
+        """The claim objects of groups acked since the last call (see `acked_claims`), handed over once."""
+        taken, self.acked_claims = self.acked_claims, []
+        return taken
 
     async def dead_letter(self, seq: int, reason: str, detail: str) -> None:
         """Refuse a held group for good: copy it to the dead-letter subject with `reason`, then terminate it

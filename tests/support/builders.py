@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
-from actors.endpoints import resolve_endpoints
+from actors.endpoints import open_run_store, resolve_endpoints
 from actors.models import build_policy_model, load_tokenizer
 from actors.trainer.backends import TrainingBackend, build_backend
 from actors.trainer.loop import Trainer
@@ -119,17 +119,20 @@ def wire_group(
 
 
 async def publish_groups(cfg: LeewayConfig, groups: Sequence[TrajectoryGroup]) -> None:
-    """Publish `groups` to the run's trajectory stream, one by one: stream order is the order given."""
+    """Publish `groups` to the run's trajectory stream, one by one: stream order is the order given. Groups over
+    `stream.max_inline_bytes` go to the run's object store (claim checks), as a generator sends them."""
     names = RunNames.for_run(cfg.run.name)
     nc = await connect(resolve_endpoints(cfg).nats_url, name="test-publisher")
+    store = open_run_store(cfg)
     try:
         js = nc.jetstream()
         await ensure_trajectory_streams(js, names, cfg.stream)
-        publisher = TrajectoryPublisher(js, names, cfg.stream)
+        publisher = TrajectoryPublisher(js, names, cfg.stream, store=store)
         for group in groups:
             await publisher.publish(group)
     finally:
         await nc.drain()
+        store.close()
 
 
 def metrics_records(path: Path) -> list[dict[str, Any]]:
