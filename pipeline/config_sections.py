@@ -312,6 +312,10 @@ class LoggingConfig(Section):
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level."""
+    role_log_max_bytes: int = Field(64 * MiB, ge=0)
+    """A role log under `<run.dir>/logs/` (of `leeway run` or a fleet) rotates past this size; 0: never."""
+    role_log_backups: int = Field(3, ge=1)
+    """Rotated role logs kept (`trainer.log.1` ...); the oldest is deleted."""
     tensorboard: bool = False
     """Also write TensorBoard scalars under `<run.dir>/tb` (needs the tensorboard package)."""
     wandb_project: str | None = None

@@ -51,6 +51,7 @@ from infra.process import (
     stop_groups,
     stop_processes,
 )
+from infra.role_logs import LOG_FILE_ENV
 
 STOP_TIMEOUT_S = 150.0
 """Default grace of a role after SIGTERM before its process group is killed; a spec carries the run's
@@ -203,7 +204,7 @@ class RoleActor:
         return spawn_child(
             self._argv(config_path),
             log_path=log_path,
-            env={**os.environ, **self.env},
+            env={**os.environ, **self.env, LOG_FILE_ENV: str(log_path)},
             cwd=self.run_dir,
             death_signal=signal.SIGTERM,
             watchdog=True,

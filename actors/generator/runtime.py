@@ -38,6 +38,7 @@ from actors.generator.loop import Generator
 from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
 from actors.models import build_policy_model, eos_token_id, load_tokenizer, pad_token_id
+from infra.role_logs import configure_role_logging
 from pipeline.config import LeewayConfig
 from pipeline.tasks import VERIFIER_THREADS, VerifierPool, get_task
 from pipeline.wire.announce import generator_metrics_subject, version_kv, watch_announcements
@@ -216,7 +217,12 @@ async def _stop_when(stop: asyncio.Event, generator: Generator) -> None:
 
 def main(cfg: LeewayConfig) -> int:
     """`leeway generator CONFIG`: one generator until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
-    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_role_logging(
+        cfg.logging.level,
+        "%(asctime)s %(levelname)s %(name)s: %(message)s",
+        max_bytes=cfg.logging.role_log_max_bytes,
+        backups=cfg.logging.role_log_backups,
+    )
     torch.set_num_threads(cfg.engine.torch_threads)
     stop_needs_endpoints(cfg)  # orphaned with its servers gone: no naks to retry (infra/process.py)
 

@@ -58,6 +58,7 @@ from actors.launcher.report import write_report
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
 from infra.files import write_private
 from infra.process import StackError, log_tail, spawn_child, stop_groups, tied_to_this_process
+from infra.role_logs import LOG_FILE_ENV
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
 
@@ -184,7 +185,9 @@ def spawn_role(
     popen = spawn_child(
         argv,
         log_path=log_path,
-        env=dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads)),
+        env=dict(
+            os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **{LOG_FILE_ENV: str(log_path)}
+        ),
         death_signal=signal.SIGTERM,
         watchdog=True,
         watchdog_grace_s=grace_s,

@@ -48,7 +48,7 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -70,6 +70,10 @@ STATE_FORMAT = 1
 """Version of `trainer_state.json`; `TrainerState.from_json` refuses others."""
 RECENT_GROUP_IDS_KEPT = 50_000
 """Group ids remembered for deduplication (and persisted); far more than one checkpoint interval holds."""
+
+
+class CheckpointFormatError(RuntimeError):
+    """A checkpoint another Leeway wrote: not damage (never marked or skipped), a reason to stop and say so."""
 
 
 @dataclass
@@ -116,14 +120,24 @@ class TrainerState:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> TrainerState:
+        """ValueError for a state that is damaged; `CheckpointFormatError` for one another Leeway wrote (another
+        `state_format`, or fields this trainer does not know): that is no damage, and no reason to fall back."""
         try:
             raw = orjson.loads(data)
-            state = cls(**raw)
-        except (orjson.JSONDecodeError, TypeError) as exc:
+        except orjson.JSONDecodeError as exc:
             raise ValueError(f"{where}: unreadable trainer state: {exc}") from exc
-        if state.state_format != STATE_FORMAT:
-            raise ValueError(f"{where}: state_format={state.state_format!r}, this trainer reads {STATE_FORMAT}")
-        return state
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: unreadable trainer state: not an object")
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        if raw.get("state_format", STATE_FORMAT) != STATE_FORMAT or unknown:
+            raise CheckpointFormatError(
+                f"{where}: written by another Leeway (state_format={raw.get('state_format')!r}, this trainer reads "
+                f"{STATE_FORMAT}; fields it does not know: {unknown}); resume with the Leeway that wrote it"
+            )
+        try:
+            return cls(**raw)
+        except TypeError as exc:
+            raise ValueError(f"{where}: unreadable trainer state: {exc}") from exc
 
 
 class RecentIds:

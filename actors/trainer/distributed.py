@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from infra.process import LOOPBACK, free_port, spawn_child, stop_groups
+from infra.role_logs import LOG_FILE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def rank_environ(base: Mapping[str, str], rank: int, world_size: int, port: int)
     """The environment of rank `rank` started by `launch_ranks` on this machine (`spawn_child` adds the
     launcher's pid, `LEEWAY_PARENT_PID`)."""
     return {
-        **base,
+        **{k: v for k, v in base.items() if k != LOG_FILE_ENV},  # ranks share the launcher's output, unrotated
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(rank),

@@ -34,6 +34,7 @@ from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
 from actors.trainer.replay_session import ReplaySession
 from actors.trainer.run_lease import LeasedSession, LeaseKeeper
 from actors.trainer.sessions import RunLink, Session, build_weight_publisher
+from infra.role_logs import configure_role_logging
 from pipeline.config import LeewayConfig
 from pipeline.tasks import get_task
 from pipeline.wire.replay import ReplaySelection
@@ -108,7 +109,12 @@ def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | N
     as one rank of several (RANK/WORLD_SIZE/... in the environment, `actors/trainer/distributed.py`)."""
     rank_env = RankEnv.from_environ()
     where = f" rank{rank_env.rank}" if rank_env.distributed else ""
-    logging.basicConfig(level=cfg.logging.level, format=f"%(asctime)s %(name)s{where} %(levelname)s %(message)s")
+    configure_role_logging(
+        cfg.logging.level,
+        f"%(asctime)s %(name)s{where} %(levelname)s %(message)s",
+        max_bytes=cfg.logging.role_log_max_bytes,
+        backups=cfg.logging.role_log_backups,
+    )
     torch.set_num_threads(cfg.trainer.torch_threads)
     torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
     stop_needs_endpoints(cfg)  # orphaned with its servers gone: no final checkpoint to retry (infra/process.py)

@@ -15,6 +15,7 @@ from actors.trainer.checkpoints import (
     DAMAGED_FILE,
     KEEP_CHECKPOINTS,
     MANIFEST_FILE,
+    CheckpointFormatError,
     RecentIds,
     TrainerState,
     checkpoint_files,
@@ -202,8 +203,14 @@ def test_resume_with_every_checkpoint_damaged_refuses_naming_each(tmp_path: Path
 
 def test_state_of_another_format_is_refused() -> None:
     data = orjson.dumps({**orjson.loads(TrainerState().to_json()), "state_format": 99})
-    with pytest.raises(ValueError, match="state_format"):
+    with pytest.raises(CheckpointFormatError, match="state_format=99"):
         TrainerState.from_json(data, "x")
+    newer = orjson.dumps({**orjson.loads(TrainerState().to_json()), "a_later_field": [1]})
+    with pytest.raises(CheckpointFormatError, match="a_later_field"):  # not damage: never marked, never skipped
+        TrainerState.from_json(newer, "x")
+    older = orjson.loads(TrainerState(step=3).to_json())
+    del older["claim_objects"]
+    assert TrainerState.from_json(orjson.dumps(older), "x").step == 3  # an older state loads
 
 
 def test_roll_back_moves_records_after_the_checkpoint_and_torn_lines(tmp_path: Path) -> None:
