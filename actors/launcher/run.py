@@ -260,6 +260,30 @@ def read_metrics(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     return records, offset + end
 
 
+class MetricsTail:
+    """metrics.jsonl as `leeway run` follows it: the new complete lines at each poll, into `records`. A resumed
+    trainer rolls back the records of steps its checkpoint lost by replacing the file (`roll_back_metrics`);
+    then (a new inode, or a file shorter than what was read) `records` starts again from the new file."""
+
+    def __init__(self, path: Path, records: list[dict[str, Any]]) -> None:
+        self.path = path
+        self.records = records
+        self.offset = 0
+        self._inode: int | None = None
+
+    def poll(self) -> None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return
+        if self._inode is not None and (stat.st_ino != self._inode or stat.st_size < self.offset):
+            self.records.clear()
+            self.offset = 0
+        self._inode = stat.st_ino
+        new, self.offset = read_metrics(self.path, self.offset)
+        self.records.extend(new)
+
+
 # ------------------------------------------------------------------------------------------- run
 
 
@@ -350,8 +374,7 @@ def run_pipeline(
     run_dir = prepare_run_dir(cfg, fresh, resume=resume)
     processes = RunProcesses()
     records: list[dict[str, Any]] = []
-    offset = 0
-    metrics_path = run_dir / "metrics.jsonl"
+    tail = MetricsTail(run_dir / "metrics.jsonl", records)
     interrupted = False
     error: str | None = None
     stack_started: Path | None = None
@@ -369,8 +392,7 @@ def run_pipeline(
             assert processes.trainer is not None
             while True:
                 done = not processes.trainer.alive
-                new, offset = read_metrics(metrics_path, offset)
-                records.extend(new)
+                tail.poll()
                 if view is not None:
                     view.update(records, processes.status(probe.values()))
                 if done:
@@ -392,8 +414,7 @@ def run_pipeline(
                 probe.close()
             try:
                 processes.stop(cfg.stop_grace_s)
-                new, offset = read_metrics(metrics_path, offset)
-                records.extend(new)
+                tail.poll()
                 _show(view, records, processes, None, stopped=True)
             finally:
                 if stack_started is not None:

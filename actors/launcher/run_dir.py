@@ -21,7 +21,8 @@ from pathlib import Path
 
 import orjson
 
-from infra.stack import stop_stack
+from infra.process import is_running
+from infra.stack import load_state, stop_stack
 from pipeline.config import LeewayConfig
 
 RUN_MARKER = ".leeway-run"
@@ -59,6 +60,13 @@ def prepare_run_dir(cfg: LeewayConfig, fresh: bool, *, resume: bool = False, dis
             raise NothingToResume(
                 f"--resume: {run_dir} holds no earlier run (no metrics.jsonl, no private stack); start one with "
                 f"`leeway run CONFIG`"
+            )
+        state = load_state(run_dir / "stack")
+        running = [p for p in state.processes if is_running(p)] if state is not None else []
+        if running:  # its servers die with the `leeway run` that started them: that run is alive
+            raise RunDirInUse(
+                f"--resume: a `leeway run` is using {run_dir} (its private stack runs: "
+                f"{', '.join(f'{p.name} pid {p.pid}' for p in running)}); stop it first"
             )
         return run_dir
     if fresh and steps and not discard_checkpoints:

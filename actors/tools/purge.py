@@ -27,6 +27,7 @@ import nats.js.errors
 from actors.endpoints import EndpointError, Endpoints, connect_nats, open_run_store, resolve_endpoints
 from pipeline.config import LeewayConfig
 from pipeline.wire.announce import version_bucket
+from pipeline.wire.lease import lease_bucket
 from pipeline.wire.names import RunNames
 from storage.objectstore import ObjectStore
 
@@ -38,19 +39,18 @@ class PurgePlan:
     run: str
     streams: dict[str, int] = field(default_factory=dict)
     """Existing stream name -> messages it holds."""
-    kv_bucket: str | None = None
-    """The run's KV bucket, if it exists."""
+    kv_buckets: tuple[str, ...] = ()
+    """The run's KV buckets that exist (version announcements, the trainer lease)."""
     object_keys: tuple[str, ...] = ()
     """Store keys under `<run>/` (relative to the store root)."""
 
     @property
     def empty(self) -> bool:
-        return not self.streams and self.kv_bucket is None and not self.object_keys
+        return not self.streams and not self.kv_buckets and not self.object_keys
 
     def describe(self, endpoints: Endpoints) -> list[str]:
         lines = [f"stream {name} ({count} messages) on {endpoints.nats_url}" for name, count in self.streams.items()]
-        if self.kv_bucket is not None:
-            lines.append(f"KV bucket {self.kv_bucket} on {endpoints.nats_url}")
+        lines += [f"KV bucket {bucket} on {endpoints.nats_url}" for bucket in self.kv_buckets]
         if self.object_keys:
             lines.append(f"{len(self.object_keys)} objects under {self.run}/ in {endpoints.store_url}")
         return lines
@@ -70,13 +70,15 @@ async def plan_purge(js: nats.js.JetStreamContext, store: ObjectStore, names: Ru
         except nats.js.errors.NotFoundError:
             continue
         streams[stream] = int(info.state.messages)
-    bucket: str | None = version_bucket(names)
-    try:
-        await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        bucket = None
+    buckets: list[str] = []
+    for bucket in (version_bucket(names), lease_bucket(names)):
+        try:
+            await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            continue
+        buckets.append(bucket)
     keys = await asyncio.to_thread(store.list, run_prefix(names))
-    return PurgePlan(run=names.run, streams=streams, kv_bucket=bucket, object_keys=tuple(keys))
+    return PurgePlan(run=names.run, streams=streams, kv_buckets=tuple(buckets), object_keys=tuple(keys))
 
 
 async def execute_purge(js: nats.js.JetStreamContext, store: ObjectStore, plan: PurgePlan) -> None:
@@ -86,9 +88,9 @@ async def execute_purge(js: nats.js.JetStreamContext, store: ObjectStore, plan: 
             await js.delete_stream(stream)
         except nats.js.errors.NotFoundError:
             pass
-    if plan.kv_bucket is not None:
+    for bucket in plan.kv_buckets:
         try:
-            await js.delete_key_value(plan.kv_bucket)
+            await js.delete_key_value(bucket)
         except nats.js.errors.NotFoundError:
             pass
     await asyncio.to_thread(store.delete_many, plan.object_keys)

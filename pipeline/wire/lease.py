@@ -14,7 +14,8 @@ it every `heartbeat_s`, and releases it when it stops:
   the taker's own monotonic clock, never by comparing wall clocks of two machines.
 - Renewing: `update(last=our revision)`. A failure because the revision moved means another trainer
   took the lease over (we were silent past `ttl_s`): `LeaseLost`, and the trainer must stop writing at
-  once. A NATS error is transient and retried at the next beat.
+  once; unless the key still holds our own record (an earlier renewal landed but its reply was lost),
+  whose revision is then adopted. A NATS error is transient and retried at the next beat.
 - Releasing: `delete(last=our revision)`, best effort; a lease not released goes stale after `ttl_s`.
 """
 
@@ -190,7 +191,14 @@ class RunLease:
         try:
             self.revision = await self.kv.update(LEASE_KEY, beat.to_bytes(), last=self.revision)
         except nats.js.errors.KeyWrongLastSequenceError:
-            holder = await self._current_holder()
+            try:
+                entry = await self.kv.get(LEASE_KEY)
+            except nats.js.errors.KeyNotFoundError:
+                entry = None
+            holder = LeaseRecord.parse(entry.value) if entry is not None else None
+            if entry is not None and holder is not None and holder.holder == self.me.holder:
+                self.revision, self.me = entry.revision, holder  # our renewal landed, its reply was lost
+                return
             who = holder.describe() if holder is not None else "another trainer"
             raise LeaseLost(f"run {self.run!r}: the trainer lease was taken over by {who}") from None
         self.me = beat

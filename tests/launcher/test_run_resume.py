@@ -9,8 +9,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from actors.launcher.run import MetricsTail
 from actors.launcher.run_dir import NothingToResume, RunDirInUse, prepare_run_dir
-from infra.stack import load_state
+from infra.stack import load_state, start_stack, stop_stack
 from pipeline.config import load_config
 from tests.support.runs import COMMON, DEMO, DEMO_DEADLINE_S, REPO, leeway_argv, log_tails
 
@@ -38,6 +39,19 @@ def test_resume_with_nothing_there_and_fresh_and_resume_together_are_refused(tmp
         prepare_run_dir(cfg, fresh=False, resume=True)
     with pytest.raises(RunDirInUse, match="exclude each other"):
         prepare_run_dir(cfg, fresh=True, resume=True)
+
+
+@pytest.mark.timeout(120)
+def test_resume_refuses_a_run_whose_private_stack_still_runs(tmp_path: Path) -> None:
+    cfg = load_config(str(DEMO), [*COMMON, f"run.dir={tmp_path / 'run'}"])
+    run_dir = prepare_run_dir(cfg, fresh=False)
+    start_stack(run_dir / "stack")  # the live `leeway run` of this directory
+    try:
+        with pytest.raises(RunDirInUse, match="a `leeway run` is using"):
+            prepare_run_dir(cfg, fresh=False, resume=True)
+    finally:
+        stop_stack(run_dir / "stack", timeout_s=1.0)
+    assert prepare_run_dir(cfg, fresh=False, resume=True) == run_dir  # stopped: it can be resumed
 
 
 @pytest.mark.slow
@@ -83,3 +97,23 @@ def test_a_stopped_run_resumes_on_its_private_stack_and_fresh_will_not_delete_it
     discarded = _run(config_path, "--fresh", "--discard-checkpoints", "--set", "trainer.max_steps=2")
     assert discarded.returncode == 0, discarded.stdout + discarded.stderr + log_tails(run_dir)
     assert [s for s, _ in _steps_and_versions(run_dir)] == [1, 2]  # a new run from scratch
+
+
+def test_the_live_view_follows_metrics_across_a_resumes_roll_back(tmp_path: Path) -> None:
+    """A resumed trainer replaces metrics.jsonl without the steps its checkpoint lost: the tail starts over."""
+    path = tmp_path / "metrics.jsonl"
+    records: list[dict[str, object]] = []
+    tail = MetricsTail(path, records)
+    tail.poll()  # no file yet
+    path.write_bytes(b"".join(orjson.dumps({"step": s}) + b"\n" for s in (1, 2, 3)) + b'{"step": 4, "tor')
+    tail.poll()
+    assert [r["step"] for r in records] == [1, 2, 3]  # the torn line of a killed trainer waits
+    rolled = tmp_path / "metrics.tmp"
+    rolled.write_bytes(b"".join(orjson.dumps({"step": s}) + b"\n" for s in (1, 2)))
+    rolled.replace(path)  # what `roll_back_metrics` does: the checkpoint was at step 2
+    tail.poll()
+    assert [r["step"] for r in records] == [1, 2]
+    with path.open("ab") as handle:
+        handle.write(orjson.dumps({"step": 3}) + b"\n")
+    tail.poll()
+    assert [r["step"] for r in records] == [1, 2, 3]

@@ -17,6 +17,7 @@ from actors.endpoints import connect_nats, open_run_store
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
 from pipeline.wire.announce import announce_version, version_bucket, version_kv
+from pipeline.wire.lease import RunLease, lease_bucket, lease_kv
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import ensure_prompt_queue
 from pipeline.wire.trajectories import ensure_trajectory_streams
@@ -45,6 +46,8 @@ async def _populate(cfg: LeewayConfig) -> None:
         for subject in (names.trajectory_subject, names.prompt_subject, names.trajectory_dead_letter_subject):
             await js.publish(subject, b"{}")
         await announce_version(await version_kv(js, names), 3)
+        lease = RunLease(await lease_kv(js, names), names.run, ttl_s=1.0)
+        await lease.acquire()  # a trainer killed while it held the run
     finally:
         await nc.close()
     with open_run_store(cfg) as store:
@@ -65,11 +68,15 @@ async def _left(cfg: LeewayConfig) -> dict[str, object]:
             except nats.js.errors.NotFoundError:
                 continue
             streams.append(stream)
-        try:
-            await js.key_value(version_bucket(names))
-            kv = True
-        except nats.js.errors.BucketNotFoundError:
-            kv = False
+        buckets = []
+        for bucket in (version_bucket(names), lease_bucket(names)):
+            try:
+                await js.key_value(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                continue
+            buckets.append(bucket)
+        kv = len(buckets) == 2 if buckets else False
+        assert not buckets or kv, f"only {buckets} of the run's KV buckets left"
     finally:
         await nc.close()
     with open_run_store(cfg) as store:

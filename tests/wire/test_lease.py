@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import uuid
+from dataclasses import asdict
 
 import pytest
 
@@ -92,6 +93,27 @@ def test_a_value_that_is_no_lease_record_is_an_unknown_holder_taken_over_when_st
             taker = RunLease(kv, names.run, ttl_s=TTL_S)
             await taker.acquire()
             assert LeaseRecord.parse((await kv.get(LEASE_KEY)).value) == taker.me
+        finally:
+            await nc.drain()
+
+    asyncio.run(scenario())
+
+
+def test_a_renewal_whose_reply_was_lost_is_adopted_not_taken_for_a_takeover(stack: StackState) -> None:
+    names = _names()
+
+    async def scenario() -> None:
+        nc = await connect(stack.nats_url, name="test-lease")
+        try:
+            kv = await lease_kv(nc.jetstream(), names)
+            lease = RunLease(kv, names.run, ttl_s=TTL_S)
+            await lease.acquire()
+            landed = LeaseRecord(**{**asdict(lease.me), "beat": lease.me.beat + 1})
+            await kv.put(LEASE_KEY, landed.to_bytes())  # the renewal the server stored, whose reply never came
+            await lease.renew()  # sees a newer revision, finds its own record there: still the holder
+            assert lease.me == landed
+            await lease.renew()  # and renews on from the adopted revision
+            assert LeaseRecord.parse((await kv.get(LEASE_KEY)).value) == lease.me and lease.me.beat == landed.beat + 1
         finally:
             await nc.drain()
 
