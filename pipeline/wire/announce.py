@@ -23,8 +23,8 @@ import nats.errors
 import nats.js.errors
 import orjson
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 
+from pipeline.wire.jetstream import ensure_key_value
 from pipeline.wire.names import RunNames
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,7 @@ def generator_metrics_subject(names: RunNames) -> str:
 
 async def version_kv(js: JetStreamContext, names: RunNames) -> Any:
     """The run's announcement bucket, created on first use by whichever process comes first."""
-    try:
-        return await js.key_value(version_bucket(names))
-    except nats.js.errors.BucketNotFoundError:
-        config = KeyValueConfig(bucket=version_bucket(names), history=1, storage=StorageType.FILE)
-        try:
-            return await js.create_key_value(config)
-        except nats.js.errors.BadRequestError:
-            return await js.key_value(version_bucket(names))  # created concurrently by another process
+    return await ensure_key_value(js, version_bucket(names))
 
 
 async def announce_version(kv: Any, version: int) -> None:

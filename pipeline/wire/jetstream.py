@@ -38,7 +38,8 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import PubAck, StreamConfig
+from nats.js.api import KeyValueConfig, PubAck, StorageType, StreamConfig
+from nats.js.kv import KeyValue
 
 from pipeline.wire.headers import (
     H_DLQ_BODY_OMITTED,
@@ -155,6 +156,19 @@ async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         if exc.err_code != _STREAM_EXISTS_DIFFERENTLY:
             raise
         await js.update_stream(config)
+
+
+async def ensure_key_value(js: JetStreamContext, bucket: str) -> KeyValue:
+    """A KV bucket of the run (one value per key, file storage), created on first use by whichever process comes
+    first; safe when several create it at once."""
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        config = KeyValueConfig(bucket=bucket, history=1, storage=StorageType.FILE)
+        try:
+            return await js.create_key_value(config)
+        except nats.js.errors.BadRequestError:
+            return await js.key_value(bucket)  # created concurrently by another process
 
 
 def _has_settings(current: StreamConfig, wanted: StreamConfig) -> bool:

@@ -35,8 +35,8 @@ import nats.errors
 import nats.js.errors
 import orjson
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 
+from pipeline.wire.jetstream import ensure_key_value
 from pipeline.wire.names import RunNames
 
 log = logging.getLogger(__name__)
@@ -103,14 +103,7 @@ def lease_bucket(names: RunNames) -> str:
 
 async def lease_kv(js: JetStreamContext, names: RunNames) -> Any:
     """The run's lease bucket, created on first use by whichever trainer comes first."""
-    try:
-        return await js.key_value(lease_bucket(names))
-    except nats.js.errors.BucketNotFoundError:
-        config = KeyValueConfig(bucket=lease_bucket(names), history=1, storage=StorageType.FILE)
-        try:
-            return await js.create_key_value(config)
-        except nats.js.errors.BadRequestError:
-            return await js.key_value(lease_bucket(names))  # created concurrently by another trainer
+    return await ensure_key_value(js, lease_bucket(names))
 
 
 class RunLease:
