@@ -40,6 +40,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from pipeline.chat.template import ChatTemplate, load_chat_template
 from pipeline.config import LeewayConfig
 from pipeline.tasks import Task
 from pipeline.tasks.char_tokenizer import load_char_tokenizer
@@ -227,4 +228,32 @@ def build_policy_model(
         pad_token_id=pad_token_id(tokenizer),
         bos_token_id=special_token_id(tokenizer, BOS_TOKENS),
         eos_token_id=eos_token_id(tokenizer),
+    )
+
+
+def load_chat_template_for(cfg: LeewayConfig, tokenizer: Tokenizer, task: Task | None = None) -> ChatTemplate | None:
+    """The run's chat template: `model.chat_template`, else the ``tokenizer_config.json`` beside
+    `model.tokenizer` (a directory), else the task's ``chat_template`` text; None when there is none.
+    Its end-of-turn token is the tokenizer's EOS (the engine's stop token)."""
+    text: str | None = None
+    if cfg.model.chat_template is not None:
+        text = load_chat_template(cfg.model.chat_template)
+    elif cfg.model.tokenizer is not None and (Path(cfg.model.tokenizer) / "tokenizer_config.json").is_file():
+        try:
+            text = load_chat_template(Path(cfg.model.tokenizer) / "tokenizer_config.json")
+        except ValueError:
+            text = None
+    elif task is not None and isinstance(getattr(task, "chat_template", None), str):
+        text = task.chat_template  # type: ignore[attr-defined]
+    if text is None:
+        return None
+    eos = eos_token_id(tokenizer)
+    if eos is None:
+        raise ValueError(f"model.chat_template: the tokenizer has none of the end-of-turn tokens {EOS_TOKENS}")
+    bos = special_token_id(tokenizer, BOS_TOKENS)
+    return ChatTemplate(
+        tokenizer,
+        text,
+        eos_token=tokenizer.id_to_token(eos),
+        bos_token=None if bos is None else tokenizer.id_to_token(bos),
     )

@@ -85,6 +85,12 @@ class ModelConfig(Section):
     """The dtype the engine serves and the weight store publishes."""
     tokenizer: str | None = None
     """A tokenizer.json or HF tokenizer directory. None: the task's own tokenizer."""
+    chat_template: str | None = None
+    """A chat template file (`.jinja`, or a `tokenizer_config.json` holding `chat_template`) for message prompts and
+    the chat endpoint. None: the `tokenizer_config.json` beside `model.tokenizer`, else the task's own template."""
+    tool_parser: str = "hermes"
+    """How the endpoint reads tool calls in a reply: `hermes` (also `qwen`, `qwen3`: `<tool_call>{json}</tool_call>`)
+    or `none`. Unparseable calls stay plain content and are counted."""
 
 
 class SamplingConfig(Section):
@@ -117,6 +123,25 @@ class EngineConfig(Section):
     """Sampling parameters for every rollout."""
 
 
+class ServeConfig(Section):
+    enabled: bool = True
+    """Serve the OpenAI-compatible endpoint (chat, completions, token-in /inference/v1/generate, sessions)."""
+    host: str = "127.0.0.1"
+    """Address to bind. Any other than loopback requires an API key (`api_key_env` or `api_key_file`)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port to bind; 0 picks a free one. The address goes into the generator's reports."""
+    api_key_env: str = "LEEWAY_ENDPOINT_KEY"
+    """Environment variable holding the endpoint's API key (Bearer token); unset and no file: no key on loopback."""
+    api_key_file: str | None = None
+    """A file (mode 0600) holding the API key; wins over `api_key_env`."""
+    max_body_bytes: int = Field(4 * MiB, ge=1024)
+    """Largest request body; a larger one is refused with 413."""
+    max_inflight: int = Field(256, ge=1)
+    """Requests in the engine at once from the endpoint; more are refused with 429 and Retry-After."""
+    max_sessions: int = Field(4096, ge=1)
+    """Sessions kept (least recently used first out); an agent run's session is kept until its episode ends."""
+
+
 class GeneratorConfig(Section):
     concurrency: int = Field(2, ge=1)
     """Rollouts (each a group of advantages.group_size samples) a generator runs at once."""
@@ -133,6 +158,8 @@ class GeneratorConfig(Section):
     the store) before it hands them back to other generators, says why, and takes no prompt until it has it."""
     id: str | None = None
     """Generator id recorded on trajectories. None: hostname-pid."""
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    """The generator's OpenAI-compatible endpoint (`actors/generator/serve/`)."""
 
 
 class TrainerConfig(Section):
@@ -242,6 +269,12 @@ class TaskConfig(Section):
     """Built-in task name or `module:function` returning a Task."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the task factory (e.g. num_digits)."""
+    agent: str | None = None
+    """An agent function `package.module:function`, `async def run(prompt, client, ctx) -> AgentOutcome`, run once per
+    sample with an `openai.AsyncOpenAI` pointed at a fresh session of this generator's endpoint. None: the task's own
+    agent, if it has one."""
+    agent_timeout_s: float = Field(300.0, gt=0)
+    """An agent run that takes longer is cancelled; its sample is an infra_error (masked)."""
     prompts_file: str | None = None
     """A JSONL or Parquet file of prompts (overrides the task's own prompt source). Checked when the
     trainer loads it: a row over `stream.max_msg_bytes` as a queued prompt, or whose tokens fill the

@@ -69,6 +69,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from actors.generator.agents import AgentRunner
 from actors.generator.engines.base import Engine, SamplingParams
 from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
 from actors.generator.rollouts import Outcome, Rollouts
@@ -126,6 +127,7 @@ class Generator:
         metrics: GeneratorMetrics,
         generator_id: str,
         verifiers: VerifierPool,
+        agents: AgentRunner | None = None,
     ) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -151,6 +153,7 @@ class Generator:
             tokenizer=tokenizer,
             verifiers=verifiers,
             group_size=cfg.advantages.group_size,
+            agents=agents,
         )
         self._stop = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()

@@ -1,6 +1,7 @@
 """The engine-facing part of a batch: a batch's prompts become groups of scored samples.
 
-Single-turn tasks send every group's requests to the engine at once and score each group as soon as its
+Agent tasks (`task.agent`) run an agent function per sample against the generator's own endpoint
+(`actors/generator/agents.py`). Single-turn tasks send every group's requests to the engine at once and score each group as soon as its
 samples are done (`Rollouts.stream_groups`); multi-turn tasks (an environment,
 `pipeline.rl.rollout.environment_factory`) run `run_group` per prompt, calling the engine once per turn.
 A prompt whose rollout fails gets its exception in place of its samples, so it fails alone; the
@@ -16,6 +17,7 @@ from concurrent.futures import Future
 
 from tokenizers import Tokenizer
 
+from actors.generator.agents import AgentRunner
 from actors.generator.engines.base import GenerateResult, SamplingParams
 from actors.generator.metrics import Submit
 from pipeline.rl.rollout import Generate, environment_factory, group_requests, run_group, score_group
@@ -42,7 +44,9 @@ class Rollouts:
         tokenizer: Tokenizer,
         verifiers: VerifierPool,
         group_size: int,
+        agents: AgentRunner | None = None,
     ) -> None:
+        self.agents = agents
         self.generate = generate
         self.submit = submit
         self.task = task
@@ -53,7 +57,11 @@ class Rollouts:
         self.environment = environment_factory(task)
 
     async def run(self, prompts: list[Prompt], prompt_ids: Sequence[list[int]]) -> list[Outcome]:
-        """Every prompt's group: episodes for a multi-turn task, else one streamed engine call."""
+        """Every prompt's group: agent runs for an agent task, episodes for a multi-turn task, else one streamed
+        engine call."""
+        if self.agents is not None:
+            runs = (self.agents.group(prompt, self.group_size) for prompt in prompts)
+            return list(await asyncio.gather(*runs, return_exceptions=True))
         if self.environment is not None:
             return await self.episodes(prompts)
         return await self.stream_groups(prompts, list(prompt_ids))

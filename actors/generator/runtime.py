@@ -32,15 +32,19 @@ from nats.js.kv import KeyValue
 from tokenizers import Tokenizer
 
 from actors.endpoints import connect_nats, open_run_store, resolve_endpoints, stop_needs_endpoints
+from actors.generator.agents import AgentRunner
 from actors.generator.engines.base import Engine, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.generator.loop import Generator
 from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report
+from actors.generator.serve import Endpoint, EndpointService, build_app, read_api_key
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
-from actors.models import build_policy_model, eos_token_id, load_tokenizer, pad_token_id
+from actors.models import build_policy_model, eos_token_id, load_chat_template_for, load_tokenizer, pad_token_id
 from infra.role_logs import configure_role_logging
+from pipeline.chat.tool_parsers import get_tool_parser
 from pipeline.config import LeewayConfig
-from pipeline.tasks import VERIFIER_THREADS, VerifierPool, get_task
+from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, get_task
+from pipeline.tasks.agents import load_agent
 from pipeline.wire.announce import generator_metrics_subject, version_kv, watch_announcements
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue
@@ -96,6 +100,8 @@ class GeneratorRuntime:
     generator: Generator
     weights: WeightSync
     engine: Engine
+    endpoint: Endpoint | None = None
+    service: EndpointService | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -128,25 +134,34 @@ class GeneratorRuntime:
             opened.callback(verifiers.close)
             metrics = GeneratorMetrics(generator_id)
             weights = _weight_sync(cfg, subscriber, engine, metrics, kv)
+            sampling = sampling_params(cfg, tokenizer)
+            service = endpoint = api_key = None
+            if cfg.generator.serve.enabled:
+                service, endpoint, api_key = await open_endpoint(cfg, engine, tokenizer, task, sampling)
+                opened.push_async_callback(_close_logged, "the endpoint", endpoint.stop)
+                log.info("generator %s: OpenAI-compatible endpoint at %s/v1", generator_id, endpoint.url)
+            agents = _agent_runner(cfg, task, service, endpoint, api_key)
             generator = Generator(
                 cfg,
                 engine=engine,
                 tokenizer=tokenizer,
                 task=task,
-                sampling=sampling_params(cfg, tokenizer),
+                sampling=sampling,
                 queue=queue,
                 publisher=TrajectoryPublisher(js, names, cfg.stream, store),
                 weights=weights,
                 metrics=metrics,
                 generator_id=generator_id,
                 verifiers=verifiers,
+                agents=agents,
             )
+            extra = None if endpoint is None else lambda: _endpoint_fields(endpoint, service)
             background = [
                 asyncio.create_task(weights.run()),
-                asyncio.create_task(report_metrics(nc, generator_metrics_subject(names), metrics, weights)),
+                asyncio.create_task(report_metrics(nc, generator_metrics_subject(names), metrics, weights, extra)),
             ]
             opened.push_async_callback(_cancel, background)
-            yield cls(generator, weights, engine)
+            yield cls(generator, weights, engine, endpoint, service)
 
 
 def _weight_sync(
@@ -163,12 +178,82 @@ def _weight_sync(
     )
 
 
-async def report_metrics(nc: NatsClient, subject: str, metrics: GeneratorMetrics, weights: WeightSync) -> None:
+async def open_endpoint(
+    cfg: LeewayConfig, engine: Engine, tokenizer: Tokenizer, task: Task, sampling: SamplingParams
+) -> tuple[EndpointService, Endpoint, str | None]:
+    """The generator's endpoint, started: its service, its server and its API key (None: keyless loopback).
+    A chat template that does not render turns by appending is said once here, not per request."""
+    serve = cfg.generator.serve
+    api_key = read_api_key(env_name=serve.api_key_env, file=serve.api_key_file, host=serve.host)
+    template = load_chat_template_for(cfg, tokenizer, task)
+    if template is not None:
+        for problem in template.append_only_problems():
+            log.warning("chat template: %s; bridged turns differ from a fresh render of the conversation", problem)
+    service = EndpointService(
+        engine=engine,
+        tokenizer=tokenizer,
+        template=template,
+        tool_parser=get_tool_parser(cfg.model.tool_parser),
+        sampling=sampling,
+        model_names=(cfg.run.name, cfg.model.name_or_path),
+        max_inflight=serve.max_inflight,
+        max_sessions=serve.max_sessions,
+    )
+    endpoint = Endpoint(
+        build_app(service, api_key=api_key, max_body_bytes=serve.max_body_bytes), host=serve.host, port=serve.port
+    )
+    await endpoint.start()
+    return service, endpoint, api_key
+
+
+def _agent_runner(
+    cfg: LeewayConfig, task: Task, service: EndpointService | None, endpoint: Endpoint | None, api_key: str | None
+) -> AgentRunner | None:
+    """`task.agent`, else the task's own ``agent`` function; it needs the endpoint."""
+    target = cfg.task.agent
+    agent = load_agent(target) if target is not None else getattr(task, "agent", None)
+    if agent is None:
+        return None
+    if service is None or endpoint is None:
+        raise ValueError("task.agent needs the generator's endpoint: generator.serve.enabled must be true")
+    return AgentRunner(
+        agent,
+        service,
+        base_url=endpoint.url,
+        api_key=api_key,
+        timeout_s=cfg.task.agent_timeout_s,
+        max_tokens=cfg.engine.sampling.max_new_tokens,
+    )
+
+
+def _endpoint_fields(endpoint: Endpoint, service: EndpointService | None) -> dict[str, object]:
+    fields: dict[str, object] = {"endpoint": endpoint.url}
+    if service is not None:
+        m = service.metrics
+        fields |= {
+            "endpoint_requests": m.requests,
+            "endpoint_errors": sum(m.errors.values()),
+            "endpoint_turns_bridged": m.turns_bridged,
+            "endpoint_tool_calls_unparseable": m.tool_calls_unparseable,
+            "endpoint_sessions": len(service.sessions),
+        }
+    return fields
+
+
+async def report_metrics(
+    nc: NatsClient,
+    subject: str,
+    metrics: GeneratorMetrics,
+    weights: WeightSync,
+    extra: Callable[[], dict[str, object]] | None = None,
+) -> None:
     """Publish a metrics report every `REPORT_INTERVAL_S` (core NATS, fire-and-forget) until cancelled."""
     count = 0
     while True:
         await asyncio.sleep(REPORT_INTERVAL_S)
         record = metrics.report(version=weights.engine_version, newest_known=weights.newest_known)
+        if extra is not None:
+            record.update(extra())
         try:
             await nc.publish(subject, orjson.dumps(record))
         except Exception:  # a background loop we own: the next report carries the cumulative numbers again
@@ -201,7 +286,7 @@ async def serve(
 ) -> None:
     """Connect to the run's servers and run one generator until `stop` is set."""
     async with GeneratorRuntime.open(cfg, generator_id=generator_id, engine=engine) as rt:
-        watcher = asyncio.create_task(_stop_when(stop, rt.generator)) if stop is not None else None
+        watcher = asyncio.create_task(_stop_when(stop, rt)) if stop is not None else None
         try:
             await rt.generator.run()
         finally:
@@ -210,9 +295,11 @@ async def serve(
         log.info("generator %s: stopped", rt.generator.generator_id)
 
 
-async def _stop_when(stop: asyncio.Event, generator: Generator) -> None:
+async def _stop_when(stop: asyncio.Event, rt: GeneratorRuntime) -> None:
     await stop.wait()
-    generator.request_stop()
+    if rt.service is not None:
+        rt.service.stopping = True
+    rt.generator.request_stop()
 
 
 def main(cfg: LeewayConfig) -> int:

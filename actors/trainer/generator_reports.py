@@ -33,7 +33,7 @@ REPORT_MAX_GENERATORS = 1024
 REPORT_EXPIRY_INTERVALS = 10
 """A report older than this many `GENERATOR_REPORT_INTERVAL_S` is dropped from the metrics."""
 REPORT_MAX_AGE_S = REPORT_EXPIRY_INTERVALS * GENERATOR_REPORT_INTERVAL_S
-TEXT_FIELDS = {"generator_id": GENERATOR_ID_MAX_CHARS, "kind": 32}
+TEXT_FIELDS = {"generator_id": GENERATOR_ID_MAX_CHARS, "kind": 32, "endpoint": 256}
 """The only fields that may be strings (with their length bound); every other field is a number or null."""
 LOGGED_REJECTIONS_MAX = 64
 """Rejections logged at WARNING (one per field); the rest at DEBUG, so a flood does not drown the log."""

@@ -60,6 +60,7 @@ def reward_problem(reward: object) -> str | None:
 BUILTIN_TASKS: dict[str, str] = {
     "reverse_digits": "pipeline.tasks.reverse:ReverseDigitsTask",
     "exact_match": "pipeline.tasks:ExactMatchTask",
+    "reverse_tool": "pipeline.tasks.tool_reverse:ReverseToolTask",
 }
 """Built-in task name -> ``module:callable`` returning a `Task`."""
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from pipeline.wire.announce import announce_version, version_kv
 from pipeline.wire.consumer import TrajectoryConsumer, ensure_trainer_consumer
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
+from pipeline.wire.prompts import Prompt
 from pipeline.wire.trajectories import ensure_trajectory_streams
 from pipeline.wire.trajectory import TrajectoryGroup
 from storage.weights import WeightPublisher
@@ -67,16 +68,18 @@ def unique_run() -> str:
 class FakeTrainer:
     """Publishes versions (random perturbations of one tiny model), admits prompts, reads groups."""
 
-    def __init__(self, cfg: LeewayConfig) -> None:
+    def __init__(
+        self, cfg: LeewayConfig, *, tokenizer: Any = TOKENIZER, prompts: Iterator[Prompt] | None = None
+    ) -> None:
         self.cfg = cfg
         self.names = RunNames.for_run(cfg.run.name)
-        self.model = build_model(MODEL, vocab_size=TOKENIZER.get_vocab_size(), seed=0, dtype=torch.float32)
+        self.model = build_model(MODEL, vocab_size=tokenizer.get_vocab_size(), seed=0, dtype=torch.float32)
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.store = open_run_store(cfg)
         self.publisher = WeightPublisher(
             self.store, cfg.run.name, model_config_hash="test", dtype=torch.float32, full_every=50
         )
-        self.prompts = ReverseDigitsTask(num_digits=4, seed=int(uuid.uuid4().int % 10_000)).prompts()
+        self.prompts = prompts or ReverseDigitsTask(num_digits=4, seed=int(uuid.uuid4().int % 10_000)).prompts()
 
     async def __aenter__(self) -> FakeTrainer:
         self.nc = await connect_nats(self.cfg, name="test-fake-trainer")

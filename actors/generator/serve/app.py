@@ -1,0 +1,194 @@
+"""The endpoint's HTTP side: a FastAPI app over an `EndpointService`, and `Endpoint`, which serves it with
+uvicorn inside the generator's event loop.
+
+Routes (vLLM's conventions), each also under ``/sessions/{session_id}`` so a harness that takes only a
+base URL is session-scoped by it (``base_url = http://host:port/sessions/<id>/v1``)::
+
+    GET  /health                  GET  /v1/models
+    POST /v1/chat/completions     POST /v1/completions     POST /inference/v1/generate
+
+The session is the path's, else the body's ``session_id``, else the ``X-Session-ID`` header; none: the
+request is served alone. Bodies are read by hand, not by FastAPI's validation, so every error has
+OpenAI's shape: a body over ``generator.serve.max_body_bytes`` is 413, malformed JSON or a bad field 400
+(naming it), a missing or wrong key 401, over capacity 429 and not ready 503 (both with ``Retry-After``).
+An unexpected error is a 500 with the same shape, logged; the generator goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import os
+import socket
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from actors.generator.serve.protocol import ChatRequest, CompletionRequest, EndpointError, TokensRequest, parse_body
+from actors.generator.serve.service import EndpointService
+
+log = logging.getLogger(__name__)
+
+
+def build_app(service: EndpointService, *, api_key: str | None, max_body_bytes: int) -> FastAPI:
+    app = FastAPI(title="Leeway generator", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(EndpointError)
+    async def _endpoint_error(_: Request, exc: EndpointError) -> Response:
+        service.metrics.errors[exc.status] = service.metrics.errors.get(exc.status, 0) + 1
+        headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("endpoint: unexpected error")
+        service.metrics.errors[500] = service.metrics.errors.get(500, 0) + 1
+        error = EndpointError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    async def body_of(request: Request) -> Any:
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                raise EndpointError(
+                    401, "missing or wrong API key (Authorization: Bearer <key>)", kind="authentication_error"
+                )
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise EndpointError(413, f"the body is over {max_body_bytes} bytes (generator.serve.max_body_bytes)")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > max_body_bytes:
+                raise EndpointError(413, f"the body is over {max_body_bytes} bytes (generator.serve.max_body_bytes)")
+        service.metrics.requests += 1
+        try:
+            return orjson.loads(bytes(data))
+        except orjson.JSONDecodeError as exc:
+            raise EndpointError(400, f"the body is not valid JSON: {exc}") from None
+
+    def session_of(request: Request, path_session: str | None, body: Any) -> str | None:
+        if path_session is not None:
+            return path_session
+        if isinstance(body, dict) and isinstance(body.get("session_id"), str):
+            return body["session_id"]
+        return request.headers.get("x-session-id")
+
+    async def chat(request: Request, session_id: str | None = None) -> Response:
+        data = await body_of(request)
+        req = parse_body(ChatRequest, data)
+        body, chunks = await service.chat(req, session_of(request, session_id, data))
+        if chunks is None:
+            return JSONResponse(body)
+        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+
+    async def completions(request: Request, session_id: str | None = None) -> Response:
+        data = await body_of(request)
+        req = parse_body(CompletionRequest, data)
+        return JSONResponse(await service.completions(req, session_of(request, session_id, data)))
+
+    async def tokens(request: Request, session_id: str | None = None) -> Response:
+        data = await body_of(request)
+        req = parse_body(TokensRequest, data)
+        return JSONResponse(await service.tokens(req, session_of(request, session_id, data)))
+
+    async def models(request: Request, session_id: str | None = None) -> Response:
+        if api_key is not None:
+            await body_of(request)
+        return JSONResponse(service.models())
+
+    async def health() -> Response:
+        ready = service.engine.version >= 0 and not service.stopping
+        body = {"status": "ok" if ready else "starting", "policy_version": service.engine.version}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    app.add_api_route("/health", health, methods=["GET"])
+    for prefix in ("", "/sessions/{session_id}"):
+        app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
+        app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
+        app.add_api_route(prefix + "/v1/completions", completions, methods=["POST"])
+        app.add_api_route(prefix + "/inference/v1/generate", tokens, methods=["POST"])
+    return app
+
+
+async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_api_key(*, env_name: str, file: str | None, host: str) -> str | None:
+    """The endpoint's key: the 0600 file if given, else the environment variable; required off loopback."""
+    key = None
+    if file is not None:
+        path = Path(file)
+        if not path.is_file():
+            raise ValueError(f"generator.serve.api_key_file = {file!r}: no such file")
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            raise ValueError(f"generator.serve.api_key_file = {file!r}: readable by others; chmod 600 it")
+        key = path.read_text().strip() or None
+    elif os.environ.get(env_name):
+        key = os.environ[env_name].strip() or None
+    if key is None and not is_loopback(host):
+        raise ValueError(
+            f"generator.serve.host = {host!r} is not loopback: set an API key in ${env_name} or generator.serve.api_key_file"
+        )
+    return key
+
+
+class Endpoint:
+    """The app served by uvicorn as a task of the running event loop, on a socket bound up front (so the
+    address is known at once, port 0 included). uvicorn's own signal handling is left out: the generator
+    process owns SIGINT and SIGTERM."""
+
+    def __init__(self, app: FastAPI, *, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.socket.listen(256)
+        self.socket.setblocking(False)
+        bound_host, bound_port = self.socket.getsockname()[:2]
+        shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+        self.url = f"http://{shown}:{bound_port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2)
+        self._server = _QuietServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self.socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.socket.close()
+
+
+class _QuietServer(uvicorn.Server):
+    def capture_signals(self):  # type: ignore[no-untyped-def]
+        import contextlib
+
+        return contextlib.nullcontext()

@@ -1,0 +1,317 @@
+"""What the endpoint's routes do: render or bridge the prompt, run it on the generator's engine, record the
+turn in its session, and build the reply. HTTP lives in `actors/generator/serve/app.py`.
+
+Requests go into the same engine queue as the generator's own rollouts (`Engine.submit`), so one engine
+batches both continuously. A request never disturbs the generator: a bad one is an `EndpointError` (an
+OpenAI-shaped 4xx), and over ``generator.serve.max_inflight`` engine requests the endpoint answers 429 with
+``Retry-After``; before the generator holds version 0 it answers 503.
+
+Sampling: a session an agent run trains on (`SessionStore.open`) samples with the run's temperature, top-p
+and top-k whatever the request says, because the trainer's importance correction assumes them; other
+requests (evaluation, debugging) sample as they ask. ``max_tokens`` defaults to the run's
+``engine.sampling.max_new_tokens`` and is cut to the room left in the engine's context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from tokenizers import Tokenizer
+
+from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from actors.generator.serve.protocol import ChatRequest, CompletionRequest, EndpointError, TokensRequest
+from actors.generator.serve.replies import (
+    Reply,
+    chat_body,
+    chat_chunks,
+    completion_body,
+    make_reply,
+    new_id,
+    tokens_body,
+)
+from actors.generator.serve.sessions import Session, SessionStore
+from pipeline.chat.template import ChatTemplate, ChatTemplateError, normalized
+from pipeline.chat.tool_parsers import ToolParser
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EndpointMetrics:
+    """Counters reported with the generator's metrics (``endpoint`` in its report)."""
+
+    requests: int = 0
+    errors: dict[int, int] = field(default_factory=dict)
+    turns_bridged: int = 0
+    turns_fresh: int = 0
+    tool_calls: int = 0
+    tool_calls_unparseable: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "errors": {str(k): v for k, v in sorted(self.errors.items())},
+            "turns_bridged": self.turns_bridged,
+            "turns_fresh": self.turns_fresh,
+            "tool_calls": self.tool_calls,
+            "tool_calls_unparseable": self.tool_calls_unparseable,
+            "completion_tokens": self.completion_tokens,
+        }
+
+
+class EndpointService:
+    """The endpoint's work, over one engine, tokenizer and (optional) chat template."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        tool_parser: ToolParser,
+        sampling: SamplingParams,
+        model_names: Sequence[str],
+        max_inflight: int,
+        max_sessions: int,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.template = template
+        self.tool_parser = tool_parser
+        self.sampling = sampling
+        self.model_names = tuple(model_names)
+        self.max_inflight = max_inflight
+        self.sessions = SessionStore(max_sessions)
+        self.metrics = EndpointMetrics()
+        self.inflight = 0
+        self.stopping = False
+
+    @property
+    def model(self) -> str:
+        return self.model_names[0]
+
+    # ---- routes --------------------------------------------------------------------------------
+
+    async def chat(
+        self, req: ChatRequest, session_id: str | None
+    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+        """(body, None), or (None-like body, chunks) for a streamed request."""
+        self._check_model(req.model)
+        template = self._template()
+        messages = [dict(m) for m in req.messages]
+        tools = req.tools or None
+        tools_key = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""
+        keys = [normalized(m) for m in messages]
+        session = self.sessions.get(session_id)
+        try:
+            prompt_ids = self._bridged(session, template, messages, keys, tools, tools_key)
+            if prompt_ids is None:
+                prompt_ids = template.render(messages, tools=tools)
+                self.metrics.turns_fresh += 1
+            else:
+                self.metrics.turns_bridged += 1
+        except ChatTemplateError as exc:
+            raise EndpointError(400, str(exc), param="messages") from None
+        results = await self._generate(session, prompt_ids, req, req.token_limit())
+        replies = [self._reply(r, req.stops()) for r in results]
+        for reply in replies:
+            self.metrics.tool_calls += len(reply.parsed.tool_calls)
+            self.metrics.tool_calls_unparseable += reply.parsed.unparseable
+        answers = [
+            normalized({"role": "assistant", "content": r.parsed.content, "tool_calls": r.parsed.tool_calls})
+            for r in replies
+        ]
+        async with session.lock:
+            session.record(prompt_ids, [r.result for r in replies], messages=keys, replies=answers, tools_key=tools_key)
+        want_logprobs = bool(req.logprobs) or bool(req.top_logprobs)
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            chunks = chat_chunks(
+                self.tokenizer,
+                self.model,
+                prompt_ids,
+                replies,
+                logprobs=want_logprobs,
+                return_token_ids=req.return_token_ids,
+                include_usage=include_usage,
+            )
+            return {}, list(chunks)
+        body = chat_body(
+            self.tokenizer,
+            self.model,
+            prompt_ids,
+            replies,
+            logprobs=want_logprobs,
+            return_token_ids=req.return_token_ids,
+        )
+        return body, None
+
+    async def completions(self, req: CompletionRequest, session_id: str | None) -> dict[str, Any]:
+        self._check_model(req.model)
+        if req.stream:
+            raise EndpointError(
+                400, "stream is not supported on /v1/completions; use /v1/chat/completions", param="stream"
+            )
+        if isinstance(req.prompt, str):
+            prompt_ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=True).ids)
+        else:
+            prompt_ids = [int(t) for t in req.prompt]
+        if not prompt_ids:
+            raise EndpointError(400, "the prompt has no tokens", param="prompt")
+        session = self.sessions.get(session_id)
+        results = await self._generate(session, prompt_ids, req, req.token_limit())
+        replies = [self._reply(r, req.stops()) for r in results]
+        async with session.lock:
+            session.record(prompt_ids, [r.result for r in replies])
+        return completion_body(
+            self.tokenizer,
+            self.model,
+            prompt_ids,
+            replies,
+            logprobs=bool(req.logprobs),
+            return_token_ids=req.return_token_ids,
+        )
+
+    async def tokens(self, req: TokensRequest, session_id: str | None) -> dict[str, Any]:
+        self._check_model(req.model)
+        params = req.sampling_params
+        session = self.sessions.get(session_id or req.session_id)
+        body = CompletionRequest(
+            prompt=req.token_ids,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            n=params.n,
+            seed=params.seed,
+            stop_token_ids=params.stop_token_ids,
+        )
+        results = await self._generate(session, list(req.token_ids), body, params.max_tokens)
+        replies = [self._reply(r, ()) for r in results]
+        async with session.lock:
+            session.record(list(req.token_ids), [r.result for r in replies])
+        return tokens_body(self.tokenizer, list(req.token_ids), replies, req.request_id or new_id("gen"))
+
+    def models(self) -> dict[str, Any]:
+        max_len = self.engine.max_context_tokens
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "owned_by": "leeway", "max_model_len": max_len}
+                for name in self.model_names
+            ],
+        }
+
+    # ---- the engine ----------------------------------------------------------------------------
+
+    async def _generate(
+        self, session: Session, prompt_ids: list[int], req: ChatRequest | CompletionRequest, limit: int | None
+    ) -> list[GenerateResult]:
+        if self.stopping:
+            raise EndpointError(503, "the generator is stopping", kind="service_unavailable", retry_after_s=5)
+        if self.engine.version < 0:
+            raise EndpointError(
+                503,
+                "the generator holds no policy weights yet (waiting for version 0)",
+                kind="service_unavailable",
+                retry_after_s=2,
+            )
+        room = self.engine.max_context_tokens
+        if room is not None and len(prompt_ids) >= room:
+            raise EndpointError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {room} tokens and leaves no room for a reply",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if self.inflight + req.n > self.max_inflight:
+            raise EndpointError(
+                429,
+                f"over capacity: {self.inflight} requests in the engine (generator.serve.max_inflight = {self.max_inflight})",
+                kind="rate_limit_error",
+                retry_after_s=1,
+            )
+        params = self._params(session, req, limit)
+        seeds = [None if req.seed is None else req.seed + k for k in range(req.n)]
+        stem = f"serve-{uuid.uuid4().hex[:12]}"
+        requests = [GenerateRequest(prompt_ids, seed=s, request_id=f"{stem}-{k}") for k, s in enumerate(seeds)]
+        try:
+            futures = self.engine.submit(requests, params)
+        except ValueError as exc:  # ids outside the vocabulary
+            raise EndpointError(400, str(exc), param="prompt") from None
+        self.inflight += req.n
+        try:
+            results = list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        except asyncio.CancelledError:
+            self.engine.abort([r.request_id for r in requests])
+            raise
+        finally:
+            self.inflight -= req.n
+        self.metrics.completion_tokens += sum(len(r.token_ids) for r in results)
+        return results
+
+    def _params(self, session: Session, req: ChatRequest | CompletionRequest, limit: int | None) -> SamplingParams:
+        run = self.sampling
+        stop_ids = tuple(run.stop_token_ids) + tuple(req.stop_token_ids or ())
+        if session.trained:
+            temperature, top_p, top_k = run.temperature, run.top_p, run.top_k
+        else:
+            temperature = run.temperature if req.temperature is None else req.temperature
+            top_p = run.top_p if req.top_p is None else req.top_p
+            top_k = run.top_k if req.top_k is None or req.top_k < 0 else req.top_k
+        return SamplingParams(
+            max_new_tokens=limit or run.max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_ids,
+        )
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _bridged(
+        self,
+        session: Session,
+        template: ChatTemplate,
+        messages: list[dict[str, Any]],
+        keys: list[tuple[Any, ...]],
+        tools: list[dict[str, Any]] | None,
+        tools_key: str,
+    ) -> list[int] | None:
+        """The branch's ids + the new messages' bridge, when the request continues one of the session's branches."""
+        found = session.find_chat_branch(keys, tools_key)
+        if found is None:
+            return None
+        index, covered = found
+        ids = session.branches[index].ids
+        ended_with_eos = len(ids) > 0 and int(ids[-1]) == template.eos_id
+        bridge = template.bridge(messages[covered:], tools=tools, ended_with_eos=ended_with_eos)
+        return None if bridge is None else [int(t) for t in ids] + bridge
+
+    def _reply(self, result: GenerateResult, stops: Sequence[str]) -> Reply:
+        return make_reply(self.tokenizer, result, stops, self.sampling.stop_token_ids, self.tool_parser)
+
+    def _template(self) -> ChatTemplate:
+        if self.template is None:
+            raise EndpointError(
+                400,
+                "this model has no chat template: set model.chat_template, or use /v1/completions or /inference/v1/generate",
+                param="messages",
+            )
+        return self.template
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise EndpointError(
+                400,
+                f"unknown model {model!r}; this generator serves {list(self.model_names)}",
+                param="model",
+                code="model_not_found",
+            )

@@ -1,0 +1,217 @@
+"""Sessions: every turn's exact ids, log-probs and versions, kept per session as branches of one episode.
+
+A session is one episode. Each request on it is recorded as a turn: its prompt ids and the engine's
+result. A turn whose prompt ids *start with* a branch's ids (that branch's prompt, sampled replies and
+bridged context, in order) extends that branch: the branch gains the new context tokens (mask 0, version
+-1) and the sampled reply. Any other turn starts a new branch (a rewritten history: compaction, stripped
+reasoning, a sub-agent). Matching on ids, not on messages, means a chat turn that was bridged, a token-in
+turn (``/inference/v1/generate``) and a completion whose prompt holds the earlier ids all attach alike.
+
+A branch whose last reply ended by length is closed: a later turn on it still gets served, but lands in a
+branch marked ``after_length``, which is never trained on.
+
+`Session.samples` turns the branches into training samples: loss mask 1 on sampled tokens only, and a
+token that several branches share (the same ids at the same positions, sampled in an earlier branch) is
+trained in its first branch only. The chat layer keeps each branch's messages too (`Branch.messages`), to
+find the branch a chat request continues and bridge from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipeline.rl.rollout import GenerateResult, Turn, assemble
+
+
+@dataclass
+class Branch:
+    """One root-to-leaf path of an episode: turns in order."""
+
+    turns: list[Turn]
+    messages: list[tuple[Any, ...]] = field(default_factory=list)
+    """The conversation as `pipeline.chat.template.normalized` messages, when the branch came from chat."""
+    tools_key: str = ""
+    after_length: bool = False
+
+    @property
+    def ids(self) -> np.ndarray:
+        return np.concatenate([t.token_ids for t in self.turns]) if self.turns else np.zeros(0, np.int32)
+
+    @property
+    def closed(self) -> bool:
+        """Its last reply ran out of length: nothing after it is trained on."""
+        return bool(self.turns) and self.turns[-1].kind == "policy" and self.turns[-1].finish_reason == "length"
+
+    @property
+    def ended_with_eos(self) -> bool:
+        last = self.turns[-1] if self.turns else None
+        return last is not None and last.kind == "policy" and last.finish_reason == "stop"
+
+
+@dataclass
+class BranchSample:
+    """One branch as training arrays (`pipeline.rl.rollout.assemble`), before the episode's reward is known."""
+
+    branch: int
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    num_turns: int
+
+
+class Session:
+    """One episode's branches. ``trained``: an agent run opened it (its branches become samples); other
+    sessions are served and kept for bridging only."""
+
+    def __init__(self, session_id: str, *, trained: bool = False) -> None:
+        self.session_id = session_id
+        self.trained = trained
+        self.branches: list[Branch] = []
+        self.lock = asyncio.Lock()
+        self.last_used_s = time.monotonic()
+        self.requests = 0
+
+    def attach(self, prompt_ids: list[int]) -> tuple[int | None, int]:
+        """(branch index, length of its ids) of the longest branch whose ids begin ``prompt_ids``; (None, 0)."""
+        best: tuple[int | None, int] = (None, 0)
+        prompt = np.asarray(prompt_ids, dtype=np.int64)
+        for index, branch in enumerate(self.branches):
+            ids = branch.ids
+            if best[1] < len(ids) <= len(prompt) and np.array_equal(prompt[: len(ids)], ids):
+                best = (index, len(ids))
+        return best
+
+    def record(
+        self,
+        prompt_ids: list[int],
+        results: list[GenerateResult],
+        *,
+        messages: list[tuple[Any, ...]] | None = None,
+        replies: list[tuple[Any, ...]] | None = None,
+        tools_key: str = "",
+    ) -> list[int]:
+        """Record one request (``n`` results for one prompt); returns the branch index of each result.
+
+        The first result extends the branch the prompt continues (if its length is still what the prompt
+        holds); every other result, or a prompt that continues nothing, becomes a branch of its own that
+        copies the shared turns (a choice the client did not pick is still an episode branch: trained on)."""
+        self.last_used_s = time.monotonic()
+        self.requests += 1
+        index, length = self.attach(prompt_ids)
+        base: list[Turn] = [] if index is None else list(self.branches[index].turns)
+        after_length = index is not None and (self.branches[index].closed or self.branches[index].after_length)
+        rest = prompt_ids[length:]
+        placed = []
+        for k, result in enumerate(results):
+            turns = list(base)
+            if rest:
+                turns.append(Turn.context("env" if turns else "prompt", rest))
+            turns.append(Turn.policy(result))
+            conversation = list(messages or [])
+            if replies is not None:
+                conversation.append(replies[k])
+            branch = Branch(turns, conversation, tools_key, after_length)
+            if k == 0 and index is not None and not after_length:
+                self.branches[index] = branch
+                placed.append(index)
+            else:
+                self.branches.append(branch)
+                placed.append(len(self.branches) - 1)
+        return placed
+
+    def find_chat_branch(self, messages: list[tuple[Any, ...]], tools_key: str) -> tuple[int, int] | None:
+        """(branch index, messages it covers) of the branch a chat request continues: its messages are a strict
+        prefix of the request's, the rest holds no assistant message, and the tools are the same."""
+        best = None
+        for index, branch in enumerate(self.branches):
+            n = len(branch.messages)
+            if not n or n >= len(messages) or branch.tools_key != tools_key or branch.after_length:
+                continue
+            if messages[:n] == branch.messages and all(m[0] != "assistant" for m in messages[n:]):
+                if best is None or n > best[1]:
+                    best = (index, n)
+        return best
+
+    def samples(self) -> list[BranchSample]:
+        """Every trainable branch as arrays; a shared sampled token is trained in its first branch only."""
+        out: list[BranchSample] = []
+        trained: list[tuple[np.ndarray, np.ndarray]] = []  # (ids, loss mask) of the branches before
+        for index, branch in enumerate(self.branches):
+            if branch.after_length or not branch.turns:
+                continue
+            tokens, loss_mask, logprobs, versions = assemble(branch.turns)
+            loss_mask = loss_mask.copy()
+            for ids, mask in trained:
+                n = min(len(ids), len(tokens))
+                same = np.flatnonzero(ids[:n] != tokens[:n])
+                shared = n if same.size == 0 else int(same[0])
+                loss_mask[:shared] &= ~mask[:shared].astype(bool)
+            trained.append((tokens, np.asarray(assemble(branch.turns)[1], dtype=np.uint8)))
+            if not loss_mask.any():
+                continue
+            versions = np.where(loss_mask.astype(bool), versions, -1).astype(np.int32)
+            logprobs = np.where(loss_mask.astype(bool), logprobs, 0.0).astype(np.float32)
+            policy = [t for t in branch.turns if t.kind == "policy"]
+            out.append(
+                BranchSample(
+                    branch=index,
+                    tokens=tokens,
+                    loss_mask=loss_mask,
+                    logprobs=logprobs,
+                    versions=versions,
+                    finish_reason=policy[-1].finish_reason or "abort",
+                    num_turns=len(policy),
+                )
+            )
+        return out
+
+
+class SessionStore:
+    """Sessions by id, least recently used out beyond ``max_sessions`` (an agent's session is never evicted
+    while its run holds it: `pin`)."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._pinned: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str | None) -> Session:
+        """The session (created when new); None: a throw-away session of its own."""
+        if session_id is None:
+            return Session("")
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = Session(session_id)
+            self._evict()
+        self._sessions.move_to_end(session_id)
+        return session
+
+    def open(self, session_id: str) -> Session:
+        """A fresh session an agent run trains on; pinned until `close`."""
+        session = Session(session_id, trained=True)
+        self._sessions[session_id] = session
+        self._pinned.add(session_id)
+        self._evict()
+        return session
+
+    def close(self, session_id: str) -> Session | None:
+        self._pinned.discard(session_id)
+        return self._sessions.pop(session_id, None)
+
+    def _evict(self) -> None:
+        for session_id in list(self._sessions):
+            if len(self._sessions) <= self.max_sessions:
+                return
+            if session_id not in self._pinned:
+                del self._sessions[session_id]

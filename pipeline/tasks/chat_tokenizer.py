@@ -1,0 +1,58 @@
+"""The chat tokenizer of the built-in agent task, shipped as a real ``tokenizer.json``, and its chat template.
+
+One token per character over printable ASCII (no newline: the template needs none), after special tokens:
+``<pad> <bos> <eos> <unk>``, the role markers ``<|system|> <|user|> <|assistant|> <|tool|>``, and the
+Hermes tool-call markers ``<tool_call> </tool_call>``, so a role or a tool call costs one token and the
+turns of an episode fit the tiny presets' 128 positions. ``<eos>`` ends every turn (the engine's stop
+token). The template (``chat_template.jinja`` next to this module) is ChatML-like::
+
+    <|system|>get_digits<eos><|user|>r<eos><|assistant|><tool_call>{"name": ...}</tool_call><eos><|tool|>123><eos><|assistant|>
+
+with the tools listed by name only. A test checks that the file is what `build_chat_tokenizer` writes,
+so edit the function and regenerate the file, never the file by hand::
+
+    python -c "from pipeline.tasks.chat_tokenizer import build_chat_tokenizer, TOKENIZER_PATH; \\
+build_chat_tokenizer(TOKENIZER_PATH)"
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from pipeline.tasks.char_tokenizer import build_charset_tokenizer
+
+TOKENIZER_PATH = Path(__file__).with_name("chat_tokenizer.json")
+TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
+
+SPECIAL_TOKENS = (
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<unk>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<tool_call>",
+    "</tool_call>",
+)
+CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " "
+"""Ordinary characters, in id order after the special tokens."""
+
+
+def build_chat_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Build the tokenizer (and write it to ``path`` when given)."""
+    return build_charset_tokenizer(SPECIAL_TOKENS, CHARACTERS, unk="<unk>", path=path)
+
+
+def load_chat_tokenizer() -> Tokenizer:
+    """The shipped tokenizer."""
+    return Tokenizer.from_file(str(TOKENIZER_PATH))
+
+
+def load_chat_template_text() -> str:
+    """The shipped chat template."""
+    return TEMPLATE_PATH.read_text()
