@@ -322,6 +322,7 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         ("e2e", "the demo task synchronous vs asynchronous: time to target reward"),
         ("engine", "the Leeway engine vs HF generate (dynamic cache; static cache on CUDA): tokens/s, TTFT"),
         ("trainer", "the training backend vs a plain HF loop on the same batch: tokens/s, MFU (CPU: tiny defaults)"),
+        ("agents", "multi-turn episodes through the endpoint vs driven directly on the engine: turns/s, latency"),
     ]:
         bench_parser = bench_sub.add_parser(name, help=text, description=text)
         bench_parser.add_argument("--json", action="store_true", help="one JSON line (default: indented JSON)")

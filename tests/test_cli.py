@@ -34,6 +34,7 @@ COMMANDS = (
     ("bench", "e2e"),
     ("bench", "engine"),
     ("bench", "trainer"),
+    ("bench", "agents"),
 )
 """Every leaf command of the parser (a test checks this list against `build_parser`)."""
 

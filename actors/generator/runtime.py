@@ -36,7 +36,7 @@ from actors.generator.agents import AgentRunner
 from actors.generator.engines.base import Engine, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.generator.loop import Generator
-from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report
+from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report, metered_submit
 from actors.generator.serve import Endpoint, EndpointService, build_app, read_api_key
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
 from actors.models import build_policy_model, eos_token_id, load_chat_template_for, load_tokenizer, pad_token_id
@@ -137,10 +137,12 @@ class GeneratorRuntime:
             sampling = sampling_params(cfg, tokenizer)
             service = endpoint = api_key = None
             if cfg.generator.serve.enabled:
-                service, endpoint, api_key = await open_endpoint(cfg, engine, tokenizer, task, sampling)
+                service, endpoint, api_key = await open_endpoint(cfg, engine, tokenizer, task, sampling, metrics)
                 opened.push_async_callback(_close_logged, "the endpoint", endpoint.stop)
                 log.info("generator %s: OpenAI-compatible endpoint at %s/v1", generator_id, endpoint.url)
             agents = _agent_runner(cfg, task, service, endpoint, api_key)
+            if agents is not None:
+                opened.push_async_callback(_close_logged, "the agents' HTTP client", agents.close)
             generator = Generator(
                 cfg,
                 engine=engine,
@@ -179,7 +181,12 @@ def _weight_sync(
 
 
 async def open_endpoint(
-    cfg: LeewayConfig, engine: Engine, tokenizer: Tokenizer, task: Task, sampling: SamplingParams
+    cfg: LeewayConfig,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    task: Task,
+    sampling: SamplingParams,
+    metrics: GeneratorMetrics | None = None,
 ) -> tuple[EndpointService, Endpoint, str | None]:
     """The generator's endpoint, started: its service, its server and its API key (None: keyless loopback).
     A chat template that does not render turns by appending is said once here, not per request."""
@@ -198,6 +205,7 @@ async def open_endpoint(
         model_names=(cfg.run.name, cfg.model.name_or_path),
         max_inflight=serve.max_inflight,
         max_sessions=serve.max_sessions,
+        submit=None if metrics is None else metered_submit(engine.submit, metrics),
     )
     endpoint = Endpoint(
         build_app(service, api_key=api_key, max_body_bytes=serve.max_body_bytes), host=serve.host, port=serve.port

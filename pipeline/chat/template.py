@@ -35,6 +35,8 @@ Message = dict[str, Any]
 ``tool_call_id``, ``name``."""
 
 _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+MAX_CACHED_BASES = 64
+"""Rendered base conversations kept, one per distinct tool list."""
 
 
 class ChatTemplateError(ValueError):
@@ -77,6 +79,7 @@ class ChatTemplate:
         self.eos_id = int(tokenizer.token_to_id(eos_token))
         self._hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos_token, bos_token=bos_token)
         self._hf.chat_template = template
+        self._bases: dict[str, str] = {}
         self._scaffold_after_eos = self._after_eos()
 
     def render_text(
@@ -117,12 +120,22 @@ class ChatTemplate:
         token (a reply cut by a stop string or a length limit did not write it, so the bridge writes it)."""
         if not new_messages:
             return None
-        base = self.render_text(_BASE, tools=tools, generation=False)
+        base = self._base(tools)
         extended = self.render_text([*_BASE, *new_messages], tools=tools, generation=True)
         if not extended.startswith(base):
             return None
         head = self._scaffold_after_eos if ended_with_eos else self.eos_token + self._scaffold_after_eos
         return self.encode(head + extended[len(base) :])
+
+    def _base(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
+        """The fixed base conversation rendered with these tools (cached: every bridged turn needs it)."""
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        base = self._bases.get(key)
+        if base is None:
+            if len(self._bases) >= MAX_CACHED_BASES:
+                self._bases.clear()
+            base = self._bases[key] = self.render_text(_BASE, tools=tools, generation=False)
+        return base
 
     def _after_eos(self) -> str:
         """What the template writes after an assistant turn's end-of-turn token (ChatML: a newline)."""

@@ -1,6 +1,6 @@
 """The chat tokenizer of the built-in agent task, shipped as a real ``tokenizer.json``, and its chat template.
 
-One token per character over printable ASCII (no newline: the template needs none), after special tokens:
+One token per character over a small alphabet, after special tokens:
 ``<pad> <bos> <eos> <unk>``, the role markers ``<|system|> <|user|> <|assistant|> <|tool|>``, and the
 Hermes tool-call markers ``<tool_call> </tool_call>``, so a role or a tool call costs one token and the
 turns of an episode fit the tiny presets' 128 positions. ``<eos>`` ends every turn (the engine's stop
@@ -39,8 +39,11 @@ SPECIAL_TOKENS = (
     "<tool_call>",
     "</tool_call>",
 )
-CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " "
-"""Ordinary characters, in id order after the special tokens."""
+CHARACTERS = string.digits + '>{}":, _adegimnrstu'
+"""Ordinary characters, in id order after the special tokens: the digits and the separator of the task, and what
+the template's tool-call JSON and tool list need (``{"name": "get_digits", "arguments": {}}``). Like the
+digits tokenizer of ``reverse_digits``, the alphabet is small on purpose: a random policy then writes digits
+often enough for the reward to start above zero; any other character encodes as ``<unk>``."""
 
 
 def build_chat_tokenizer(path: str | Path | None = None) -> Tokenizer:

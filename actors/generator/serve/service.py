@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +81,11 @@ class EndpointService:
         model_names: Sequence[str],
         max_inflight: int,
         max_sessions: int,
+        submit: Callable[[Sequence[GenerateRequest], SamplingParams], list[Future[GenerateResult]]] | None = None,
     ) -> None:
         self.engine = engine
+        self.submit = submit or engine.submit
+        """How requests reach the engine (the generator's metered submit, so its tokens/s count them)."""
         self.tokenizer = tokenizer
         self.template = template
         self.tool_parser = tool_parser
@@ -243,7 +247,7 @@ class EndpointService:
         stem = f"serve-{uuid.uuid4().hex[:12]}"
         requests = [GenerateRequest(prompt_ids, seed=s, request_id=f"{stem}-{k}") for k, s in enumerate(seeds)]
         try:
-            futures = self.engine.submit(requests, params)
+            futures = self.submit(requests, params)
         except ValueError as exc:  # ids outside the vocabulary
             raise EndpointError(400, str(exc), param="prompt") from None
         self.inflight += req.n

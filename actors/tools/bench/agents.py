@@ -1,0 +1,192 @@
+"""`leeway bench agents`: multi-turn episodes through the generator's endpoint against the same episodes driven
+directly on the engine, in the same run.
+
+    config (--config, --set: the agent demo by default)
+      └─► build_engine (as a generator builds it), its own weights as version 0
+            ├─► endpoint: `open_endpoint` on 127.0.0.1; --episodes concurrent episodes, each --turns chat turns
+            │   through the real `openai.AsyncOpenAI` on a session of its own (bridged turns)
+            └─► direct: the same episodes, the same seeds, each turn's ids (first render, then bridge) handed
+                to `Engine.submit` without HTTP, JSON or the client
+
+Each episode starts with a user message of random digits and, after every reply, appends the reply and a new
+user message. Turn ``t`` of episode ``e`` samples with seed ``e * 1000 + t``, so both passes sample the same
+ids (``same_ids``). Keys: ``episodes``, ``turns``, ``turns_per_s`` and ``tokens_per_s`` (endpoint; sampled
+tokens), ``direct_turns_per_s``, ``endpoint_vs_direct`` (turns/s ratio), ``p50_turn_latency_ms`` and
+``p99_turn_latency_ms`` (endpoint, request to response), ``retokenized_tokens`` (sampled ids the next turn's
+``prompt_token_ids`` does not hold exactly at their place: drift, must be 0), and from the engine's prefix cache, where it has
+one, ``prefix_hit_rate`` and ``prefill_tokens_with_reuse_vs_without`` (prefilled over prompt tokens of the
+endpoint pass); null where the engine keeps no such counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
+
+from actors.tools.bench.args import add_set_argument, positive_int
+
+DEFAULT_CONFIG = "configs/agent.yaml"
+DEFAULT_EPISODES = 32
+DEFAULT_TURNS = 6
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="config the engine and endpoint are built from")
+    parser.add_argument("--episodes", type=positive_int, default=DEFAULT_EPISODES, help="concurrent episodes")
+    parser.add_argument("--turns", type=positive_int, default=DEFAULT_TURNS, help="chat turns per episode")
+    parser.add_argument("--digits", type=positive_int, default=3, help="digits in each user message")
+    add_set_argument(parser, help="config override, e.g. --set engine.max_slots=64 (repeatable)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from pipeline.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    torch.set_num_threads(cfg.engine.torch_threads)
+    return asyncio.run(_bench(cfg, args.episodes, args.turns, args.digits))
+
+
+async def _bench(cfg: Any, episodes: int, turns: int, digits: int) -> dict[str, Any]:
+    import openai
+
+    from actors.generator.runtime import build_engine, open_endpoint, sampling_params
+    from actors.models import load_tokenizer
+    from pipeline.tasks import get_task
+
+    task = get_task(cfg.task.name, **cfg.task.args)
+    tokenizer = load_tokenizer(cfg, task)
+    engine = build_engine(cfg, tokenizer, "bench-agents")
+    engine.load_state(dict(engine.model.state_dict()), 0)  # type: ignore[attr-defined]
+    sampling = sampling_params(cfg, tokenizer)
+    service, endpoint, api_key = await open_endpoint(cfg, engine, tokenizer, task, sampling)
+    if service.template is None:
+        raise SystemExit(f"{cfg.task.name}: no chat template for this model; set model.chat_template")
+    scripts = [[_digits(e, t, digits) for t in range(turns)] for e in range(episodes)]
+    max_tokens = cfg.engine.sampling.max_new_tokens
+    try:
+        await _direct(service, scripts, max_tokens)  # warm-up: both passes start with warm caches and threads
+        stats_before = _prefix_counters(engine)
+        client = openai.AsyncOpenAI(base_url=f"{endpoint.url}/v1", api_key=api_key or "none", max_retries=0)
+        started = time.perf_counter()
+        latencies: list[float] = []
+        endpoint_runs = await asyncio.gather(
+            *(_episode(client, cfg.run.name, e, script, max_tokens, latencies) for e, script in enumerate(scripts))
+        )
+        endpoint_s = time.perf_counter() - started
+        stats_after = _prefix_counters(engine)
+        await client.close()
+        drift = sum(_drift(prompts, ids) for prompts, ids in endpoint_runs)
+        endpoint_ids = [ids for _, ids in endpoint_runs]
+        started = time.perf_counter()
+        direct_ids = await _direct(service, scripts, max_tokens)
+        direct_s = time.perf_counter() - started
+    finally:
+        await endpoint.stop()
+    total_turns = episodes * turns
+    sampled = sum(len(ids) for episode in endpoint_ids for ids in episode)
+    result: dict[str, Any] = {
+        "episodes": episodes,
+        "turns": turns,
+        "turns_per_s": total_turns / endpoint_s,
+        "tokens_per_s": sampled / endpoint_s,
+        "direct_turns_per_s": total_turns / direct_s,
+        "endpoint_vs_direct": direct_s / endpoint_s,
+        "p50_turn_latency_ms": 1000 * statistics.median(latencies),
+        "p99_turn_latency_ms": 1000 * statistics.quantiles(latencies, n=100)[98] if len(latencies) > 1 else None,
+        "retokenized_tokens": drift,
+        "same_ids": endpoint_ids == direct_ids,
+        "prefix_hit_rate": None,
+        "prefill_tokens_with_reuse_vs_without": None,
+    }
+    if stats_before is not None and stats_after is not None:
+        delta = {k: stats_after[k] - stats_before[k] for k in stats_after}
+        result["prefix_hit_rate"] = delta["prefix_hits"] / delta["prefix_lookups"] if delta["prefix_lookups"] else None
+        result["prefill_tokens_with_reuse_vs_without"] = (
+            delta["prefilled_tokens"] / delta["prompt_tokens"] if delta["prompt_tokens"] else None
+        )
+    return result
+
+
+def _digits(episode: int, turn: int, digits: int) -> str:
+    rng = random.Random(f"bench-agents-{episode}-{turn}")
+    return "".join(rng.choice("0123456789") for _ in range(digits)) + ">"
+
+
+async def _episode(
+    client: Any, model: str, index: int, script: list[str], max_tokens: int, latencies: list[float]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(each turn's prompt ids, each turn's sampled ids) of one episode through the endpoint."""
+    messages: list[dict[str, Any]] = []
+    prompts, sampled = [], []
+    for turn, text in enumerate(script):
+        messages.append({"role": "user", "content": text})
+        started = time.perf_counter()
+        r = await client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            seed=index * 1000 + turn,
+            extra_headers={"X-Session-ID": f"bench-{index}"},
+            extra_body={"return_token_ids": True},
+        )
+        latencies.append(time.perf_counter() - started)
+        choice = r.choices[0]
+        sampled.append(list(choice.model_extra["token_ids"]))
+        prompts.append(list(r.model_extra["prompt_token_ids"]))
+        messages.append(choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+    return prompts, sampled
+
+
+async def _direct(service: Any, scripts: list[list[str]], max_tokens: int) -> list[list[list[int]]]:
+    """The same episodes without HTTP: first turn rendered, later turns bridged, ids straight to the engine."""
+    from dataclasses import replace
+
+    from actors.generator.engines.base import GenerateRequest
+
+    template = service.template
+    params = replace(service.sampling, max_new_tokens=max_tokens)
+
+    async def episode(index: int, script: list[str]) -> list[list[int]]:
+        ids: list[int] = []
+        sampled = []
+        for turn, text in enumerate(script):
+            message = {"role": "user", "content": text}
+            if not ids:
+                ids = template.render([message])
+            else:
+                ended = ids[-1] == template.eos_id
+                ids = ids + template.bridge([message], ended_with_eos=ended)
+            request = GenerateRequest(ids, seed=index * 1000 + turn, request_id=f"direct-{index}-{turn}")
+            (future,) = service.engine.submit([request], params)
+            result = await asyncio.wrap_future(future)
+            sampled.append(result.token_ids.tolist())
+            ids = ids + sampled[-1]
+        return sampled
+
+    return list(await asyncio.gather(*(episode(e, s) for e, s in enumerate(scripts))))
+
+
+def _drift(prompts: list[list[int]], sampled: list[list[int]]) -> int:
+    """Sampled ids not fed back exactly: turn ``t``'s ids must sit right after turn ``t``'s prompt in the prompt of
+    turn ``t + 1`` (what the endpoint returned as ``prompt_token_ids``)."""
+    wrong = 0
+    for t in range(len(prompts) - 1):
+        at = len(prompts[t])
+        fed_back = prompts[t + 1][at : at + len(sampled[t])]
+        wrong += sum(a != b for a, b in zip(fed_back, sampled[t], strict=False)) + len(sampled[t]) - len(fed_back)
+    return wrong
+
+
+def _prefix_counters(engine: Any) -> dict[str, int] | None:
+    stats = getattr(engine, "prefix_stats", None)
+    if stats is None:
+        return None
+    stats = stats() if callable(stats) else stats
+    keys = ("prefix_hits", "prefix_lookups", "prefilled_tokens", "prompt_tokens")
+    return {k: int(getattr(stats, k) if not isinstance(stats, dict) else stats[k]) for k in keys}
