@@ -255,7 +255,10 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         "generator",
         help="run one generator until interrupted",
         description="Takes prompts from the prompt queue, runs rollouts, publishes groups; "
-        "pulls new weight versions on its own schedule. Can start before the trainer.",
+        "pulls new weight versions on its own schedule. Can start before the trainer. Serves an "
+        "OpenAI-compatible endpoint (generator.serve.*: 127.0.0.1 and a free port by default; the address is "
+        "logged) for agent harnesses: /v1/chat/completions, /v1/completions, /v1/models, /health, "
+        "/inference/v1/generate, each also under /sessions/<id>.",
     )
     _add_config_args(generator)
     generator.set_defaults(handler=CONFIG_COMMANDS["generator"])

@@ -231,6 +231,7 @@ class LiveView:
             ("tokens/s", "right"),
             ("idle", "right"),
             ("rollouts", "right"),
+            ("endpoint", "left"),
             ("process", "left"),
         ):
             table.add_column(column, justify=justify)  # type: ignore[arg-type]
@@ -256,6 +257,7 @@ class LiveView:
                 _fmt(report.get("tokens_per_s"), ",.0f"),
                 _fmt(None if idle is None else 100 * idle, ".0f") + ("%" if idle is not None else ""),
                 _fmt(report.get("rollouts_in_flight"), "d"),
+                str(report.get("endpoint") or "-"),
                 process,
             )
         return table

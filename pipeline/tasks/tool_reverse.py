@@ -12,9 +12,10 @@ The episode, as the built-in agent (`run`) drives it through the generator's end
 
 Every turn is bridged (the earlier turns' ids are kept, only the new message is rendered), so the trained
 sample is the episode's exact ids. The reward is the mean over turns of the per-position credit of
-``reverse_digits`` (`pipeline.tasks.reverse.score_reversal`). The tokenizer and chat template are the
+``reverse_digits`` (`pipeline.tasks.reverse.score_reversal`). A reply cut by the length limit ends the episode
+(nothing after it is trained on) and the turns not played score 0, so writing ``<eos>`` pays. The tokenizer and chat template are the
 built-in chat ones (`pipeline/tasks/chat_tokenizer.py`): one token per character and one per role marker,
-so an episode of 2 turns of 3 digits fits the tiny presets' 128 positions.
+so an episode of a few turns of a few digits fits the tiny presets' 128 positions.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ReverseToolTask(Task):
 
     name = "reverse_tool"
 
-    def __init__(self, digits_per_turn: int = 3, turns: int = 2, seed: int = 0) -> None:
+    def __init__(self, digits_per_turn: int = 2, turns: int = 2, seed: int = 0) -> None:
         if digits_per_turn < 1 or turns < 1:
             raise ValueError(f"reverse_tool: digits_per_turn and turns must be >= 1, got {digits_per_turn}, {turns}")
         self.digits_per_turn = digits_per_turn
@@ -92,7 +93,9 @@ async def run(prompt: Prompt, client: Any, ctx: AgentContext) -> AgentOutcome:
         response = await client.chat.completions.create(
             model=ctx.model, messages=messages, tools=TOOLS, max_tokens=ctx.max_tokens
         )
-        message = response.choices[0].message
-        scores.append(score_reversal(chunk[::-1], message.content or "")[0])
-        messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
-    return AgentOutcome(sum(scores) / len(scores), info={"turn_rewards": scores})
+        choice = response.choices[0]
+        scores.append(score_reversal(chunk[::-1], choice.message.content or "")[0])
+        if choice.finish_reason == "length":  # cut off: it never trains past here, so the episode ends
+            break
+        messages.append(choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+    return AgentOutcome(sum(scores) / len(chunks), info={"turn_rewards": scores})

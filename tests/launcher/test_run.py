@@ -105,6 +105,7 @@ def synthetic_records(steps: int = 30) -> list[dict[str, Any]]:
                         "idle_fraction": 0.05,
                         "rollouts_in_flight": 4,
                         "time_s": time.time(),
+                        "endpoint": "http://127.0.0.1:40123",
                     },
                     "gen-9": {
                         "version": step - 2,
@@ -151,6 +152,7 @@ def test_live_view_renders_every_number(tmp_path: Path) -> None:
         "running (pid 1234)",
         "exited 1: gen-1.log",
         "external",  # gen-9 reports but is not ours
+        "http://127.0.0.1:40123",  # gen-0's endpoint
         "Ctrl-C stops everything cleanly",
     ):
         assert expected in text, f"{expected!r} missing from the live view:\n{text}"
