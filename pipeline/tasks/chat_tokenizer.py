@@ -8,11 +8,13 @@ token). The template (``chat_template.jinja`` next to this module) is ChatML-lik
 
     <|system|>get_digits<eos><|user|>r<eos><|assistant|><tool_call>{"name": ...}</tool_call><eos><|tool|>123><eos><|assistant|>
 
-with the tools listed by name only. A test checks that the file is what `build_chat_tokenizer` writes,
-so edit the function and regenerate the file, never the file by hand::
+with the tools listed by name only. A second variant, ``chat_digits_tokenizer.json``, keeps the
+special tokens and only the digits and ``>``: with it a random policy writes a digit about half the time, so
+the agent demo's reward starts well above zero. A test checks that both files are what `build_chat_tokenizer`
+writes, so edit the function and regenerate the files, never the files by hand::
 
-    python -c "from pipeline.tasks.chat_tokenizer import build_chat_tokenizer, TOKENIZER_PATH; \\
-build_chat_tokenizer(TOKENIZER_PATH)"
+    python -c "from pipeline.tasks.chat_tokenizer import *; build_chat_tokenizer(TOKENIZER_PATH); \\
+build_chat_tokenizer(DIGITS_TOKENIZER_PATH, characters=DIGITS_CHARACTERS)"
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tokenizers import Tokenizer
 from pipeline.tasks.char_tokenizer import build_charset_tokenizer
 
 TOKENIZER_PATH = Path(__file__).with_name("chat_tokenizer.json")
+DIGITS_TOKENIZER_PATH = Path(__file__).with_name("chat_digits_tokenizer.json")
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
 
 SPECIAL_TOKENS = (
@@ -46,14 +49,22 @@ digits tokenizer of ``reverse_digits``, the alphabet is small on purpose: a rand
 often enough for the reward to start above zero; any other character encodes as ``<unk>``."""
 
 
-def build_chat_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """Build the tokenizer (and write it to ``path`` when given)."""
-    return build_charset_tokenizer(SPECIAL_TOKENS, CHARACTERS, unk="<unk>", path=path)
+DIGITS_CHARACTERS = string.digits + ">"
+"""The alphabet of the digits variant: what the policy writes in ``reverse_tool``; the template's other text
+(tool names, tool-call JSON) encodes as ``<unk>``, a constant part of the context."""
 
 
-def load_chat_tokenizer() -> Tokenizer:
-    """The shipped tokenizer."""
-    return Tokenizer.from_file(str(TOKENIZER_PATH))
+def build_chat_tokenizer(path: str | Path | None = None, *, characters: str = CHARACTERS) -> Tokenizer:
+    """Build the tokenizer (and write it to ``path`` when given); ``characters``: `CHARACTERS` or
+    `DIGITS_CHARACTERS`."""
+    return build_charset_tokenizer(SPECIAL_TOKENS, characters, unk="<unk>", path=path)
+
+
+def load_chat_tokenizer(variant: str = "chat") -> Tokenizer:
+    """The shipped tokenizer: ``chat`` (`CHARACTERS`) or ``digits`` (`DIGITS_CHARACTERS`)."""
+    if variant not in ("chat", "digits"):
+        raise ValueError(f"chat tokenizer variant must be 'chat' or 'digits', got {variant!r}")
+    return Tokenizer.from_file(str(TOKENIZER_PATH if variant == "chat" else DIGITS_TOKENIZER_PATH))
 
 
 def load_chat_template_text() -> str:

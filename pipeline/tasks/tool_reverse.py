@@ -15,7 +15,10 @@ sample is the episode's exact ids. The reward is the mean over turns of the per-
 ``reverse_digits`` (`pipeline.tasks.reverse.score_reversal`). A reply cut by the length limit ends the episode
 (nothing after it is trained on) and the turns not played score 0, so writing ``<eos>`` pays. The tokenizer and chat template are the
 built-in chat ones (`pipeline/tasks/chat_tokenizer.py`): one token per character and one per role marker,
-so an episode of a few turns of a few digits fits the tiny presets' 128 positions.
+so an episode of a few turns of a few digits fits the tiny presets' 128 positions. By default
+(``tokenizer: digits``) the alphabet is the digits and ``>`` only, as with ``reverse_digits``: the tool-call
+JSON in the context encodes as ``<unk>``s, and a random policy writes digits about half the time;
+``tokenizer: chat`` keeps the letters and punctuation the JSON needs.
 """
 
 from __future__ import annotations
@@ -47,13 +50,13 @@ class ReverseToolTask(Task):
 
     name = "reverse_tool"
 
-    def __init__(self, digits_per_turn: int = 2, turns: int = 2, seed: int = 0) -> None:
+    def __init__(self, digits_per_turn: int = 2, turns: int = 2, seed: int = 0, tokenizer: str = "digits") -> None:
         if digits_per_turn < 1 or turns < 1:
             raise ValueError(f"reverse_tool: digits_per_turn and turns must be >= 1, got {digits_per_turn}, {turns}")
         self.digits_per_turn = digits_per_turn
         self.turns = turns
         self.seed = seed
-        self.tokenizer: Any = load_chat_tokenizer()
+        self.tokenizer: Any = load_chat_tokenizer(tokenizer)
         self.chat_template = load_chat_template_text()
         self.agent = run
 

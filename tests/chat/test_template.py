@@ -14,6 +14,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from pipeline.chat.template import ChatTemplate, ChatTemplateError, load_chat_template, normalized
 from pipeline.chat.tool_parsers import get_tool_parser, hermes
 from pipeline.tasks.chat_tokenizer import (
+    DIGITS_CHARACTERS,
+    DIGITS_TOKENIZER_PATH,
+    SPECIAL_TOKENS,
     TOKENIZER_PATH,
     build_chat_tokenizer,
     load_chat_template_text,
@@ -43,9 +46,12 @@ def chatml_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def test_the_shipped_chat_tokenizer_is_what_the_builder_writes(tmp_path: Path) -> None:
+def test_the_shipped_chat_tokenizers_are_what_the_builder_writes(tmp_path: Path) -> None:
     build_chat_tokenizer(tmp_path / "tok.json")
     assert json.loads((tmp_path / "tok.json").read_text()) == json.loads(TOKENIZER_PATH.read_text())
+    build_chat_tokenizer(tmp_path / "digits.json", characters=DIGITS_CHARACTERS)
+    assert json.loads((tmp_path / "digits.json").read_text()) == json.loads(DIGITS_TOKENIZER_PATH.read_text())
+    assert load_chat_tokenizer("digits").get_vocab_size() == len(SPECIAL_TOKENS) + len(DIGITS_CHARACTERS)
 
 
 @pytest.mark.parametrize("kind", ["chatml", "builtin"])
