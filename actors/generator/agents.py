@@ -149,6 +149,7 @@ class AgentRunner:
             gen_end_s=time.time(),
             gen_s=elapsed,
             info={**info, "error": info.get("error") or "agent made no request"},
+            episode_id=session_id,
         )
 
 
@@ -178,5 +179,7 @@ def _sample(
         gen_end_s=time.time(),
         num_turns=b.num_turns,
         gen_s=elapsed,
-        info={**info, "episode_id": episode_id, "branch": b.branch},
+        info=info,
+        episode_id=episode_id,
+        branch=b.branch,
     )

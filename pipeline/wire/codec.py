@@ -1,6 +1,6 @@
 """TrajectoryGroup <-> Arrow IPC stream bytes (zstd buffer compression), and groups <-> Parquet files.
 
-One message on the wire is one Arrow IPC stream holding exactly one record batch of schema v1
+One message on the wire is one Arrow IPC stream holding exactly one record batch of schema v2 (v1 is read too)
 (`TRAJECTORY_SCHEMA`), one row per sample. zstd stays at Arrow's default level 1: it costs ~6.4 bytes
 per token on random token ids and realistic log-probs, and level 3 compresses only 0.1% smaller at a
 quarter of the speed (`leeway bench transport` measures bytes per token and decode speed).
@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.wire.trajectory import (
+    READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     TOKEN_COLUMNS,
     TrajectoryGroup,
@@ -40,37 +41,47 @@ MAX_DECODED_BYTES = 2 * 1024**3
 """Default cap on one message's decompressed size (twice the largest claim check the wire accepts
 inflated 8x); callers that know the group's size from its headers pass a tighter one."""
 
+_V1_FIELDS = [
+    pa.field("trajectory_id", pa.string(), nullable=False),
+    pa.field("group_id", pa.string(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("generator_id", pa.string(), nullable=False),
+    pa.field("tokens", pa.list_(pa.int32()), nullable=False),
+    pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("versions", pa.list_(pa.int32()), nullable=False),
+    pa.field("min_version", pa.int32(), nullable=False),
+    pa.field("max_version", pa.int32(), nullable=False),
+    pa.field("reward", pa.float32(), nullable=True),
+    pa.field("reward_source", pa.string(), nullable=False),
+    pa.field("status", pa.string(), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("tags", pa.list_(pa.string()), nullable=False),
+    pa.field("created_at_s", pa.float64(), nullable=False),
+    pa.field("gen_start_s", pa.float64(), nullable=False),
+    pa.field("gen_end_s", pa.float64(), nullable=False),
+]
 TRAJECTORY_SCHEMA = pa.schema(
     [
-        pa.field("trajectory_id", pa.string(), nullable=False),
-        pa.field("group_id", pa.string(), nullable=False),
-        pa.field("prompt_id", pa.string(), nullable=False),
-        pa.field("generator_id", pa.string(), nullable=False),
-        pa.field("tokens", pa.list_(pa.int32()), nullable=False),
-        pa.field("loss_mask", pa.list_(pa.uint8()), nullable=False),
-        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
-        pa.field("versions", pa.list_(pa.int32()), nullable=False),
-        pa.field("min_version", pa.int32(), nullable=False),
-        pa.field("max_version", pa.int32(), nullable=False),
-        pa.field("reward", pa.float32(), nullable=True),
-        pa.field("reward_source", pa.string(), nullable=False),
-        pa.field("status", pa.string(), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=False),
-        pa.field("tags", pa.list_(pa.string()), nullable=False),
-        pa.field("created_at_s", pa.float64(), nullable=False),
-        pa.field("gen_start_s", pa.float64(), nullable=False),
-        pa.field("gen_end_s", pa.float64(), nullable=False),
+        *_V1_FIELDS,
+        pa.field("episode_id", pa.string(), nullable=False),
+        pa.field("branch", pa.int32(), nullable=False),
     ],
     metadata={SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()},
 )
-"""Schema v1. Change a column and you bump SCHEMA_VERSION; readers refuse other versions."""
+"""Schema v2 (what this build writes). Change a column and you bump SCHEMA_VERSION."""
+SCHEMAS = {
+    1: pa.schema(_V1_FIELDS, metadata={SCHEMA_VERSION_KEY: b"1"}),
+    SCHEMA_VERSION: TRAJECTORY_SCHEMA,
+}
+"""Every schema this build reads, by version (`READABLE_SCHEMA_VERSIONS`); others are refused."""
 
 _WRITE_OPTIONS = pa.ipc.IpcWriteOptions(compression=COMPRESSION)
 _INT32_MAX = np.iinfo(np.int32).max
 
 
 class CodecError(ValueError):
-    """Bytes that are not a schema-v1 trajectory group. `reason`: `decode_error` or `schema_mismatch`."""
+    """Bytes that are not a trajectory group of a schema this build reads. `reason`: `decode_error` or `schema_mismatch`."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
@@ -101,6 +112,8 @@ def group_to_record_batch(group: TrajectoryGroup) -> pa.RecordBatch:
         "created_at_s": pa.array(group.created_at_s, pa.float64()),
         "gen_start_s": pa.array(group.gen_start_s, pa.float64()),
         "gen_end_s": pa.array(group.gen_end_s, pa.float64()),
+        "episode_id": pa.array(group.episode_ids, pa.string()),
+        "branch": pa.array(group.branches, pa.int32()),
     }
     return pa.RecordBatch.from_arrays(list(columns.values()), schema=TRAJECTORY_SCHEMA)
 
@@ -118,9 +131,9 @@ def decode_group(
 ) -> TrajectoryGroup:
     """Decode one message into a group whose arrays are numpy views of the decompressed Arrow buffers.
 
-    Raises `CodecError` (not a v1 group, or one that would inflate past `max_decoded_bytes`: reason
+    Raises `CodecError` (not a group of a readable schema, or one that would inflate past `max_decoded_bytes`: reason
     `too_large`, decided from the IPC metadata before anything is decompressed) or
-    `TrajectoryValidationError` (a v1 group that breaks an invariant). `validate=False` skips only the
+    `TrajectoryValidationError` (a group that breaks an invariant). `validate=False` skips only the
     semantic checks of `validate_group`; structural checks (schema, Arrow buffer bounds, equal list
     lengths) always run because the numpy views rely on them.
     """
@@ -226,31 +239,37 @@ def _field(buf: memoryview, table: int, index: int) -> int:
     return _offset(buf, table + at) if at else 0
 
 
-def check_schema(schema: pa.Schema) -> None:
-    """Raise `CodecError('schema_mismatch')` unless `schema` is trajectory schema v1."""
+def check_schema(schema: pa.Schema) -> int:
+    """The schema's version, or `CodecError('schema_mismatch')` unless it is a trajectory schema this build reads."""
     version = (schema.metadata or {}).get(SCHEMA_VERSION_KEY)
-    if version != str(SCHEMA_VERSION).encode():
-        raise CodecError("schema_mismatch", f"schema version {version!r}, this reader understands {SCHEMA_VERSION}")
-    if not schema.equals(TRAJECTORY_SCHEMA, check_metadata=False):
+    known = {str(v).encode(): v for v in READABLE_SCHEMA_VERSIONS}
+    if version not in known:
+        raise CodecError(
+            "schema_mismatch", f"schema version {version!r}, this reader understands {list(READABLE_SCHEMA_VERSIONS)}"
+        )
+    number = known[version]
+    reference = SCHEMAS[number]
+    if not schema.equals(reference, check_metadata=False):
         try:
-            expected = {f.name: f.type for f in TRAJECTORY_SCHEMA}
+            expected = {f.name: f.type for f in reference}
             diffs = [f"{f.name}: {f.type}" for f in schema if expected.get(f.name) != f.type]
             detail = f"unexpected {diffs}, missing {sorted(set(expected) - set(schema.names))}"
         except UnicodeDecodeError:  # hostile bytes in field names
             detail = "field names are not UTF-8"
-        raise CodecError("schema_mismatch", f"columns differ from schema v1 ({detail})")
+        raise CodecError("schema_mismatch", f"columns differ from schema v{number} ({detail})")
+    return number
 
 
 def group_from_record_batch(batch: pa.RecordBatch, *, validate: bool = True) -> TrajectoryGroup:
     """Build a group from one batch (all rows one group); see `decode_group` for errors."""
-    check_schema(batch.schema)
+    version = check_schema(batch.schema)
     try:
         batch.validate(full=True)
     except pa.ArrowException as exc:
         raise CodecError("decode_error", f"invalid Arrow data: {exc}") from exc
     if batch.num_rows == 0:
         raise TrajectoryValidationError("a group needs at least one sample")
-    for name in TRAJECTORY_SCHEMA.names:
+    for name in SCHEMAS[version].names:
         col = batch.column(name)
         if name != "reward" and col.null_count:
             raise CodecError("decode_error", f"column {name!r} has {col.null_count} nulls")
@@ -274,6 +293,8 @@ def group_from_record_batch(batch: pa.RecordBatch, *, validate: bool = True) -> 
         created_at_s=col("created_at_s").to_numpy(),
         gen_start_s=col("gen_start_s").to_numpy(),
         gen_end_s=col("gen_end_s").to_numpy(),
+        episode_ids=tuple(col("episode_id").to_pylist()) if version >= 2 else (),
+        branches=col("branch").to_numpy() if version >= 2 else None,
     )
     if validate:
         validate_group(group)
@@ -326,7 +347,7 @@ def write_parquet(groups: Iterable[TrajectoryGroup], path: str | Path) -> int:
 def read_parquet(path: str | Path, *, validate: bool = True) -> Iterator[TrajectoryGroup]:
     """Groups of a file written by `write_parquet`, in file order (consecutive rows with one group_id)."""
     table = pq.read_table(str(path))
-    check_schema(table.schema)
+    check_schema(table.schema)  # schema 1 files (written before episodes) read too
     table = table.combine_chunks()
     group_ids = table.column("group_id").to_numpy(zero_copy_only=False)
     if len(group_ids) == 0:

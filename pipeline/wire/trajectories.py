@@ -44,7 +44,12 @@ from pipeline.wire.jetstream import (
     ensure_stream,
 )
 from pipeline.wire.names import RunNames
-from pipeline.wire.trajectory import SCHEMA_VERSION, TrajectoryGroup, TrajectoryValidationError
+from pipeline.wire.trajectory import (
+    READABLE_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    TrajectoryGroup,
+    TrajectoryValidationError,
+)
 
 PUBLISH_WINDOW = 64
 """Publishes in flight at once in `publish_many` (each awaits its own bounded ack)."""
@@ -213,8 +218,10 @@ def decode_payload(headers: Mapping[str, str] | None, data: bytes) -> Trajectory
     """
     headers = headers or {}
     version = headers.get(H_SCHEMA)
-    if version != str(SCHEMA_VERSION):
-        raise DeadLetterError("schema_mismatch", f"header {H_SCHEMA}={version!r}, expected {SCHEMA_VERSION}")
+    if version not in {str(v) for v in READABLE_SCHEMA_VERSIONS}:
+        raise DeadLetterError(
+            "schema_mismatch", f"header {H_SCHEMA}={version!r}, expected one of {list(READABLE_SCHEMA_VERSIONS)}"
+        )
     min_v, max_v = int_header(headers, H_MIN_VERSION), int_header(headers, H_MAX_VERSION)
     num_samples, num_tokens = int_header(headers, H_NUM_SAMPLES), int_header(headers, H_NUM_TOKENS)
     try:

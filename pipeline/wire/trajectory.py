@@ -1,4 +1,4 @@
-"""The trajectory record, schema version 1: one `TrajectoryGroup` = all samples of one prompt.
+"""The trajectory record, schema version 2: one `TrajectoryGroup` = all samples of one prompt.
 
 A group crosses process boundaries (generator -> NATS -> trainer, and into Parquet for replay), so
 its layout is fixed and versioned (`SCHEMA_VERSION`), and everything that enters or leaves the wire
@@ -19,6 +19,10 @@ swapped from version 6 to 7 between two decode steps; version -1 and mask 0 for 
 Tool or environment output inside a multi-turn rollout looks like the prompt: mask 0, version -1.
 A reward is trusted only when a verifier wrote it: `reward` is present exactly when
 `reward_source == "verifier"`.
+
+Schema 2 added ``episode_id`` and ``branch`` per sample: an agent episode through the generator's endpoint
+may become several samples (its branches), which carry the episode's id (its session) and their branch index;
+other samples carry ``""`` and 0. Readers take schema 1 messages too, with those defaults.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Bumped on any change of columns or their meaning; carried in every message header and in the Arrow schema."""
+READABLE_SCHEMA_VERSIONS = (1, 2)
+"""Versions this build decodes: schema 1 lacks ``episode_id`` and ``branch`` (read as ``""`` and 0)."""
 
 LOGPROB_MAX = 1e-3
 """Largest accepted behaviour log-prob of a loss token: log-softmax may round slightly above 0, never more."""
@@ -100,6 +106,10 @@ class Sample:
     gen_s: float = 0.0
     verify_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    episode_id: str = ""
+    """The agent episode (endpoint session) this sample is a branch of; "" outside agent episodes."""
+    branch: int = 0
+    """The sample's branch index within its episode."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,6 +142,17 @@ class TrajectoryGroup:
     created_at_s: np.ndarray
     gen_start_s: np.ndarray
     gen_end_s: np.ndarray
+    episode_ids: tuple[str, ...] = ()
+    """Per sample (schema 2); empty means every sample is ``""`` (filled by `__post_init__`)."""
+    branches: np.ndarray | None = None
+    """Per sample, int32 (schema 2); None means every sample is branch 0 (filled by `__post_init__`)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.trajectory_ids)
+        if not self.episode_ids:
+            object.__setattr__(self, "episode_ids", ("",) * n)
+        if self.branches is None:
+            object.__setattr__(self, "branches", np.zeros(n, dtype=np.int32))
 
     @property
     def num_samples(self) -> int:
@@ -172,6 +193,8 @@ class TrajectoryGroup:
             trajectory_id=self.trajectory_ids[index],
             gen_start_s=float(self.gen_start_s[index]),
             gen_end_s=float(self.gen_end_s[index]),
+            episode_id=self.episode_ids[index],
+            branch=int(self.branches[index]),  # type: ignore[index]
         )
 
     @classmethod
@@ -230,6 +253,8 @@ class TrajectoryGroup:
             created_at_s=np.full(len(samples), now, dtype=np.float64),
             gen_start_s=np.array([s.gen_start_s for s in samples], dtype=np.float64),
             gen_end_s=np.array([s.gen_end_s for s in samples], dtype=np.float64),
+            episode_ids=tuple(s.episode_id for s in samples),
+            branches=np.array([s.branch for s in samples], dtype=np.int64),
         )
         validate_group(group)
         return group
@@ -286,7 +311,7 @@ def _first_bad(bad: np.ndarray, offsets: np.ndarray) -> tuple[int, int] | None:
 
 
 def validate_group(group: TrajectoryGroup) -> None:
-    """Check every invariant of schema v1; raise `TrajectoryValidationError` naming sample and column.
+    """Check every invariant of the schema; raise `TrajectoryValidationError` naming sample and column.
 
     Vectorised over the flat columns (a group of 8 x 4k tokens validates in well under a millisecond),
     then the first offending element is located for the message.
@@ -318,9 +343,10 @@ def validate_group(group: TrajectoryGroup) -> None:
     for name in ("min_version", "max_version", "reward", "created_at_s", "gen_start_s", "gen_end_s"):
         if getattr(group, name).shape != (n,):
             fail(f"expected {n} values, got shape {getattr(group, name).shape}", column=name)
-    for name in ("reward_source", "status", "finish_reason", "tags"):
+    for name in ("reward_source", "status", "finish_reason", "tags", "episode_ids"):
         if len(getattr(group, name)) != n:
             fail(f"expected {n} values, got {len(getattr(group, name))}", column=name)
+    _check_episodes(group, fail)
     _check_ids(group, fail)
     _check_tokens(group, fail)
     _check_per_sample(group, fail)
@@ -335,6 +361,22 @@ def _check_offsets(group: TrajectoryGroup, fail) -> None:
     bad = np.flatnonzero(np.diff(off) < 0)
     if bad.size:
         fail("negative list length", sample=int(bad[0]), column="tokens")
+
+
+def _check_episodes(group: TrajectoryGroup, fail) -> None:
+    branches = group.branches
+    assert branches is not None
+    if branches.shape != (group.num_samples,) or not np.issubdtype(branches.dtype, np.integer):
+        fail(f"expected {group.num_samples} integers, got {branches.dtype} {branches.shape}", column="branch")
+    for i, (episode, branch) in enumerate(zip(group.episode_ids, branches.tolist(), strict=True)):
+        if not isinstance(episode, str) or (episode and not ID_RE.match(episode)):
+            fail(
+                f"{episode!r} is not a valid episode id (empty, or letters, digits, '_.:-')",
+                sample=i,
+                column="episode_id",
+            )
+        if not 0 <= branch <= np.iinfo(np.int32).max:
+            fail(f"branch {branch} must be a non-negative int32", sample=i, column="branch")
 
 
 def _check_ids(group: TrajectoryGroup, fail) -> None:

@@ -57,7 +57,7 @@ def test_an_agent_run_s_session_becomes_samples_with_its_reward_and_episode_id()
             for sample in samples:
                 assert sample.status == "ok" and sample.reward_source == "verifier"
                 assert sample.tokens[sample.loss_mask == 1].tolist() == sample.info["ids"]
-                assert sample.info["episode_id"].startswith(PROMPT.prompt_id) and sample.info["branch"] == 0
+                assert sample.episode_id.startswith(PROMPT.prompt_id) and sample.branch == 0
             assert len(s.service.sessions) == 0  # closed with their runs
 
     asyncio.run(main())
@@ -117,6 +117,7 @@ def test_a_generator_runs_its_task_s_agent_through_its_own_endpoint_and_publishe
                 groups = await trainer.groups(2)
                 for group in groups:
                     assert group.num_samples >= cfg.advantages.group_size
+                    assert len(set(group.episode_ids)) == cfg.advantages.group_size  # one episode per agent run
                     assert set(group.status) <= {"ok", "truncated"} and not np.isnan(group.reward).any()
                     assert (group.versions[group.loss_mask == 1] == 0).all() and group.loss_mask.sum() > 0
                 # the same endpoint serves anyone else meanwhile (evaluation, debugging): never trained on

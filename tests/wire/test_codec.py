@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.wire.codec import (
+    SCHEMAS,
     TRAJECTORY_SCHEMA,
     CodecError,
     decode_group,
@@ -104,9 +107,45 @@ def test_wrong_schema_is_a_schema_mismatch():
     with pytest.raises(CodecError) as info:
         decode_group(_ipc(batch))
     assert info.value.reason == "schema_mismatch"
-    batch = group_to_record_batch(_group()).replace_schema_metadata({b"leeway.schema_version": b"2"})
+    batch = group_to_record_batch(_group()).replace_schema_metadata({b"leeway.schema_version": b"3"})
     with pytest.raises(CodecError, match="schema version"):
         decode_group(_ipc(batch))
+    batch = group_to_record_batch(_group()).replace_schema_metadata({b"leeway.schema_version": b"1"})
+    with pytest.raises(CodecError, match="columns differ from schema v1"):  # v2 columns under a v1 label
+        decode_group(_ipc(batch))
+
+
+def test_episode_ids_and_branches_round_trip_and_schema_1_messages_still_read(tmp_path) -> None:
+    rng = np.random.default_rng(3)
+    samples = [
+        dataclasses.replace(_sample(rng, n=12, prompt=4), episode_id=f"ep-{i // 2}", branch=i % 2) for i in range(4)
+    ]
+    g = TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=samples)
+    out = decode_group(encode_group(g))
+    assert out.episode_ids == ("ep-0", "ep-0", "ep-1", "ep-1") and out.branches.tolist() == [0, 1, 0, 1]
+    assert out.sample(3).episode_id == "ep-1" and out.sample(3).branch == 1
+    write_parquet([g], tmp_path / "g.parquet")
+    (back,) = read_parquet(tmp_path / "g.parquet")
+    assert back.episode_ids == g.episode_ids and back.branches.tolist() == [0, 1, 0, 1]
+    # a message written by a schema-1 build: the old columns, the old label
+    v2 = group_to_record_batch(g)
+    v1 = pa.record_batch([v2.column(name) for name in SCHEMAS[1].names], schema=SCHEMAS[1])
+    old = decode_group(_ipc(v1))
+    assert old.episode_ids == ("",) * 4 and old.branches.tolist() == [0] * 4
+    np.testing.assert_array_equal(old.tokens, g.tokens)
+    pq.write_table(pa.Table.from_batches([v1]), tmp_path / "old.parquet")
+    (old_file,) = read_parquet(tmp_path / "old.parquet")
+    assert old_file.trajectory_ids == g.trajectory_ids and old_file.episode_ids == ("",) * 4
+
+
+def test_a_negative_branch_or_a_bad_episode_id_names_sample_and_column() -> None:
+    rng = np.random.default_rng(4)
+    bad_branch = [_sample(rng, n=6, prompt=2), dataclasses.replace(_sample(rng, n=6, prompt=2), branch=-1)]
+    with pytest.raises(TrajectoryValidationError, match="sample 1 column 'branch'"):
+        TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=bad_branch)
+    bad_episode = [dataclasses.replace(_sample(rng, n=6, prompt=2), episode_id="a/b")]
+    with pytest.raises(TrajectoryValidationError, match="sample 0 column 'episode_id'"):
+        TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=bad_episode)
 
 
 def test_disagreeing_list_lengths_name_sample_and_column():
