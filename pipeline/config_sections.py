@@ -119,6 +119,10 @@ class EngineConfig(Section):
     model's max_position_embeddings, at most 4096. A longer prompt finishes with reason prompt_too_long."""
     cuda_graphs: bool = True
     """Capture the torch engine's decode step in CUDA graphs (CUDA devices only; CPU decodes eagerly)."""
+    prefix_cache_slots: int | None = Field(None, ge=0)
+    """Finished sequences whose KV cache the torch engine keeps for a next turn that extends them (multi-turn
+    episodes prefill only their new tokens); least recently finished first out, and a slot a new request needs is
+    taken back. None: every free slot; 0: off. Dropped at every weight update."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters for every rollout."""
 

@@ -82,6 +82,7 @@ def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str) -> 
         max_slots=cfg.engine.max_slots,
         max_len=cfg.engine.max_len,
         cuda_graphs=cfg.engine.cuda_graphs,
+        prefix_cache_slots=cfg.engine.prefix_cache_slots,
     )
 
 
@@ -236,6 +237,11 @@ def _agent_runner(
 
 def _endpoint_fields(endpoint: Endpoint, service: EndpointService | None) -> dict[str, object]:
     fields: dict[str, object] = {"endpoint": endpoint.url}
+    stats = getattr(service.engine, "prefix_stats", None) if service is not None else None
+    if isinstance(stats, dict):
+        lookups, prompt = stats["prefix_lookups"], stats["prompt_tokens"]
+        fields["engine_prefix_hit_rate"] = stats["prefix_hits"] / lookups if lookups else None
+        fields["engine_prefilled_fraction"] = stats["prefilled_tokens"] / prompt if prompt else None
     if service is not None:
         m = service.metrics
         fields |= {

@@ -43,6 +43,9 @@ LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 class SlotRunner(ABC):
     """Forward passes over ``num_slots`` sequences of at most ``max_len`` tokens each (see the module docstring)."""
 
+    supports_extend = False
+    """Whether `extend` (a suffix after positions a slot already holds: prefix reuse) is implemented."""
+
     def __init__(self, model: PreTrainedModel, num_slots: int, max_len: int) -> None:
         self.model = model
         self.num_slots = num_slots
@@ -58,6 +61,11 @@ class SlotRunner(ABC):
     def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """Token ``tokens[i]`` at ``positions[i]`` of slot ``slots[i]``; float logits ``[len(slots), vocab]``."""
 
+    def extend(self, slots: Sequence[int], suffixes: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+        """Suffix ``suffixes[i]`` at positions ``starts[i]..`` of slot ``slots[i]``, whose cache already holds the
+        positions before; float logits of each suffix's last token."""
+        raise NotImplementedError(f"{type(self).__name__} cannot extend a cached prefix")
+
 
 def build_slot_runner(
     model: PreTrainedModel, num_slots: int, max_len: int, *, cuda_graphs: bool = True, fast: bool = True
@@ -70,6 +78,8 @@ def build_slot_runner(
 
 class FastSlotRunner(SlotRunner):
     """The slot cache and a hand-written forward over the HF modules' weights (Llama family, GPT-2)."""
+
+    supports_extend = True
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -153,6 +163,30 @@ class FastSlotRunner(SlotRunner):
         if list(slots) == list(range(width)):  # the common case: every slot up to the last one is running
             return logits.float()
         return logits[torch.tensor(list(slots), device=self.device)].float()
+
+    @torch.inference_mode()
+    def extend(self, slots: Sequence[int], suffixes: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
+        """Each suffix is right-padded to the longest; its keys and values are written at its own positions only,
+        and its queries attend over the slot's cache up to themselves (the cached prefix, then causally)."""
+        n, width = len(slots), max(len(s) for s in suffixes)
+        ids = torch.tensor([[*s, *[0] * (width - len(s))] for s in suffixes], dtype=torch.long, device=self.device)
+        start = torch.tensor(list(starts), device=self.device)
+        positions = (start[:, None] + self.key_index[None, :width]).clamp_(max=self.max_len - 1)
+        kv_len = max(b + len(s) for b, s in zip(starts, suffixes, strict=True))
+        visible = (self.key_index[None, None, :kv_len] <= positions[:, :, None])[:, None]  # [n, 1, width, keys]
+        rows = torch.tensor(list(slots), device=self.device)
+
+        def attend(layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            for row, (slot, begin, suffix) in enumerate(zip(slots, starts, suffixes, strict=True)):
+                self.cache[layer][:, slot, :, begin : begin + len(suffix)] = kv[row, :, :, : len(suffix)]
+            keys, values = self.cache[layer, 0, rows, :, :kv_len], self.cache[layer, 1, rows, :, :kv_len]
+            return F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=visible, scale=self._scales[layer], enable_gqa=self._heads != self._kv_heads
+            )
+
+        hidden = self._forward(ids, positions, attend)
+        last = torch.tensor([len(s) - 1 for s in suffixes], device=self.device)
+        return self._head(hidden[torch.arange(n, device=self.device), last]).float()
 
     def decode_dense(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """One token for each slot ``[0, n)`` (``n = len(tokens)``), attending over the first ``kv_len`` cache

@@ -30,6 +30,14 @@ Invariants
   not affected.
 - A prompt that leaves no room for one new token in ``max_len`` finishes at once with reason
   ``prompt_too_long`` and no tokens; the other requests of the call are unaffected.
+
+Prefix reuse (multi-turn episodes): a finished request's slot keeps the keys and values of its prompt and
+reply (all but the last sampled token, which was never fed) and is *parked* under those ids, up to
+``prefix_cache_slots`` slots, least recently parked first out, and only while no new request needs the slot.
+A request whose prompt starts with a parked slot's ids (the longest such) takes that slot and computes only
+its new tokens (`SlotRunner.extend`). A weight update drops every parked slot, so a request's tokens still
+depend only on its prompt, its seed and the weights. `prefix_stats` counts lookups, hits, prompt tokens and
+prefilled tokens (a prompt shared by a group counts once).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -86,6 +94,8 @@ class _Request:
     key: int = 0
     """`seed_key` of the seed: what the sampling noise of each position hashes."""
     slot: int = -1
+    cached: int = 0
+    """Leading prompt positions its slot already held when admitted (a prefix hit); 0 = prefilled in full."""
     aborted: bool = False
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -135,6 +145,7 @@ class TorchEngine(Engine):
         max_len: int | None = None,
         cuda_graphs: bool = True,
         fast_forward: bool = True,
+        prefix_cache_slots: int | None = None,
     ) -> None:
         self._model = model.eval()
         self._device = next(model.parameters()).device
@@ -168,6 +179,11 @@ class TorchEngine(Engine):
         self._slots: list[_Request | None] = [None] * max_slots
         self._epoch = 0
         self._loop: threading.Thread | None = None
+        limit = max_slots if prefix_cache_slots is None else min(prefix_cache_slots, max_slots)
+        self._prefix_limit = limit if self._runner.supports_extend else 0
+        self._parked: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        """Free slots whose cache still holds these ids' keys and values, least recently parked first."""
+        self._stats = {"prefix_lookups": 0, "prefix_hits": 0, "prompt_tokens": 0, "prefilled_tokens": 0}
 
     @property
     def version(self) -> int:
@@ -184,6 +200,13 @@ class TorchEngine(Engine):
     @property
     def max_slots(self) -> int:
         return self._runner.num_slots
+
+    @property
+    def prefix_stats(self) -> dict[str, int]:
+        """Prefix-reuse counters since start: ``prefix_lookups``, ``prefix_hits``, ``prompt_tokens`` (admitted
+        requests' prompts) and ``prefilled_tokens`` (positions actually computed for them)."""
+        with self._lock:
+            return dict(self._stats)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -243,6 +266,9 @@ class TorchEngine(Engine):
                     for name, tensor in update.tensors.items():
                         self._copy_tensor(self._tensors[name], tensor)
                     self._version = update.version
+                if updates:
+                    with self._lock:  # keys and values of other weights are not reused (module docstring)
+                        self._parked.clear()
                 if self._device.type == "cuda":
                     torch.cuda.synchronize(self._device)
         except BaseException as exc:
@@ -386,9 +412,11 @@ class TorchEngine(Engine):
                         [len(e.prompt) + len(e.tokens) - 1 for e in running],
                     )
                 )
-            if admitted:
+            hits = [entry for entry in admitted if entry.cached]
+            fresh = [entry for entry in admitted if not entry.cached]
+            if fresh:
                 groups: dict[tuple[int, ...], list[_Request]] = {}
-                for entry in admitted:
+                for entry in fresh:
                     groups.setdefault(tuple(entry.prompt), []).append(entry)
                 prompt_logits = self._runner.prefill(
                     [list(p) for p in groups], [[e.slot for e in group] for group in groups.values()]
@@ -397,7 +425,19 @@ class TorchEngine(Engine):
                     [g for g, group in enumerate(groups.values()) for _ in group], device=prompt_logits.device
                 )
                 logits.append(prompt_logits[index])
-                admitted = [entry for group in groups.values() for entry in group]
+                fresh = [entry for group in groups.values() for entry in group]
+            if hits:
+                logits.append(
+                    self._runner.extend(
+                        [e.slot for e in hits], [e.prompt[e.cached :] for e in hits], [e.cached for e in hits]
+                    )
+                )
+            if admitted:
+                with self._lock:
+                    self._stats["prompt_tokens"] += sum(len(e.prompt) for e in admitted)
+                    self._stats["prefilled_tokens"] += sum(len(p) for p in groups) if fresh else 0
+                    self._stats["prefilled_tokens"] += sum(len(e.prompt) - e.cached for e in hits)
+            admitted = fresh + hits
         rows = running + admitted
         tokens, logprobs = sample_rows(
             torch.cat(logits),
@@ -418,23 +458,58 @@ class TorchEngine(Engine):
             for entry, _ in finished:
                 if self._slots[entry.slot] is entry:
                     self._slots[entry.slot] = None
+                    self._park(entry.slot, (*entry.prompt, *entry.tokens[:-1]))
         return finished
 
+    def _park(self, slot: int, ids: tuple[int, ...]) -> None:
+        """Keep a finished slot's cache for prefix reuse; caller holds the scheduler lock."""
+        if not self._prefix_limit:
+            return
+        self._parked[slot] = ids
+        self._parked.move_to_end(slot)
+        while len(self._parked) > self._prefix_limit:
+            self._parked.popitem(last=False)
+
     def _admit(self) -> list[_Request]:
-        """Waiting requests into the lowest free slots (keeps the running slots packed); caller holds the lock."""
+        """Waiting requests into free slots, caller holding the lock: a parked slot holding the longest prefix of
+        the prompt, else the lowest free slot that is not parked (keeps the running slots packed), else the least
+        recently parked one."""
         admitted = []
-        for slot, entry in enumerate(self._slots):
-            if not self._waiting:
-                break
-            if entry is None:
-                new = self._waiting.popleft()
-                new.slot = slot
-                self._slots[slot] = new
-                admitted.append(new)
+        while self._waiting:
+            new = self._waiting[0]
+            slot, cached = self._prefix_slot(new.prompt)
+            if slot is None:
+                free = [i for i, entry in enumerate(self._slots) if entry is None]
+                unparked = [i for i in free if i not in self._parked]
+                slot = unparked[0] if unparked else next(iter(self._parked), None)
+                if slot is None:
+                    break
+                self._parked.pop(slot, None)
+            self._waiting.popleft()
+            new.slot, new.cached = slot, cached
+            self._slots[slot] = new
+            admitted.append(new)
         return admitted
+
+    def _prefix_slot(self, prompt: list[int]) -> tuple[int | None, int]:
+        """(parked slot, cached length) of the longest parked ids that begin ``prompt`` and leave a token to
+        compute; (None, 0) when none do. Counts the lookup and the hit; caller holds the lock."""
+        if not self._prefix_limit:
+            return None, 0
+        self._stats["prefix_lookups"] += 1
+        best, length = None, 0
+        for slot, ids in self._parked.items():
+            if length < len(ids) < len(prompt) and tuple(prompt[: len(ids)]) == ids:
+                best, length = slot, len(ids)
+        if best is None:
+            return None, 0
+        del self._parked[best]
+        self._stats["prefix_hits"] += 1
+        return best, length
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
+            self._parked.clear()  # a forward failed half-way: no cache content is trusted
             entries = [e for e in self._slots if e is not None] + list(self._waiting)
             self._slots = [None] * len(self._slots)
             self._waiting.clear()
