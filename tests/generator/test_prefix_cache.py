@@ -15,10 +15,13 @@ PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0)
 FIRST = [1, 5, 6, 7, 8, 14]
 
 
-def _engines(spec: str, **cached: object) -> tuple[TorchEngine, TorchEngine]:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _engines(spec: str, device: str = "cpu", **cached: object) -> tuple[TorchEngine, TorchEngine]:
     """An engine with prefix reuse and one without, on the same weights."""
-    model = build_model(spec, vocab_size=VOCAB, seed=0)
-    twin = build_model(spec, vocab_size=VOCAB, seed=0)
+    model = build_model(spec, vocab_size=VOCAB, seed=0).to(device)
+    twin = build_model(spec, vocab_size=VOCAB, seed=0).to(device)
     return (
         TorchEngine(model, pad_token_id=0, seed=1, max_slots=8, **cached),  # type: ignore[arg-type]
         TorchEngine(twin, pad_token_id=0, seed=1, max_slots=8, prefix_cache_slots=0),
@@ -32,9 +35,10 @@ def _same(a: list, b: list) -> None:
         np.testing.assert_array_equal(x.versions, y.versions)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", ["tiny-llama-2x64", "tiny-gpt2-2x64"])
-def test_a_second_turn_computes_only_its_new_tokens_and_samples_the_same(spec: str) -> None:
-    cached, plain = _engines(spec)
+def test_a_second_turn_computes_only_its_new_tokens_and_samples_the_same(spec: str, device: str) -> None:
+    cached, plain = _engines(spec, device)
     turns = []
     for engine in (cached, plain):
         (first,) = engine.generate([GenerateRequest(FIRST, seed=3)], PARAMS)
@@ -76,8 +80,11 @@ def test_a_weight_update_in_between_means_no_reuse_and_the_new_weights_alone() -
     assert cached.prefix_stats["prefix_hits"] == 0 and set(results[0][1].versions.tolist()) == {1}
 
 
-def test_many_concurrent_requests_with_and_without_hits_sample_what_an_engine_without_reuse_samples() -> None:
-    cached, plain = _engines("tiny-llama-2x64")
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_concurrent_requests_with_and_without_hits_sample_what_an_engine_without_reuse_samples(
+    device: str,
+) -> None:
+    cached, plain = _engines("tiny-llama-2x64", device)
     prompts = [[1, 5 + i % 9, 6, 14] for i in range(6)]
     outcomes = []
     for engine in (cached, plain):
