@@ -87,12 +87,15 @@ class SamplingParams:
 class GenerateRequest:
     """One sequence to continue. ``seed`` fixes this request's sampling stream independently of the
     rest of the batch (None: drawn from the engine's generator); ``max_new_tokens`` overrides the
-    sampling params' budget for this request (a later turn of a multi-turn episode has less room)."""
+    sampling params' budget for this request (a later turn of a multi-turn episode has less room);
+    ``keep_prefix`` asks the engine to keep the finished sequence's KV cache for a next turn that extends it
+    (multi-turn episodes; a single-turn rollout has no next turn)."""
 
     input_ids: Sequence[int] | np.ndarray
     seed: int | None = None
     max_new_tokens: int | None = None
     request_id: str = ""
+    keep_prefix: bool = False
 
     def __post_init__(self) -> None:
         if len(self.input_ids) == 0:
@@ -447,7 +450,9 @@ async def _run_episode(
             break
         if pending:
             turns.append(Turn.context("env", pending))
-        request = GenerateRequest(context_ids, max_new_tokens=budget, request_id=f"{scorer.group_id}-{index}")
+        request = GenerateRequest(
+            context_ids, max_new_tokens=budget, request_id=f"{scorer.group_id}-{index}", keep_prefix=True
+        )
         result = (await asyncio.to_thread(generate, [request], scorer.sampling))[0]
         turns.append(Turn.policy(result))
         gen_s += result.gen_s

@@ -41,9 +41,9 @@ def test_a_second_turn_computes_only_its_new_tokens_and_samples_the_same(spec: s
     cached, plain = _engines(spec, device)
     turns = []
     for engine in (cached, plain):
-        (first,) = engine.generate([GenerateRequest(FIRST, seed=3)], PARAMS)
+        (first,) = engine.generate([GenerateRequest(FIRST, seed=3, keep_prefix=True)], PARAMS)
         second_prompt = [*FIRST, *first.token_ids.tolist(), 9, 10, 14]
-        (second,) = engine.generate([GenerateRequest(second_prompt, seed=4)], PARAMS)
+        (second,) = engine.generate([GenerateRequest(second_prompt, seed=4, keep_prefix=True)], PARAMS)
         turns.append((first, second, second_prompt))
     _same([turns[0][0], turns[0][1]], [turns[1][0], turns[1][1]])
     stats = cached.prefix_stats
@@ -56,13 +56,13 @@ def test_a_second_turn_computes_only_its_new_tokens_and_samples_the_same(spec: s
 
 def test_the_least_recently_parked_slot_goes_first_under_a_small_budget() -> None:
     cached, _ = _engines("tiny-llama-2x64", prefix_cache_slots=1)
-    (a,) = cached.generate([GenerateRequest([1, 5, 6, 14], seed=1)], PARAMS)
-    (b,) = cached.generate([GenerateRequest([1, 7, 8, 14], seed=2)], PARAMS)
-    cached.generate([GenerateRequest([1, 5, 6, 14, *a.token_ids.tolist(), 14], seed=3)], PARAMS)
+    (a,) = cached.generate([GenerateRequest([1, 5, 6, 14], seed=1, keep_prefix=True)], PARAMS)
+    (b,) = cached.generate([GenerateRequest([1, 7, 8, 14], seed=2, keep_prefix=True)], PARAMS)
+    cached.generate([GenerateRequest([1, 5, 6, 14, *a.token_ids.tolist(), 14], seed=3, keep_prefix=True)], PARAMS)
     assert cached.prefix_stats["prefix_hits"] == 0  # a was pushed out when b parked
-    cached.generate([GenerateRequest([1, 7, 8, 14, *b.token_ids.tolist(), 14], seed=4)], PARAMS)
+    cached.generate([GenerateRequest([1, 7, 8, 14, *b.token_ids.tolist(), 14], seed=4, keep_prefix=True)], PARAMS)
     assert cached.prefix_stats["prefix_hits"] == 0  # b was pushed out when the request before it parked
-    (c,) = cached.generate([GenerateRequest([1, 9, 14], seed=5)], PARAMS)
+    (c,) = cached.generate([GenerateRequest([1, 9, 14], seed=5, keep_prefix=True)], PARAMS)
     cached.generate([GenerateRequest([1, 9, 14, *c.token_ids.tolist(), 12], seed=6)], PARAMS)
     assert cached.prefix_stats["prefix_hits"] == 1
 
@@ -72,9 +72,11 @@ def test_a_weight_update_in_between_means_no_reuse_and_the_new_weights_alone() -
     update = {n: t + 0.05 for n, t in cached.model.state_dict().items() if n.endswith("c_attn.weight")}
     results = []
     for engine in (cached, plain):
-        (first,) = engine.generate([GenerateRequest(FIRST, seed=3)], PARAMS)
+        (first,) = engine.generate([GenerateRequest(FIRST, seed=3, keep_prefix=True)], PARAMS)
         engine.update_weights({n: t.clone() for n, t in update.items()}, 1)
-        (second,) = engine.generate([GenerateRequest([*FIRST, *first.token_ids.tolist(), 14], seed=4)], PARAMS)
+        (second,) = engine.generate(
+            [GenerateRequest([*FIRST, *first.token_ids.tolist(), 14], seed=4, keep_prefix=True)], PARAMS
+        )
         results.append((first, second))
     _same(list(results[0]), list(results[1]))
     assert cached.prefix_stats["prefix_hits"] == 0 and set(results[0][1].versions.tolist()) == {1}
@@ -88,7 +90,9 @@ def test_many_concurrent_requests_with_and_without_hits_sample_what_an_engine_wi
     prompts = [[1, 5 + i % 9, 6, 14] for i in range(6)]
     outcomes = []
     for engine in (cached, plain):
-        first = engine.generate([GenerateRequest(p, seed=10 + i) for i, p in enumerate(prompts)], PARAMS)
+        first = engine.generate(
+            [GenerateRequest(p, seed=10 + i, keep_prefix=True) for i, p in enumerate(prompts)], PARAMS
+        )
         follow = [[*p, *r.token_ids.tolist(), 14] for p, r in zip(prompts, first, strict=True)]
         mixed = [GenerateRequest(f, seed=20 + i) for i, f in enumerate(follow)]
         mixed += [GenerateRequest([1, 12, 11, 14], seed=30 + i) for i in range(3)]  # no prefix to reuse
@@ -101,6 +105,26 @@ def test_many_concurrent_requests_with_and_without_hits_sample_what_an_engine_wi
 def test_the_generic_runner_does_not_reuse_prefixes() -> None:
     model = build_model("tiny-llama-2x64", vocab_size=VOCAB, seed=0)
     engine = TorchEngine(model, pad_token_id=0, fast_forward=False)
-    (first,) = engine.generate([GenerateRequest(FIRST, seed=3)], PARAMS)
-    engine.generate([GenerateRequest([*FIRST, *first.token_ids.tolist(), 14], seed=4)], PARAMS)
+    (first,) = engine.generate([GenerateRequest(FIRST, seed=3, keep_prefix=True)], PARAMS)
+    engine.generate([GenerateRequest([*FIRST, *first.token_ids.tolist(), 14], seed=4, keep_prefix=True)], PARAMS)
     assert engine.prefix_stats["prefix_hits"] == 0 and engine.prefix_stats["prefix_lookups"] == 0
+
+
+def test_a_request_that_does_not_ask_keeps_nothing_and_single_turn_work_is_unchanged() -> None:
+    cached, _ = _engines("tiny-llama-2x64")
+    (first,) = cached.generate([GenerateRequest(FIRST, seed=3)], PARAMS)
+    cached.generate([GenerateRequest([*FIRST, *first.token_ids.tolist(), 14], seed=4, keep_prefix=True)], PARAMS)
+    assert cached.prefix_stats["prefix_hits"] == 0 and cached.prefix_stats["prefix_lookups"] == 2
+
+
+def test_a_parked_slot_inside_a_dense_decode_keeps_its_prefix() -> None:
+    cached, plain = _engines("tiny-gpt2-2x64")
+    long = SamplingParams(max_new_tokens=12, temperature=1.0)
+    outcomes = []
+    for engine in (cached, plain):
+        (first,) = engine.generate([GenerateRequest(FIRST, seed=3, keep_prefix=True)], PARAMS)  # parked in slot 0
+        others = engine.submit([GenerateRequest([1, 9, 9, 14], seed=7 + i) for i in range(2)], long)  # slots 1, 2
+        (second,) = engine.generate([GenerateRequest([*FIRST, *first.token_ids.tolist(), 14], seed=4)], PARAMS)
+        outcomes.append([first, second, *(f.result() for f in others)])
+    _same(outcomes[0], outcomes[1])
+    assert cached.prefix_stats["prefix_hits"] == 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +58,16 @@ class SlotRunner(ABC):
         ``[len(prompts), vocab]``."""
 
     @abstractmethod
-    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        """Token ``tokens[i]`` at ``positions[i]`` of slot ``slots[i]``; float logits ``[len(slots), vocab]``."""
+    def decode(
+        self,
+        slots: Sequence[int],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        idle_positions: Mapping[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Token ``tokens[i]`` at ``positions[i]`` of slot ``slots[i]``; float logits ``[len(slots), vocab]``.
+        ``idle_positions``: where a slot that is not decoding but whose cache must be kept (a parked prefix) may
+        take a dummy write, when a dense decode covers it (default: position 0)."""
 
     def extend(self, slots: Sequence[int], suffixes: Sequence[Sequence[int]], starts: Sequence[int]) -> torch.Tensor:
         """Suffix ``suffixes[i]`` at positions ``starts[i]..`` of slot ``slots[i]``, whose cache already holds the
@@ -148,10 +156,19 @@ class FastSlotRunner(SlotRunner):
         return logits.float()
 
     @torch.inference_mode()
-    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    def decode(
+        self,
+        slots: Sequence[int],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        idle_positions: Mapping[int, int] | None = None,
+    ) -> torch.Tensor:
         width = max(slots) + 1
         dense_tokens = [0] * width
         dense_positions = [0] * width
+        for slot, position in (idle_positions or {}).items():
+            if slot < width:
+                dense_positions[slot] = min(position, self.max_len - 1)
         for slot, token, position in zip(slots, tokens, positions, strict=True):
             dense_tokens[slot], dense_positions[slot] = token, position
         token_t = torch.tensor(dense_tokens, dtype=torch.long, device=self.device)
@@ -312,7 +329,13 @@ class HFSlotRunner(SlotRunner):
         return torch.stack(logits)
 
     @torch.inference_mode()
-    def decode(self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    def decode(
+        self,
+        slots: Sequence[int],
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        idle_positions: Mapping[int, int] | None = None,
+    ) -> torch.Tensor:
         logits = []
         for slot, token, position in zip(slots, tokens, positions, strict=True):
             ids = torch.tensor([[token]], dtype=torch.long, device=self.device)

@@ -31,8 +31,9 @@ Invariants
 - A prompt that leaves no room for one new token in ``max_len`` finishes at once with reason
   ``prompt_too_long`` and no tokens; the other requests of the call are unaffected.
 
-Prefix reuse (multi-turn episodes): a finished request's slot keeps the keys and values of its prompt and
-reply (all but the last sampled token, which was never fed) and is *parked* under those ids, up to
+Prefix reuse (multi-turn episodes): a finished request that asked for it (`GenerateRequest.keep_prefix`) leaves
+its slot holding the keys and values of its prompt and reply (all but the last sampled token, which was never
+fed), *parked* under those ids, up to
 ``prefix_cache_slots`` slots, least recently parked first out, and only while no new request needs the slot.
 A request whose prompt starts with a parked slot's ids (the longest such) takes that slot and computes only
 its new tokens (`SlotRunner.extend`). A weight update drops every parked slot, so a request's tokens still
@@ -403,6 +404,8 @@ class TorchEngine(Engine):
             with self._lock:
                 running = [entry for entry in self._slots if entry is not None]
                 admitted = self._admit()
+                # a parked slot inside the dense decode takes its dummy write past its prefix, not over it
+                idle = {slot: len(ids) for slot, ids in self._parked.items()}
             logits = []
             if running:
                 logits.append(
@@ -410,6 +413,7 @@ class TorchEngine(Engine):
                         [e.slot for e in running],
                         [e.tokens[-1] for e in running],
                         [len(e.prompt) + len(e.tokens) - 1 for e in running],
+                        idle_positions=idle,
                     )
                 )
             hits = [entry for entry in admitted if entry.cached]
@@ -458,7 +462,8 @@ class TorchEngine(Engine):
             for entry, _ in finished:
                 if self._slots[entry.slot] is entry:
                     self._slots[entry.slot] = None
-                    self._park(entry.slot, (*entry.prompt, *entry.tokens[:-1]))
+                    if entry.request.keep_prefix:
+                        self._park(entry.slot, (*entry.prompt, *entry.tokens[:-1]))
         return finished
 
     def _park(self, slot: int, ids: tuple[int, ...]) -> None:

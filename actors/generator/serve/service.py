@@ -245,7 +245,10 @@ class EndpointService:
         params = self._params(session, req, limit)
         seeds = [None if req.seed is None else req.seed + k for k in range(req.n)]
         stem = f"serve-{uuid.uuid4().hex[:12]}"
-        requests = [GenerateRequest(prompt_ids, seed=s, request_id=f"{stem}-{k}") for k, s in enumerate(seeds)]
+        keep = bool(session.session_id)  # a session's next turn extends this one: the engine keeps its KV cache
+        requests = [
+            GenerateRequest(prompt_ids, seed=s, request_id=f"{stem}-{k}", keep_prefix=keep) for k, s in enumerate(seeds)
+        ]
         try:
             futures = self.submit(requests, params)
         except ValueError as exc:  # ids outside the vocabulary

@@ -162,7 +162,9 @@ async def _direct(service: Any, scripts: list[list[str]], max_tokens: int) -> li
             else:
                 ended = ids[-1] == template.eos_id
                 ids = ids + template.bridge([message], ended_with_eos=ended)
-            request = GenerateRequest(ids, seed=index * 1000 + turn, request_id=f"direct-{index}-{turn}")
+            request = GenerateRequest(
+                ids, seed=index * 1000 + turn, request_id=f"direct-{index}-{turn}", keep_prefix=True
+            )
             (future,) = service.engine.submit([request], params)
             result = await asyncio.wrap_future(future)
             sampled.append(result.token_ids.tolist())
