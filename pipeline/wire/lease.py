@@ -16,7 +16,8 @@ it every `heartbeat_s`, and releases it when it stops:
   took the lease over (we were silent past `ttl_s`): `LeaseLost`, and the trainer must stop writing at
   once; unless the key still holds our own record (an earlier renewal landed but its reply was lost),
   whose revision is then adopted. A NATS error is transient and retried at the next beat.
-- Releasing: `delete(last=our revision)`, best effort; a lease not released goes stale after `ttl_s`.
+- Releasing: `delete(last=our revision)`, sent again if its reply is lost, best effort; a lease not released
+  goes stale after `ttl_s`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 LEASE_KEY = "trainer"
 WATCH_POLLS = 10
+RELEASE_TRIES = 3
+"""Deletes a release sends before it leaves the lease to go stale (each bounded by the JetStream timeout)."""
 """Reads of the key while a taker watches a holder for `ttl_s` (at least one per heartbeat is what counts)."""
 
 
@@ -197,11 +200,33 @@ class RunLease:
         self.me = beat
 
     async def release(self) -> None:
-        """Give the lease up (best effort: a lease left behind goes stale after `ttl_s`)."""
+        """Give the lease up (best effort: a lease left behind goes stale after `ttl_s`).
+
+        A delete whose reply is lost is sent again: if the first one landed, the key no longer has our revision
+        and the second is refused, which means the same thing (no longer ours), so a lost reply never leaves
+        the next trainer waiting `ttl_s` for a lease nobody holds."""
         if self.revision is None:
             return
-        try:
-            await self.kv.delete(LEASE_KEY, last=self.revision)
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("run %s: lease not released (%s); it goes stale after %.0f s", self.run, exc, self.ttl_s)
+        for attempt in range(1, RELEASE_TRIES + 1):
+            try:
+                await self.kv.delete(LEASE_KEY, last=self.revision)
+                break
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                if _wrong_last_sequence(exc):
+                    break  # our earlier delete landed, or another trainer took the lease over: not ours either way
+                if attempt == RELEASE_TRIES:
+                    log.warning(
+                        "run %s: lease not released (%s); it goes stale after %.0f s", self.run, exc, self.ttl_s
+                    )
         self.revision = None
+
+
+WRONG_LAST_SEQUENCE = 10071
+"""JetStream's error code for a write whose expected last sequence is not the key's (`delete(last=...)` raises it
+as a plain `APIError`, `update` as `KeyWrongLastSequenceError`)."""
+
+
+def _wrong_last_sequence(exc: BaseException) -> bool:
+    return isinstance(exc, nats.js.errors.KeyWrongLastSequenceError) or (
+        isinstance(exc, nats.js.errors.APIError) and exc.err_code == WRONG_LAST_SEQUENCE
+    )

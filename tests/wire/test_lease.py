@@ -8,7 +8,9 @@ import contextlib
 import os
 import uuid
 from dataclasses import asdict
+from typing import Any
 
+import nats.errors
 import pytest
 
 from infra.stack import StackState
@@ -114,6 +116,45 @@ def test_a_renewal_whose_reply_was_lost_is_adopted_not_taken_for_a_takeover(stac
             assert lease.me == landed
             await lease.renew()  # and renews on from the adopted revision
             assert LeaseRecord.parse((await kv.get(LEASE_KEY)).value) == lease.me and lease.me.beat == landed.beat + 1
+        finally:
+            await nc.drain()
+
+    asyncio.run(scenario())
+
+
+class _LostDeleteReply:
+    """The real bucket, except that the first delete lands on the server and its reply never comes."""
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self.deletes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kv, name)
+
+    async def delete(self, key: str, last: int | None = None) -> bool:
+        self.deletes += 1
+        done = await self.kv.delete(key, last=last)
+        if self.deletes == 1:
+            raise nats.errors.TimeoutError
+        return done
+
+
+def test_a_release_whose_reply_was_lost_is_sent_again_and_the_lease_is_free(stack: StackState) -> None:
+    names = _names()
+
+    async def scenario() -> None:
+        nc = await connect(stack.nats_url, name="test-lease")
+        try:
+            kv = await lease_kv(nc.jetstream(), names)
+            lossy = _LostDeleteReply(kv)
+            first = RunLease(lossy, names.run, ttl_s=3600.0)
+            await first.acquire()
+            await first.release()
+            assert lossy.deletes == 2 and first.revision is None  # the second delete was refused: already gone
+            second = RunLease(kv, names.run, ttl_s=3600.0)  # would watch for an hour if the key were still held
+            await asyncio.wait_for(second.acquire(), timeout=30.0)
+            assert LeaseRecord.parse((await kv.get(LEASE_KEY)).value) == second.me
         finally:
             await nc.drain()
 
