@@ -266,3 +266,27 @@ def test_a_client_that_disconnects_mid_stream_leaves_the_endpoint_serving() -> N
             assert health.json()["policy_version"] == 0
 
     asyncio.run(main())
+
+
+def test_ignore_eos_samples_every_requested_token() -> None:
+    async def main() -> None:
+        async with served() as s:
+            messages = [{"role": "user", "content": "12>"}]
+            lengths = {}
+            for ignore in (False, True):
+                lengths[ignore] = []
+                for seed in range(12):
+                    r = await s.client.chat.completions.create(
+                        model=RUN,
+                        messages=messages,
+                        seed=seed,
+                        max_tokens=8,
+                        extra_body={"return_token_ids": True, "ignore_eos": ignore},
+                    )
+                    lengths[ignore].append(len(r.choices[0].model_extra["token_ids"]))
+                    if ignore:
+                        assert r.choices[0].finish_reason == "length"
+            assert min(lengths[False]) < 8  # these seeds do sample the stop token ...
+            assert lengths[True] == [8] * 12  # ... which no longer ends the reply
+
+    asyncio.run(main())

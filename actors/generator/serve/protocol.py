@@ -2,7 +2,8 @@
 
 Field names follow OpenAI and vLLM, which agent harnesses already speak: ``max_tokens`` or
 ``max_completion_tokens``, ``stop`` (a string or a list), ``seed``, ``logprobs``/``top_logprobs``, ``tools``,
-and the extras ``return_token_ids``, ``session_id``, ``stop_token_ids``. Fields a harness sends by habit and
+and the extras ``return_token_ids``, ``session_id``, ``stop_token_ids``, ``ignore_eos`` (vLLM's: the run's stop
+tokens do not end the reply; not on a trained session, whose sampling is the run's). Fields a harness sends by habit and
 that change nothing here (``user``, ``stream_options``, ``parallel_tool_calls``, ``metadata``, ``store``) are
 accepted; a penalty or logit bias other than the neutral value is refused, never silently ignored.
 """
@@ -50,6 +51,7 @@ class _Body(BaseModel):
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     seed: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -127,6 +129,7 @@ class GenerateSamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=64)
     seed: int | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     logprobs: int | None = None
 
 

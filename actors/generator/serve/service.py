@@ -196,6 +196,7 @@ class EndpointService:
             n=params.n,
             seed=params.seed,
             stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
         )
         results = await self._generate(session, list(req.token_ids), body, params.max_tokens)
         replies = [self._reply(r, ()) for r in results]
@@ -266,7 +267,8 @@ class EndpointService:
 
     def _params(self, session: Session, req: ChatRequest | CompletionRequest, limit: int | None) -> SamplingParams:
         run = self.sampling
-        stop_ids = tuple(run.stop_token_ids) + tuple(req.stop_token_ids or ())
+        run_stops = () if req.ignore_eos and not session.trained else tuple(run.stop_token_ids)
+        stop_ids = run_stops + tuple(req.stop_token_ids or ())
         if session.trained:
             temperature, top_p, top_k = run.temperature, run.top_p, run.top_k
         else:

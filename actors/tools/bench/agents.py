@@ -5,14 +5,21 @@ directly on the engine, in the same run.
       └─► build_engine (as a generator builds it), its own weights as version 0
             ├─► endpoint: `open_endpoint` on 127.0.0.1; --episodes concurrent episodes, each --turns chat turns
             │   through the real `openai.AsyncOpenAI` on a session of its own (bridged turns)
+            │   from a harness process of its own (`agents_harness`), as a real harness runs
             └─► direct: the same episodes, the same seeds, each turn's ids (first render, then bridge) handed
                 to `Engine.submit` without HTTP, JSON or the client
 
 Each episode starts with a user message of random digits and, after every reply, appends the reply and a new
 user message. Turn ``t`` of episode ``e`` samples with seed ``e * 1000 + t``, so both passes sample the same
-ids (``same_ids``). Keys: ``episodes``, ``turns``, ``turns_per_s`` and ``tokens_per_s`` (endpoint; sampled
+ids (``same_ids``; ``differing_turns`` counts the turns that did not: the two passes batch the turns
+differently, and where a turn's uniform falls within float32 rounding of a bucket edge of its distribution, a
+different batch or a prefix reused in one pass and prefilled in the other can pick the neighbouring token;
+about one turn in a thousand on the defaults); every turn samples exactly ``--max-tokens`` tokens (stop tokens off, ``ignore_eos``), so
+both passes do the same work. Keys: ``episodes``, ``turns``, ``turns_per_s`` and ``tokens_per_s`` (endpoint; sampled
 tokens), ``direct_turns_per_s``, ``endpoint_vs_direct`` (turns/s ratio), ``p50_turn_latency_ms`` and
-``p99_turn_latency_ms`` (endpoint, request to response), ``retokenized_tokens`` (sampled ids the next turn's
+``p99_turn_latency_ms`` (endpoint, request to response), ``generator_cpu_ms_per_turn`` and
+``direct_cpu_ms_per_turn`` (the generator process's CPU time per turn through the endpoint and direct: their
+difference is what serving costs the generator), ``harness_cpu_ms_per_turn`` (the client process's), ``retokenized_tokens`` (sampled ids the next turn's
 ``prompt_token_ids`` does not hold exactly at their place: drift, must be 0), and from the engine's prefix cache, where it has
 one, ``prefix_hit_rate`` and ``prefill_tokens_with_reuse_vs_without`` (prefilled over prompt tokens of the
 endpoint pass); null where the engine keeps no such counters.
@@ -24,14 +31,20 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import time
 from typing import Any
+
+import orjson
 
 from actors.tools.bench.args import add_set_argument, positive_int
 
 DEFAULT_CONFIG = "configs/agent.yaml"
 DEFAULT_EPISODES = 32
 DEFAULT_TURNS = 6
+DEFAULT_MAX_TOKENS = 8
+"""Sampled tokens per turn: more than the agent demo's three, and six turns of it still fit the tiny presets'
+128 positions; a larger model takes more (``--max-tokens``)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--episodes", type=positive_int, default=DEFAULT_EPISODES, help="concurrent episodes")
     parser.add_argument("--turns", type=positive_int, default=DEFAULT_TURNS, help="chat turns per episode")
     parser.add_argument("--digits", type=positive_int, default=3, help="digits in each user message")
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=DEFAULT_MAX_TOKENS,
+        help="tokens every turn samples; stop tokens are off (ignore_eos), so both passes do the same work",
+    )
     add_set_argument(parser, help="config override, e.g. --set engine.max_slots=64 (repeatable)")
 
 
@@ -49,12 +68,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = load_config(args.config, args.overrides)
     torch.set_num_threads(cfg.engine.torch_threads)
-    return asyncio.run(_bench(cfg, args.episodes, args.turns, args.digits))
+    return asyncio.run(_bench(cfg, args.episodes, args.turns, args.digits, args.max_tokens))
 
 
-async def _bench(cfg: Any, episodes: int, turns: int, digits: int) -> dict[str, Any]:
-    import openai
-
+async def _bench(cfg: Any, episodes: int, turns: int, digits: int, max_tokens: int) -> dict[str, Any]:
     from actors.generator.runtime import build_engine, open_endpoint, sampling_params
     from actors.models import load_tokenizer
     from pipeline.tasks import get_task
@@ -68,24 +85,28 @@ async def _bench(cfg: Any, episodes: int, turns: int, digits: int) -> dict[str, 
     if service.template is None:
         raise SystemExit(f"{cfg.task.name}: no chat template for this model; set model.chat_template")
     scripts = [[_digits(e, t, digits) for t in range(turns)] for e in range(episodes)]
-    max_tokens = cfg.engine.sampling.max_new_tokens
     try:
         await _direct(service, scripts, max_tokens)  # warm-up: both passes start with warm caches and threads
         stats_before = _prefix_counters(engine)
-        client = openai.AsyncOpenAI(base_url=f"{endpoint.url}/v1", api_key=api_key or "none", max_retries=0)
-        started = time.perf_counter()
-        latencies: list[float] = []
-        endpoint_runs = await asyncio.gather(
-            *(_episode(client, cfg.run.name, e, script, max_tokens, latencies) for e, script in enumerate(scripts))
+        cpu = time.process_time()
+        harness = await _harness(
+            {
+                "url": endpoint.url,
+                "api_key": api_key,
+                "model": cfg.run.name,
+                "scripts": scripts,
+                "max_tokens": max_tokens,
+            }
         )
-        endpoint_s = time.perf_counter() - started
+        endpoint_cpu_s = time.process_time() - cpu
+        endpoint_s = harness["elapsed_s"]
+        latencies = harness["latencies_s"]
         stats_after = _prefix_counters(engine)
-        await client.close()
-        drift = sum(_drift(prompts, ids) for prompts, ids in endpoint_runs)
-        endpoint_ids = [ids for _, ids in endpoint_runs]
-        started = time.perf_counter()
+        drift = sum(_drift(run["prompts"], run["sampled"]) for run in harness["episodes"])
+        endpoint_ids = [run["sampled"] for run in harness["episodes"]]
+        started, cpu = time.perf_counter(), time.process_time()
         direct_ids = await _direct(service, scripts, max_tokens)
-        direct_s = time.perf_counter() - started
+        direct_s, direct_cpu_s = time.perf_counter() - started, time.process_time() - cpu
     finally:
         await endpoint.stop()
     total_turns = episodes * turns
@@ -99,8 +120,14 @@ async def _bench(cfg: Any, episodes: int, turns: int, digits: int) -> dict[str, 
         "endpoint_vs_direct": direct_s / endpoint_s,
         "p50_turn_latency_ms": 1000 * statistics.median(latencies),
         "p99_turn_latency_ms": 1000 * statistics.quantiles(latencies, n=100)[98] if len(latencies) > 1 else None,
+        "generator_cpu_ms_per_turn": 1000 * endpoint_cpu_s / total_turns,
+        "direct_cpu_ms_per_turn": 1000 * direct_cpu_s / total_turns,
+        "harness_cpu_ms_per_turn": 1000 * harness["cpu_s"] / total_turns,
         "retokenized_tokens": drift,
         "same_ids": endpoint_ids == direct_ids,
+        "differing_turns": sum(
+            a != b for ea, eb in zip(endpoint_ids, direct_ids, strict=True) for a, b in zip(ea, eb, strict=True)
+        ),
         "prefix_hit_rate": None,
         "prefill_tokens_with_reuse_vs_without": None,
     }
@@ -118,29 +145,21 @@ def _digits(episode: int, turn: int, digits: int) -> str:
     return "".join(rng.choice("0123456789") for _ in range(digits)) + ">"
 
 
-async def _episode(
-    client: Any, model: str, index: int, script: list[str], max_tokens: int, latencies: list[float]
-) -> tuple[list[list[int]], list[list[int]]]:
-    """(each turn's prompt ids, each turn's sampled ids) of one episode through the endpoint."""
-    messages: list[dict[str, Any]] = []
-    prompts, sampled = [], []
-    for turn, text in enumerate(script):
-        messages.append({"role": "user", "content": text})
-        started = time.perf_counter()
-        r = await client.chat.completions.create(
-            model=model,
-            messages=messages,
-            max_tokens=max_tokens,
-            seed=index * 1000 + turn,
-            extra_headers={"X-Session-ID": f"bench-{index}"},
-            extra_body={"return_token_ids": True},
-        )
-        latencies.append(time.perf_counter() - started)
-        choice = r.choices[0]
-        sampled.append(list(choice.model_extra["token_ids"]))
-        prompts.append(list(r.model_extra["prompt_token_ids"]))
-        messages.append(choice.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
-    return prompts, sampled
+async def _harness(spec: dict[str, Any]) -> dict[str, Any]:
+    """The endpoint pass, from a process of its own (`agents_harness`): the client's own CPU (the `openai`
+    client builds and parses every request in Python) is not taken from the generator's interpreter."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "actors.tools.bench.agents_harness",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate(orjson.dumps(spec))
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench agents: the harness process exited {proc.returncode}: {err.decode()[-2000:]}")
+    return orjson.loads(out)
 
 
 async def _direct(service: Any, scripts: list[list[str]], max_tokens: int) -> list[list[list[int]]]:
@@ -150,7 +169,7 @@ async def _direct(service: Any, scripts: list[list[str]], max_tokens: int) -> li
     from actors.generator.engines.base import GenerateRequest
 
     template = service.template
-    params = replace(service.sampling, max_new_tokens=max_tokens)
+    params = replace(service.sampling, max_new_tokens=max_tokens, stop_token_ids=())
 
     async def episode(index: int, script: list[str]) -> list[list[int]]:
         ids: list[int] = []
