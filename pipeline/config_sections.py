@@ -279,6 +279,10 @@ class TaskConfig(Section):
     agent, if it has one."""
     agent_timeout_s: float = Field(300.0, gt=0)
     """An agent run that takes longer is cancelled; its sample is an infra_error (masked)."""
+    skip_self_check: bool = False
+    """Train on a task whose verifier fails the start-up self-check (its reference answers must score the maximum,
+    an empty and a garbage answer below it; `pipeline/tasks/self_check.py`). Off: the trainer refuses such a task,
+    naming the item."""
     prompts_file: str | None = None
     """A JSONL or Parquet file of prompts (overrides the task's own prompt source). Checked when the
     trainer loads it: a row over `stream.max_msg_bytes` as a queued prompt, or whose tokens fill the

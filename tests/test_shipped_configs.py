@@ -46,8 +46,15 @@ LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 5e-3}
 """Engine (``model.dtype``) vs trainer (fp32) log-probs of the same tokens under the same weights."""
 
 
-def test_the_shipped_configs_are_the_four_documented_ones() -> None:
-    assert [p.name for p in SHIPPED] == ["agent.yaml", "demo.yaml", "gpu-single-node.yaml", "multi-node.yaml"]
+def test_the_shipped_configs_are_the_documented_ones() -> None:
+    assert [p.name for p in SHIPPED] == [
+        "agent.yaml",
+        "demo.yaml",
+        "gpu-single-node.yaml",
+        "math.yaml",
+        "multi-node.yaml",
+        "reasoning-gym.yaml",
+    ]
 
 
 def _write_tiny_checkpoint(directory: Path) -> Path:

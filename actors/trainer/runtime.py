@@ -19,10 +19,12 @@ following rank failed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import signal
 
 import torch
+from tokenizers import Tokenizer
 
 from actors.endpoints import open_run_store, resolve_endpoints, stop_needs_endpoints
 from actors.models import build_policy_model, load_tokenizer
@@ -36,7 +38,8 @@ from actors.trainer.run_lease import LeasedSession, LeaseKeeper
 from actors.trainer.sessions import RunLink, Session, build_weight_publisher
 from infra.role_logs import configure_role_logging
 from pipeline.config import LeewayConfig
-from pipeline.tasks import get_task
+from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, get_task, load_prompts
+from pipeline.tasks.self_check import SELF_CHECK_ITEMS, TaskSelfCheckError, require_verified_task
 from pipeline.wire.replay import ReplaySelection
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,10 @@ async def open_trainer(
     `LeaseHeld`, naming the holder, if another trainer of the run is alive."""
     stop = stop if stop is not None else asyncio.Event()
     task = get_task(cfg.task.name, **cfg.task.args)
-    model = build_policy_model(cfg, load_tokenizer(cfg, task))
+    tokenizer = load_tokenizer(cfg, task)
+    if replay is None:
+        await check_task(cfg, task, tokenizer)
+    model = build_policy_model(cfg, tokenizer)
     backend = build_backend(cfg, model)
     link = await RunLink.open(cfg)
     group: RankGroup | None = None
@@ -89,6 +95,25 @@ async def open_trainer(
             group.stop()
         raise
     return Trainer(cfg, backend, session, stop=stop)
+
+
+async def check_task(cfg: LeewayConfig, task: Task, tokenizer: Tokenizer) -> None:
+    """The verifier self-check on the first prompts the run admits (`pipeline/tasks/self_check.py`); a task that
+    fails is refused (`TaskSelfCheckError`) before anything is trained on it."""
+    if cfg.task.prompts_file is not None:
+        prompts = load_prompts(cfg.task.prompts_file)[:SELF_CHECK_ITEMS]
+    else:
+        prompts = list(itertools.islice(task.prompts(), SELF_CHECK_ITEMS))
+    with VerifierPool(timeout_s=cfg.generator.verifier_timeout_s, num_threads=VERIFIER_THREADS) as pool:
+        await require_verified_task(
+            task,
+            cfg.task.name,
+            prompts,
+            pool,
+            skip=cfg.task.skip_self_check,
+            has_agent=cfg.task.agent is not None or getattr(task, "agent", None) is not None,
+            encode=lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+        )
 
 
 def _follow(cfg: LeewayConfig) -> int:
@@ -146,6 +171,9 @@ def _lead(cfg: LeewayConfig, *, resume: bool, replay: ReplaySelection | None) ->
 
     try:
         return asyncio.run(_run())
+    except TaskSelfCheckError as exc:  # the user's task, refused before anything ran: the reason, not a traceback
+        log.error("%s", exc)
+        return 2
     except Exception:  # the process boundary: the traceback goes to the log, the exit status says it failed
         log.exception("trainer exiting with an error (a final checkpoint was written where the state allowed)")
         return 1

@@ -61,6 +61,8 @@ BUILTIN_TASKS: dict[str, str] = {
     "reverse_digits": "pipeline.tasks.reverse:ReverseDigitsTask",
     "exact_match": "pipeline.tasks:ExactMatchTask",
     "reverse_tool": "pipeline.tasks.tool_reverse:ReverseToolTask",
+    "reasoning_gym": "pipeline.tasks.reasoning_gym:ReasoningGymTask",
+    "math": "pipeline.tasks.math_problems:MathTask",
 }
 """Built-in task name -> ``module:callable`` returning a `Task`."""
 
@@ -83,10 +85,30 @@ class Task(ABC):
     `VerifierPool` thread (plain) or on the event loop (async) under the pool's timeout."""
 
     name: str = "task"
+    max_reward: float = 1.0
+    """What a right answer scores: the verifier self-check (`pipeline/tasks/self_check.py`) requires each reference
+    answer to score it, and an empty or a garbage answer to score below it."""
+    reward_range: tuple[float, float] | None = None
+    """Where the verifier's rewards must lie, or None for any finite reward; a reward outside is refused for its
+    sample (``infra_error``, reason ``reward_out_of_range``), never trained on."""
 
     @abstractmethod
     def prompts(self) -> Iterator[Prompt]:
         """The prompts, in a deterministic order (built-in tasks: infinite, from their seed)."""
+
+    def completion_for(self, answer: str) -> str:
+        """A reply that gives `answer` the way the policy is asked to write it (a task that reads answers from tags
+        wraps it in them); the self-check writes its reference, empty and garbage answers with it."""
+        return answer
+
+    def reference_completion(self, prompt: Prompt) -> str | None:
+        """A completion that must score `max_reward`, or None when the prompt has none; by default the prompt's
+        ``answer`` through `completion_for`."""
+        return None if prompt.answer is None else self.completion_for(prompt.answer)
+
+    def eval_prompts(self) -> list[Prompt] | None:
+        """Held-out prompts that `prompts` never yields (a task's eval split), or None when the task has none."""
+        return None
 
     @abstractmethod
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
@@ -168,6 +190,18 @@ class VerifierPool:
         if not isinstance(result, VerifierResult):
             return VerifierResult(None, "infra_error", {"error": f"verifier returned {type(result).__name__}"})
         problem = None if result.reward is None else reward_problem(result.reward)
+        if problem is None and result.reward is not None and task.reward_range is not None:
+            low, high = task.reward_range
+            if not low <= result.reward <= high:
+                problem = f"reward {result.reward!r} is outside the task's range [{low}, {high}]"
+                logger.warning(
+                    "verifier of task %s on prompt %s: %s; infra_error", task.name, prompt.prompt_id, problem
+                )
+                return VerifierResult(
+                    None,
+                    "infra_error",
+                    {**result.info, "error": f"verifier: {problem}", "reason": "reward_out_of_range"},
+                )
         if problem is not None:
             logger.warning("verifier of task %s on prompt %s: %s; infra_error", task.name, prompt.prompt_id, problem)
             return VerifierResult(None, "infra_error", {**result.info, "error": f"verifier: {problem}"})

@@ -14,6 +14,7 @@ It loads with ``tokenizers.Tokenizer.from_file`` or
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -53,3 +54,20 @@ def build_char_tokenizer(path: str | Path | None = None) -> Tokenizer:
 def load_char_tokenizer() -> Tokenizer:
     """The shipped tokenizer."""
     return Tokenizer.from_file(str(TOKENIZER_PATH))
+
+
+ALPHABETS = {
+    "text": "".join(c for c in string.printable if c not in "\r\x0b\x0c"),
+    "numeric": string.digits + "-+*/.=() ",
+}
+"""Alphabets of the ecosystem tasks' tokenizers (`alphabet_tokenizer`), in id order after `SPECIAL_TOKENS`:
+``text``, printable ASCII, and ``numeric``, the digits and the arithmetic signs only, with which a small random
+policy writes numbers often enough to learn."""
+
+
+def alphabet_tokenizer(alphabet: str) -> Tokenizer:
+    """One token per character of `ALPHABETS[alphabet]` after ``<pad> <bos> <eos> <unk>``; anything else encodes as
+    ``<unk>``. Built in memory, the same in every process: the task that names it ships no file."""
+    if alphabet not in ALPHABETS:
+        raise ValueError(f"tokenizer must be one of {sorted(ALPHABETS)}, got {alphabet!r}")
+    return build_charset_tokenizer(SPECIAL_TOKENS, ALPHABETS[alphabet], unk=UNK)

@@ -1,0 +1,178 @@
+"""Built-in task ``reasoning_gym``: any dataset of the reasoning-gym library, by name, split by seed into a train
+and an eval set (the optional extra ``leeway[envs]``).
+
+    task:
+      name: reasoning_gym
+      args: {dataset: chain_sum, size: 2000, eval_size: 200, seed: 0, config: {min_terms: 2, max_terms: 2}}
+
+reasoning-gym generates every item from its seed, so the trainer and each generator build the same items
+without shipping any data: a prompt carries its split and index (``metadata``), and the verifier scores the
+reply against that item with the dataset's own ``score_answer``. The eval set is generated from another seed
+(``eval_seed``, default ``seed + EVAL_SEED_OFFSET``) and keeps only items whose question is not in the train
+set, so an eval prompt is never trained on (`eval_prompts`).
+
+Answers (``answer_format``): ``tags`` (the default) reads the answer from ``<answer>...</answer>`` as
+reasoning-gym's own prompts ask (its default system prompt is put before the question); a reply without
+the tags is a ``format_error``. ``raw`` scores the whole reply, for models too small to learn the tags.
+
+Scorers written for well-formed answers may raise on what a policy writes (``prime_factorization`` on
+``"2 × x"``): that is the policy's failure, a ``format_error`` with reward 0, never an ``infra_error``.
+Some datasets are traps as shipped (``game_of_life_halting`` scores any non-empty answer 1.0; open-ended
+ones have no reference answer): the verifier self-check refuses them at start-up
+(`pipeline/tasks/self_check.py`).
+
+Tokenizer (the task's ``tokenizer``, unless ``model.tokenizer`` is set): ``text`` (printable ASCII) or
+``numeric`` (digits and arithmetic signs), one token per character (`char_tokenizer.alphabet_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from pipeline.tasks import Prompt, Task, VerifierResult
+from pipeline.tasks.char_tokenizer import ALPHABETS, alphabet_tokenizer
+
+log = logging.getLogger(__name__)
+
+EVAL_SEED_OFFSET = 1_000_003
+"""The eval set's default seed is the train seed plus this: far from the seeds a user steps through."""
+ANSWER_FORMATS = ("tags", "raw")
+
+
+class ReasoningGymTask(Task):
+    """One reasoning-gym dataset; see the module docstring."""
+
+    name = "reasoning_gym"
+    reward_range = (0.0, 1.0)
+
+    def __init__(
+        self,
+        dataset: str,
+        size: int = 1000,
+        eval_size: int = 100,
+        seed: int = 0,
+        eval_seed: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        answer_format: str = "tags",
+        tokenizer: str = "text",
+    ) -> None:
+        try:
+            import reasoning_gym
+            from reasoning_gym.utils import SYSTEM_PROMPTS
+        except ImportError as exc:
+            raise ValueError(
+                f"task reasoning_gym needs the reasoning-gym package: pip install 'leeway[envs]' ({exc})"
+            ) from exc
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(
+                f"reasoning_gym: task.args.answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}"
+            )
+        if tokenizer not in ALPHABETS:
+            raise ValueError(
+                f"reasoning_gym: task.args.tokenizer must be one of {sorted(ALPHABETS)}, got {tokenizer!r}"
+            )
+        if size < 1 or eval_size < 0:
+            raise ValueError(f"reasoning_gym: task.args.size must be >= 1 and eval_size >= 0, got {size}, {eval_size}")
+        self.dataset = dataset
+        self.seed = seed
+        self.eval_seed = seed + EVAL_SEED_OFFSET if eval_seed is None else eval_seed
+        self.answer_format = answer_format
+        self.instructions = SYSTEM_PROMPTS["default"] if answer_format == "tags" else None
+        args = dict(config or {})
+        try:
+            self._train = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **args)
+            held_out = (
+                reasoning_gym.create_dataset(dataset, size=eval_size, seed=self.eval_seed, **args) if eval_size else []
+            )
+        except Exception as exc:  # an unknown name or a bad config argument: the user's, named
+            raise ValueError(
+                f"reasoning_gym: cannot build dataset {dataset!r} with task.args.config={args}: {exc}"
+            ) from exc
+        seen = {self._train[i]["question"] for i in range(len(self._train))}
+        self._eval_index = [i for i in range(len(held_out)) if held_out[i]["question"] not in seen]
+        if eval_size and len(self._eval_index) < eval_size:
+            log.info(
+                "reasoning_gym %s: %d of %d eval items are also train questions and are left out of the eval set",
+                dataset,
+                eval_size - len(self._eval_index),
+                eval_size,
+            )
+        self._eval = held_out
+        self.tokenizer: Tokenizer = alphabet_tokenizer(tokenizer)
+
+    # ---- prompts -------------------------------------------------------------------------------
+
+    def prompts(self) -> Iterator[Prompt]:
+        """The train items forever, in an order shuffled per epoch from the seed."""
+        for epoch in itertools.count():
+            order = list(range(len(self._train)))
+            random.Random(f"reasoning_gym-{self.dataset}-{self.seed}-{epoch}").shuffle(order)
+            for index in order:
+                yield self._prompt("train", index)
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self._prompt("eval", index) for index in self._eval_index]
+
+    def _prompt(self, split: str, index: int) -> Prompt:
+        entry = self._items(split)[index]
+        return Prompt(
+            prompt_id=f"{self.dataset}-{split}-s{self.seed if split == 'train' else self.eval_seed}-{index}",
+            text=self._text(entry),
+            answer=None if entry.get("answer") is None else str(entry["answer"]),
+            metadata={"dataset": self.dataset, "split": split, "index": index},
+            tags=(self.dataset, split),
+        )
+
+    def _text(self, entry: Mapping[str, Any]) -> str:
+        question = str(entry["question"])
+        return question if self.instructions is None else f"{self.instructions}\n\n{question}"
+
+    def _items(self, split: str) -> Any:
+        return self._train if split == "train" else self._eval
+
+    def _entry(self, prompt: Prompt) -> dict[str, Any]:
+        """The item a prompt was made from; a prompt this task did not make is an error of the run, not the policy."""
+        meta = prompt.metadata
+        split, index = meta.get("split"), meta.get("index")
+        if meta.get("dataset") != self.dataset or split not in ("train", "eval") or not isinstance(index, int):
+            raise ValueError(f"reasoning_gym {self.dataset}: prompt {prompt.prompt_id!r} was not made by this task")
+        items = self._items(split)
+        if not 0 <= index < len(items) or prompt.text != self._text(items[index]):
+            raise ValueError(
+                f"reasoning_gym {self.dataset}: prompt {prompt.prompt_id!r} does not match {split} item {index} "
+                "(trainer and generator built the dataset with other arguments or another reasoning-gym)"
+            )
+        return items[index]
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    def completion_for(self, answer: str) -> str:
+        return f"<answer>{answer}</answer>" if self.answer_format == "tags" else answer
+
+    def reference_completion(self, prompt: Prompt) -> str | None:
+        answer = self._entry(prompt).get("answer")
+        return None if answer is None else self.completion_for(str(answer))
+
+    def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
+        from reasoning_gym.utils import extract_answer
+
+        entry = self._entry(prompt)
+        if self.answer_format == "tags":
+            answer = extract_answer(completion_text)
+            if answer is None:
+                return VerifierResult(0.0, "format_error", {"reason": "no <answer>...</answer> in the reply"})
+        else:
+            answer = completion_text.strip()
+        try:
+            score = self._items(prompt.metadata["split"]).score_answer(answer, entry=entry)
+        except Exception as exc:  # the scorer choked on what the policy wrote: the policy's failure
+            return VerifierResult(
+                0.0, "format_error", {"reason": "scorer_raised", "error": f"{type(exc).__name__}: {exc}"}
+            )
+        return VerifierResult(float(score))
