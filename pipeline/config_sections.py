@@ -279,6 +279,9 @@ class TaskConfig(Section):
     agent, if it has one."""
     agent_timeout_s: float = Field(300.0, gt=0)
     """An agent run that takes longer is cancelled; its sample is an infra_error (masked)."""
+    system_prompt: str | None = None
+    """A system message put first in every chat prompt (`messages`) that has none; plain-text prompts are left
+    as they are."""
     skip_self_check: bool = False
     """Train on a task whose verifier fails the start-up self-check (its reference answers must score the maximum,
     an empty and a garbage answer below it; `pipeline/tasks/self_check.py`). Off: the trainer refuses such a task,

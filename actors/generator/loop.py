@@ -78,6 +78,7 @@ from actors.generator.weight_sync import (
     WeightSync,
     unknown_version_message,
 )
+from pipeline.chat.template import ChatTemplate
 from pipeline.config import LeewayConfig
 from pipeline.rl.rollout import (
     UnrunnablePrompt,
@@ -128,8 +129,12 @@ class Generator:
         generator_id: str,
         verifiers: VerifierPool,
         agents: AgentRunner | None = None,
+        template: ChatTemplate | None = None,
     ) -> None:
+        """`template`: the model's chat template, which renders chat prompts (`Prompt.messages`); without one a chat
+        prompt is dead-lettered (``no_chat_template``)."""
         self.cfg = cfg
+        self.template = template
         self.engine = engine
         self.tokenizer = tokenizer
         self.task = task
@@ -279,6 +284,7 @@ class Generator:
                     self.tokenizer,
                     vocab_size=min(vocab_sizes) if vocab_sizes else None,
                     max_context_tokens=self.engine.max_context_tokens,
+                    template=self.template,
                 )
             except UnrunnablePrompt as exc:
                 log.warning("generator %s: %s; dead-lettering it (%s)", self.generator_id, exc, exc.reason)

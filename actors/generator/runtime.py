@@ -157,6 +157,7 @@ class GeneratorRuntime:
                 generator_id=generator_id,
                 verifiers=verifiers,
                 agents=agents,
+                template=service.template if service is not None else load_chat_template_for(cfg, tokenizer, task),
             )
             extra = None if endpoint is None else lambda: _endpoint_fields(endpoint, service)
             background = [

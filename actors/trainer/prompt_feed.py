@@ -6,9 +6,10 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
+from pipeline.chat.template import ChatTemplate
 from pipeline.config import LeewayConfig
 from pipeline.rl.rollout import Tokenizer, UnrunnablePrompt, checked_prompt_ids
-from pipeline.tasks import Prompt, Task, load_prompts
+from pipeline.tasks import Prompt, Task, load_prompts, with_system_prompt
 from pipeline.wire.prompts import PromptError
 
 WIDEST_INDEX = 10**18 - 1
@@ -42,12 +43,15 @@ class PromptFeed:
         *,
         tokenizer: Tokenizer | None = None,
         max_context_tokens: int | None = None,
+        template: ChatTemplate | None = None,
     ) -> None:
         """`tokenizer` and `max_context_tokens` (the model's context): check every row of `task.prompts_file`
-        against them too (`check_prompt_rows`); the queue's message size is always checked."""
+        against them too (`check_prompt_rows`, chats rendered with `template`); the queue's message size is
+        always checked. `task.system_prompt` opens every chat prompt that has no system message."""
         source: Iterator[Prompt]
+        system = cfg.task.system_prompt
         if cfg.task.prompts_file is not None:
-            rows = load_prompts(cfg.task.prompts_file)
+            rows = [with_system_prompt(p, system) for p in load_prompts(cfg.task.prompts_file)]
             if not rows:
                 raise ValueError(f"task.prompts_file = {cfg.task.prompts_file!r}: no prompts")
             check_prompt_rows(
@@ -56,10 +60,11 @@ class PromptFeed:
                 max_msg_bytes=cfg.stream.max_msg_bytes,
                 tokenizer=tokenizer,
                 max_context_tokens=max_context_tokens,
+                template=template,
             )
             source = itertools.cycle(rows)
         else:
-            source = task.prompts()
+            source = (with_system_prompt(p, system) for p in task.prompts())
         self._prompts = itertools.islice(source, start, None)
         self.next_index = start
 
@@ -78,6 +83,7 @@ def check_prompt_rows(
     max_msg_bytes: int,
     tokenizer: Tokenizer | None = None,
     max_context_tokens: int | None = None,
+    template: ChatTemplate | None = None,
 ) -> None:
     """Refuse the whole file if one row can never be admitted or rolled out; the error names file, row, limit.
 
@@ -103,7 +109,9 @@ def check_prompt_rows(
         if tokenizer is None or max_context_tokens is None:
             continue
         try:
-            checked_prompt_ids(prompt, tokenizer, vocab_size=None, max_context_tokens=max_context_tokens)
+            checked_prompt_ids(
+                prompt, tokenizer, vocab_size=None, max_context_tokens=max_context_tokens, template=template
+            )
         except UnrunnablePrompt as exc:
             raise ValueError(
                 f"task.prompts_file {path}: row {index}: {exc} ({exc.reason}; model context "

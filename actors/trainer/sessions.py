@@ -52,7 +52,7 @@ from nats.js.kv import KeyValue
 from transformers import PreTrainedModel
 
 from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
-from actors.models import load_tokenizer
+from actors.models import load_chat_template_for, load_tokenizer
 from actors.trainer.admission import admission_count, count_lost_to_retention
 from actors.trainer.backends import TrainingBackend
 from actors.trainer.checkpoints import (
@@ -307,8 +307,13 @@ class LiveSession:
         """The run's prompts from admission `start` on; the rows of `task.prompts_file` are checked against the
         queue's message size and the model's context first (`check_prompt_rows`), before anything is published."""
         limits = self.backend.model_limits()
-        tokenizer = load_tokenizer(self.cfg, self.task) if self.cfg.task.prompts_file is not None else None
-        return PromptFeed(self.cfg, self.task, start, tokenizer=tokenizer, max_context_tokens=limits.max_positions)
+        tokenizer = template = None
+        if self.cfg.task.prompts_file is not None:
+            tokenizer = load_tokenizer(self.cfg, self.task)
+            template = load_chat_template_for(self.cfg, tokenizer, self.task)
+        return PromptFeed(
+            self.cfg, self.task, start, tokenizer=tokenizer, max_context_tokens=limits.max_positions, template=template
+        )
 
     def _load_latest_checkpoint(self) -> TrainerState | None:
         """Restore the newest complete checkpoint into the backend (every rank's) and return its state."""

@@ -50,12 +50,15 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult, reward_problem
 from pipeline.wire.trajectory import FinishReason, Sample, Status
+
+if TYPE_CHECKING:
+    from pipeline.chat.template import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -226,12 +229,24 @@ def sample_status(finish_reason: FinishReason, truncated: bool, verdict: Verifie
     return "truncated" if truncated else "ok"
 
 
-def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer) -> list[int]:
-    """The ids a prompt is rolled out from: its text with special tokens (``<bos>``), or its given ids."""
+def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer, template: ChatTemplate | None = None) -> list[int]:
+    """The ids a prompt is rolled out from: its text with special tokens (``<bos>``), its given ids, or its chat
+    rendered with `template` and the generation prompt (`NoChatTemplate` without one)."""
     if prompt.token_ids is not None:
         return list(prompt.token_ids)
+    if prompt.messages is not None:
+        if template is None:
+            raise NoChatTemplate(
+                f"prompt {prompt.prompt_id!r} is a chat (messages), and this model has no chat template: set "
+                "model.chat_template, or give model.tokenizer a directory with a tokenizer_config.json that has one"
+            )
+        return template.render(prompt.messages)
     assert prompt.text is not None
     return _encode(tokenizer, prompt.text, add_special_tokens=True)
+
+
+class NoChatTemplate(ValueError):
+    """A chat prompt for a model without a chat template."""
 
 
 class UnrunnablePrompt(ValueError):
@@ -244,17 +259,25 @@ class UnrunnablePrompt(ValueError):
 
 
 def checked_prompt_ids(
-    prompt: Prompt, tokenizer: Tokenizer, *, vocab_size: int | None, max_context_tokens: int | None
+    prompt: Prompt,
+    tokenizer: Tokenizer,
+    *,
+    vocab_size: int | None,
+    max_context_tokens: int | None,
+    template: ChatTemplate | None = None,
 ) -> list[int]:
     """`prompt_token_ids`, or `UnrunnablePrompt` when they can never be rolled out.
 
-    Reasons: ``prompt_not_tokenizable`` (the tokenizer raised on its text), ``empty_prompt``,
+    Reasons: ``no_chat_template`` (a chat prompt, and the model has none), ``prompt_not_tokenizable`` (the
+    tokenizer or the chat template raised on it), ``empty_prompt``,
     ``invalid_token_ids`` (an id outside ``[0, vocab_size)``: it would fail the engine call, or assert on a
     GPU), ``prompt_too_long`` (``max_context_tokens`` leaves no room for one new token). A limit of None is
     not checked.
     """
     try:
-        ids = prompt_token_ids(prompt, tokenizer)
+        ids = prompt_token_ids(prompt, tokenizer, template)
+    except NoChatTemplate as exc:
+        raise UnrunnablePrompt(prompt.prompt_id, "no_chat_template", str(exc)) from exc
     except Exception as exc:  # a tokenizer raising on one text is that prompt's fault, permanently
         raise UnrunnablePrompt(prompt.prompt_id, "prompt_not_tokenizable", f"{type(exc).__name__}: {exc}") from exc
     if not ids:

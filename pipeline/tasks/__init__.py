@@ -29,7 +29,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -249,9 +249,9 @@ def _ignore_result(future: asyncio.Future[VerifierResult]) -> None:
 
 
 def load_prompts(path: str | Path, *, id_prefix: str | None = None) -> list[Prompt]:
-    """Prompts from a JSONL or Parquet file of rows ``{"prompt": str, "answer": str?, "tags": [str]?, ...}``.
-
-    Other columns go to ``metadata``. ``prompt_id`` is the row's ``id`` column if present, else
+    """Prompts from a JSONL or Parquet file of rows ``{"prompt": str, "answer": str?, "tags": [str]?, ...}``, or
+    chats: ``{"messages": [{"role", "content"}, ...], ...}`` instead of ``prompt`` (rendered with the model's chat
+    template by the generator). Other columns go to ``metadata``. ``prompt_id`` is the row's ``id`` column if present, else
     ``<file stem>-<row index>``. A row without a string ``prompt`` raises ValueError naming file and row.
     """
     path = Path(path)
@@ -275,20 +275,41 @@ def load_prompts(path: str | Path, *, id_prefix: str | None = None) -> list[Prom
 
 
 def _prompt_from_row(row: Any, path: Path, index: int, prefix: str) -> Prompt:
-    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-        raise ValueError(f"{path}: row {index} has no string 'prompt' field")
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}: row {index} is not an object")
+    messages = row.get("messages")
+    if messages is None and not isinstance(row.get("prompt"), str):
+        raise ValueError(f"{path}: row {index} has neither a string 'prompt' nor a list 'messages'")
+    if messages is not None and row.get("prompt") is not None:
+        raise ValueError(f"{path}: row {index} has both 'prompt' and 'messages'; give one")
     answer = row.get("answer")
-    metadata = {k: v for k, v in row.items() if k not in ("prompt", "answer", "tags", "id")}
+    metadata = {k: v for k, v in row.items() if k not in ("prompt", "messages", "answer", "tags", "id")}
     try:
         return Prompt(
             prompt_id=str(row.get("id", f"{prefix}-{index}")),
-            text=row["prompt"],
+            text=row.get("prompt"),
+            messages=None if messages is None else [_file_message(m) for m in messages],
             answer=None if answer is None else str(answer),
             metadata=metadata,
             tags=tuple(str(t) for t in row.get("tags") or ()),
         )
     except PromptError as exc:
         raise ValueError(f"{path}: row {index}: {exc}") from exc
+
+
+def with_system_prompt(prompt: Prompt, system_prompt: str | None) -> Prompt:
+    """`prompt` with a system message first, when it is a chat without one and `system_prompt` is set
+    (``task.system_prompt``); any other prompt as it is."""
+    if system_prompt is None or prompt.messages is None or prompt.messages[0].get("role") == "system":
+        return prompt
+    return replace(prompt, messages=({"role": "system", "content": system_prompt}, *prompt.messages))
+
+
+def _file_message(message: Any) -> Any:
+    """A message as a file holds it; Parquet's struct columns give every key of every row, unset ones as None."""
+    if not isinstance(message, dict):
+        return message
+    return {k: v for k, v in message.items() if v is not None or k == "content"}
 
 
 class ExactMatchTask(Task):

@@ -11,6 +11,9 @@ reply against that item with the dataset's own ``score_answer``. The eval set is
 (``eval_seed``, default ``seed + EVAL_SEED_OFFSET``) and keeps only items whose question is not in the train
 set, so an eval prompt is never trained on (`eval_prompts`).
 
+With ``chat: true`` a prompt is a chat (``messages``: reasoning-gym's instructions as the system message, the
+question as the user's), rendered with the model's chat template; otherwise plain text.
+
 Answers (``answer_format``): ``tags`` (the default) reads the answer from ``<answer>...</answer>`` as
 reasoning-gym's own prompts ask (its default system prompt is put before the question); a reply without
 the tags is a ``format_error``. ``raw`` scores the whole reply, for models too small to learn the tags.
@@ -61,6 +64,7 @@ class ReasoningGymTask(Task):
         config: Mapping[str, Any] | None = None,
         answer_format: str = "tags",
         tokenizer: str = "text",
+        chat: bool = False,
     ) -> None:
         try:
             import reasoning_gym
@@ -83,6 +87,7 @@ class ReasoningGymTask(Task):
         self.seed = seed
         self.eval_seed = seed + EVAL_SEED_OFFSET if eval_seed is None else eval_seed
         self.answer_format = answer_format
+        self.chat = chat
         self.instructions = SYSTEM_PROMPTS["default"] if answer_format == "tags" else None
         args = dict(config or {})
         try:
@@ -123,15 +128,19 @@ class ReasoningGymTask(Task):
         entry = self._items(split)[index]
         return Prompt(
             prompt_id=f"{self.dataset}-{split}-s{self.seed if split == 'train' else self.eval_seed}-{index}",
-            text=self._text(entry),
+            **self._content(entry),
             answer=None if entry.get("answer") is None else str(entry["answer"]),
             metadata={"dataset": self.dataset, "split": split, "index": index},
             tags=(self.dataset, split),
         )
 
-    def _text(self, entry: Mapping[str, Any]) -> str:
+    def _content(self, entry: Mapping[str, Any]) -> dict[str, Any]:
+        """The prompt's ``text``, or its ``messages`` with ``chat`` (the instructions as the system message)."""
         question = str(entry["question"])
-        return question if self.instructions is None else f"{self.instructions}\n\n{question}"
+        if self.chat:
+            system = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+            return {"messages": (*system, {"role": "user", "content": question})}
+        return {"text": question if self.instructions is None else f"{self.instructions}\n\n{question}"}
 
     def _items(self, split: str) -> Any:
         return self._train if split == "train" else self._eval
@@ -143,12 +152,20 @@ class ReasoningGymTask(Task):
         if meta.get("dataset") != self.dataset or split not in ("train", "eval") or not isinstance(index, int):
             raise ValueError(f"reasoning_gym {self.dataset}: prompt {prompt.prompt_id!r} was not made by this task")
         items = self._items(split)
-        if not 0 <= index < len(items) or prompt.text != self._text(items[index]):
+        if not 0 <= index < len(items) or not self._made(prompt, items[index]):
             raise ValueError(
                 f"reasoning_gym {self.dataset}: prompt {prompt.prompt_id!r} does not match {split} item {index} "
                 "(trainer and generator built the dataset with other arguments or another reasoning-gym)"
             )
         return items[index]
+
+    def _made(self, prompt: Prompt, entry: Mapping[str, Any]) -> bool:
+        content = self._content(entry)
+        if "text" in content:
+            return prompt.text == content["text"]
+        # a run's task.system_prompt may have been put first: the task's own messages end the chat
+        own = content["messages"]
+        return prompt.messages is not None and tuple(prompt.messages[-len(own) :]) == tuple(own)
 
     # ---- scoring -------------------------------------------------------------------------------
 

@@ -53,11 +53,14 @@ def test_prompt_json_round_trip_and_validation():
 
 def test_a_prompt_without_this_builds_schema_version_is_refused_naming_the_field():
     """No format is guessed from the fields: a record says its version, and a reader refuses one it does not know."""
-    assert orjson.loads(Prompt("p-1", text="x").to_json())["schema_version"] == PROMPT_SCHEMA_VERSION
+    assert orjson.loads(Prompt("p-1", text="x").to_json())["schema_version"] == 1  # what every earlier build reads
+    chat = Prompt("p-1", messages=[{"role": "user", "content": "x"}])
+    assert orjson.loads(chat.to_json())["schema_version"] == PROMPT_SCHEMA_VERSION == 2
     first_format = b'{"prompt_id": "p-1", "text": "12>", "metadata": {"answer": "21", "policy_version": 4}}'
     for bad, said in (
         (first_format, "schema_version missing"),
-        (b'{"schema_version": 2, "prompt_id": "p-1", "text": "x"}', "schema_version 2 unknown"),
+        (b'{"schema_version": 3, "prompt_id": "p-1", "text": "x"}', "schema_version 3 unknown"),
+        (b'{"schema_version": 1, "prompt_id": "p-1", "messages": []}', "unknown prompt fields"),  # 1 had no chats
         (b'{"schema_version": "1", "prompt_id": "p-1", "text": "x"}', "schema_version '1' unknown"),
         (b'{"schema_version": true, "prompt_id": "p-1", "text": "x"}', "schema_version True unknown"),
     ):
@@ -173,3 +176,22 @@ def test_a_prompt_whose_dead_letter_fails_past_its_last_delivery_is_dead_lettere
             await nc.close()
 
     asyncio.run(main())
+
+
+def test_chat_prompts_round_trip_and_bad_messages_are_refused_naming_the_message():
+    chat = Prompt(
+        "c-1", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], answer="4"
+    )
+    back = Prompt.from_json(chat.to_json())
+    assert back == chat and back.messages is not None and back.messages[1]["content"] == "2+2?"
+    assert Prompt.from_json(Prompt("t-1", text="x").to_json()).messages is None
+    for messages, said in (
+        ([], "non-empty list"),
+        ([{"role": "robot", "content": "x"}], r"messages\[0\].role 'robot'"),
+        ([{"role": "user", "content": "x"}, {"role": "user", "content": 7}], r"messages\[1\].content"),
+        ("hello", "non-empty list"),
+    ):
+        with pytest.raises(PromptError, match=said):
+            Prompt("c-2", messages=messages)
+    with pytest.raises(PromptError, match="exactly one of text, token_ids and messages"):
+        Prompt("c-3", text="x", messages=[{"role": "user", "content": "x"}])
