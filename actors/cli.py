@@ -123,6 +123,7 @@ CONFIG_COMMANDS: dict[str, ConfigCommand] = {
     "generator": ConfigCommand("actors.generator.runtime", with_args=False),
     "replay": ConfigCommand("actors.tools.replay"),
     "purge": ConfigCommand("actors.tools.purge"),
+    "eval": ConfigCommand("actors.tools.evaluate"),
     "fleet": ConfigCommand("actors.fleet.commands"),
 }
 """The commands whose handler is only that; `leeway trainer` checks its flags first and may launch ranks."""
@@ -286,6 +287,27 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     _add_config_args(purge)
     purge.add_argument("--yes", action="store_true", help="really delete (without it: print the plan, exit 1)")
     purge.set_defaults(handler=CONFIG_COMMANDS["purge"])
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="evaluate one published policy version on the task's held-out prompts; prints JSON",
+        description="Pulls exactly version V (default: LATEST) of the run's weights from the store, builds an engine "
+        "as a generator does, samples eval.samples_per_prompt replies (fixed seeds) for each of the task's eval "
+        "prompts (its eval split, never trained on), scores them with the task's verifier and prints mean reward, "
+        "pass@1, pass@k and per-tag means as one JSON object. Needs the run's store (a running stack or store.*); "
+        "nothing is trained on or published.",
+    )
+    _add_config_args(evaluate)
+    evaluate.add_argument(
+        "--version", type=int, default=None, help="the published version to evaluate (default: LATEST)"
+    )
+    evaluate.add_argument(
+        "--samples", type=int, default=None, help="samples per prompt (default: eval.samples_per_prompt)"
+    )
+    evaluate.add_argument(
+        "--prompts", type=int, default=None, help="the first N eval prompts (default: eval.prompts, or all)"
+    )
+    evaluate.set_defaults(handler=CONFIG_COMMANDS["eval"])
 
     fleet = sub.add_parser(
         "fleet",

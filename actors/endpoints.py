@@ -68,8 +68,10 @@ def _embedded_state(cfg: LeewayConfig) -> StackState:
     return state
 
 
-def resolve_endpoints(cfg: LeewayConfig) -> Endpoints:
-    """NATS URL and store URL/options for this config (embedded stack where the config names none)."""
+def resolve_endpoints(cfg: LeewayConfig, *, nats: bool = True) -> Endpoints:
+    """NATS URL and store URL/options for this config (embedded stack where the config names none). With
+    ``nats=False`` (a tool that reads only the store) no NATS URL is looked for: a file store then needs no
+    stack at all."""
     store = cfg.store
     options: dict[str, Any] = {}
     if store.url.startswith("s3://"):
@@ -83,7 +85,7 @@ def resolve_endpoints(cfg: LeewayConfig) -> Endpoints:
             "connect_timeout_s": store.connect_timeout_s,
             "read_timeout_s": store.read_timeout_s,
         }
-    nats_url = cfg.nats.url
+    nats_url = cfg.nats.url if nats else ""
     store_url = store.url
     if nats_url is None or (store.url.startswith("s3://") and store.endpoint is None):
         state = _embedded_state(cfg)

@@ -37,6 +37,7 @@ from pipeline.config_sections import (
     AdvantagesConfig,
     CorrectionConfig,
     EngineConfig,
+    EvalConfig,
     FleetConfig,
     GeneratorConfig,
     LoggingConfig,
@@ -112,6 +113,7 @@ class LeewayConfig(Section):
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     advantages: AdvantagesConfig = Field(default_factory=AdvantagesConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
     outages: OutageConfig = Field(default_factory=OutageConfig)

@@ -292,6 +292,15 @@ class TaskConfig(Section):
     model's context, refuses the file with an error naming the row."""
 
 
+class EvalConfig(Section):
+    samples_per_prompt: int = Field(1, ge=1, le=1024)
+    """Samples of each held-out prompt; pass@k is over this many (k = samples_per_prompt)."""
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of evaluation; None: `engine.sampling.temperature`. 0 is greedy."""
+    prompts: int | None = Field(None, ge=1)
+    """The first this many prompts of the task's eval split; None: all of it."""
+
+
 class WeightsConfig(Section):
     full_every: int = Field(50, ge=1)
     """A full snapshot every this many versions (version 0 is always full); deltas in between."""

@@ -25,6 +25,7 @@ COMMANDS = (
     ("generator",),
     ("replay",),
     ("purge",),
+    ("eval",),
     ("fleet", "up"),
     ("fleet", "scale"),
     ("fleet", "status"),

@@ -101,7 +101,14 @@ class ReasoningGymTask(Task):
             ) from exc
         seen = {self._train[i]["question"] for i in range(len(self._train))}
         self._eval_index = [i for i in range(len(held_out)) if held_out[i]["question"] not in seen]
-        if eval_size and len(self._eval_index) < eval_size:
+        if eval_size and not self._eval_index:
+            log.warning(
+                "reasoning_gym %s: every one of the %d eval items is also a train question: the eval split is empty "
+                "(the dataset's config leaves too few distinct items; widen it or lower size)",
+                dataset,
+                eval_size,
+            )
+        elif eval_size and len(self._eval_index) < eval_size:
             log.info(
                 "reasoning_gym %s: %d of %d eval items are also train questions and are left out of the eval set",
                 dataset,

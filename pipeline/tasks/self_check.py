@@ -53,8 +53,14 @@ async def self_check(
     beside each text (the run's tokenizer; none: no ids)."""
     failures: list[SelfCheckFailure] = []
 
+    def ids(text: str) -> list[int]:
+        try:
+            return list(encode(text)) if encode is not None else []
+        except Exception:  # a tokenizer without <unk> cannot write the garbage reply: a policy never could either
+            return []
+
     async def score(prompt: Prompt, text: str) -> VerifierResult:
-        return await pool.verify(task, prompt, text, list(encode(text)) if encode is not None else [])
+        return await pool.verify(task, prompt, text, ids(text))
 
     for prompt in prompts:
         try:

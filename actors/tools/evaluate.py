@@ -1,0 +1,164 @@
+"""`leeway eval CONFIG [--version V]`: one published policy version, evaluated once on the task's held-out prompts.
+
+    store: <run>/weights/v...  ──pull exactly V──►  engine (built as a generator builds it)
+    task.eval_prompts() (first eval.prompts)  ──eval.samples_per_prompt each, fixed seeds──►  verifier  ──►  JSON
+
+The weights are the store's own version V (`WeightSubscriber.pull`, bit-exact, hashes checked), so the result
+belongs to that version and to nothing else; nothing is trained on and nothing is published. Seeds are fixed
+per (prompt, sample), so evaluating the same version twice samples the same replies. The prompts are the
+task's eval split (`Task.eval_prompts`: reasoning-gym's held-out seed, the math task's ``eval_path``), which
+`prompts()` never yields.
+
+Keys: ``version``, ``prompts``, ``samples_per_prompt``, ``temperature``, ``mean_reward`` (over scored samples),
+``pass@1`` (the mean, over prompts, of the fraction of samples that scored the task's maximum), ``pass@k``
+with k = samples_per_prompt (prompts with at least one such sample), ``by_tag`` (mean reward per prompt
+tag), ``statuses`` (samples per status), ``unrunnable`` (prompts no engine call could take, by reason) and
+``seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from collections import Counter, defaultdict
+from dataclasses import replace
+from typing import Any
+
+from pipeline.config import LeewayConfig
+
+log = logging.getLogger(__name__)
+
+EVAL_SEED = 7_000_000_007
+"""Base of the evaluation seeds: sample k of eval prompt i samples with seed ``EVAL_SEED + i * 1024 + k``."""
+
+
+def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
+    import torch
+
+    from actors.endpoints import EndpointError, open_run_store, resolve_endpoints
+    from actors.generator.runtime import build_engine
+    from actors.models import load_chat_template_for, load_tokenizer
+    from pipeline.tasks import get_task
+    from storage.manifest import ManifestError
+    from storage.subscriber import WeightSubscriber
+    from storage.weights_base import NoVersionError
+
+    overrides: dict[str, Any] = {}
+    if args.samples is not None:
+        overrides["samples_per_prompt"] = args.samples
+    if args.prompts is not None:
+        overrides["prompts"] = args.prompts
+    if overrides:
+        try:
+            settings = type(cfg.eval).model_validate({**cfg.eval.model_dump(), **overrides})
+        except ValueError as exc:
+            print(f"leeway eval: {exc}", flush=True)
+            return 2
+        cfg = cfg.model_copy(update={"eval": settings})
+    torch.set_num_threads(cfg.engine.torch_threads)
+    task = get_task(cfg.task.name, **cfg.task.args)
+    prompts = task.eval_prompts()
+    if prompts is None:
+        print(f"leeway eval: task {cfg.task.name!r} has no eval split (Task.eval_prompts)", flush=True)
+        return 2
+    if not prompts:
+        print(f"leeway eval: the eval split of task {cfg.task.name!r} is empty (see its eval_* arguments)", flush=True)
+        return 2
+    tokenizer = load_tokenizer(cfg, task)
+    try:
+        store = open_run_store(cfg, resolve_endpoints(cfg, nats=False))
+    except EndpointError as exc:
+        print(f"leeway eval: {exc}", flush=True)
+        return 2
+    try:
+        subscriber = WeightSubscriber(store, cfg.run.name, parallelism=cfg.weights.parallelism)
+        try:
+            version = subscriber.pull(args.version)
+        except (NoVersionError, ManifestError) as exc:  # nothing published yet, or V never was (or was pruned)
+            print(f"leeway eval: {exc}", flush=True)
+            return 2
+        engine = build_engine(cfg, tokenizer, "eval")
+        engine.load_state(subscriber.tensors, version)
+        result = asyncio.run(
+            evaluate(
+                cfg, engine, tokenizer, load_chat_template_for(cfg, tokenizer, task), task, prompts, version=version
+            )
+        )
+    finally:
+        store.close()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+async def evaluate(
+    cfg: LeewayConfig, engine: Any, tokenizer: Any, template: Any, task: Any, prompts: list[Any], *, version: int
+) -> dict[str, Any]:
+    """Roll out the first `eval.prompts` of `prompts` on `engine` (holding `version`) and score them; see the
+    module docstring for the keys."""
+    from actors.generator.runtime import sampling_params
+    from pipeline.rl.rollout import GenerateRequest, UnrunnablePrompt, checked_prompt_ids, score_group
+    from pipeline.tasks import VERIFIER_THREADS, VerifierPool
+
+    settings = cfg.eval
+    k = settings.samples_per_prompt
+    chosen = prompts[: settings.prompts] if settings.prompts is not None else prompts
+    sampling = sampling_params(cfg, tokenizer)
+    if settings.temperature is not None:
+        sampling = replace(sampling, temperature=settings.temperature)
+    started = time.perf_counter()
+    unrunnable: Counter[str] = Counter()
+    jobs = []
+    for i, prompt in enumerate(chosen):
+        try:
+            ids = checked_prompt_ids(
+                prompt,
+                tokenizer,
+                vocab_size=engine.vocab_size,
+                max_context_tokens=engine.max_context_tokens,
+                template=template,
+            )
+        except UnrunnablePrompt as exc:
+            unrunnable[exc.reason] += 1
+            continue
+        requests = [GenerateRequest(ids, seed=EVAL_SEED + i * 1024 + j, request_id=f"eval-{i}-{j}") for j in range(k)]
+        jobs.append((prompt, ids, engine.submit(requests, sampling)))
+    statuses: Counter[str] = Counter()
+    rewards: list[float] = []
+    by_tag: dict[str, list[float]] = defaultdict(list)
+    pass1: list[float] = []
+    passk: list[float] = []
+    with VerifierPool(timeout_s=cfg.generator.verifier_timeout_s, num_threads=VERIFIER_THREADS) as pool:
+        for n, (prompt, ids, futures) in enumerate(jobs):
+            results = [await asyncio.wrap_future(f) for f in futures]
+            samples = await score_group(
+                task, prompt, ids, results, sampling, tokenizer=tokenizer, group_id=f"eval-{n}", verifiers=pool
+            )
+            scored = [s.reward for s in samples if s.reward is not None and s.status not in ("infra_error", "aborted")]
+            statuses.update(s.status for s in samples)
+            rewards.extend(scored)
+            for tag in prompt.tags:
+                by_tag[tag].extend(scored)
+            if scored:
+                right = [r >= task.max_reward for r in scored]
+                pass1.append(sum(right) / len(right))
+                passk.append(float(any(right)))
+    return {
+        "version": version,
+        "prompts": len(jobs),
+        "samples_per_prompt": k,
+        "temperature": sampling.temperature,
+        "mean_reward": _mean(rewards),
+        "pass@1": _mean(pass1),
+        f"pass@{k}": _mean(passk),
+        "by_tag": {tag: _mean(values) for tag, values in sorted(by_tag.items())},
+        "statuses": dict(sorted(statuses.items())),
+        "unrunnable": dict(sorted(unrunnable.items())),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
