@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
@@ -154,14 +155,27 @@ def build_model(
     pad_token_id: int | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
+    revision: str | None = None,
+    config_dir: Path | None = None,
 ) -> PreTrainedModel:
     """Build the causal LM named by ``spec`` in eval mode on the CPU.
 
     A preset is initialised from ``seed`` inside a forked RNG, so the same (spec, vocab_size, seed)
     gives the same weights in every process and the caller's global RNG is left untouched. A
-    checkpoint must have at least ``vocab_size`` embedding rows, or token ids of the tokenizer would
-    index past the embedding table.
+    checkpoint is a local directory or a Hub id at ``revision`` (the HF cache and ``HF_HUB_OFFLINE`` are
+    honoured); it must have at least ``vocab_size`` embedding rows, or token ids of the tokenizer would
+    index past the embedding table. ``config_dir`` (a generator without the checkpoint): the model is built
+    from the run's ``config.json`` there, seeded, its weights to be replaced by version 0
+    (`actors/model_files.py`).
     """
+    if config_dir is not None:
+        config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
+        model = model.to(dtype)
+        _check_rows(model, spec, vocab_size)
+        return model.eval()
     if is_preset(spec):
         config = preset_config(
             spec, vocab_size=vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id
@@ -173,14 +187,25 @@ def build_model(
         model = model.to(dtype)
     elif Path(spec).is_dir():
         model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, dtype=dtype)
-        rows = model.get_input_embeddings().weight.shape[0]
-        if rows < vocab_size:
-            raise ValueError(f"model {spec!r} has {rows} embedding rows, fewer than vocab_size={vocab_size}")
+        _check_rows(model, spec, vocab_size)
+    elif "/" in spec and not spec.startswith(("/", ".")):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec, revision=revision, dtype=dtype)
+        except OSError as exc:  # not in the cache and no Hub (HF_HUB_OFFLINE), or no such repo or revision
+            raise ValueError(f"model.name_or_path = {spec!r} (revision {revision!r}): cannot load it: {exc}") from exc
+        _check_rows(model, spec, vocab_size)
     else:
         raise ValueError(
-            f"model spec {spec!r} is neither a preset ({PRESET_FORMS}) nor an existing local checkpoint directory"
+            f"model spec {spec!r} is neither a preset ({PRESET_FORMS}), an existing local checkpoint directory "
+            "nor a Hub id (owner/name)"
         )
     return model.eval()
+
+
+def _check_rows(model: PreTrainedModel, spec: str, vocab_size: int) -> None:
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows < vocab_size:
+        raise ValueError(f"model {spec!r} has {rows} embedding rows, fewer than vocab_size={vocab_size}")
 
 
 def load_tokenizer(cfg: LeewayConfig, task: Task | None = None) -> Tokenizer:
@@ -213,9 +238,10 @@ def pad_token_id(tokenizer: Tokenizer) -> int:
 
 
 def build_policy_model(
-    cfg: LeewayConfig, tokenizer: Tokenizer, *, dtype: torch.dtype = torch.float32
+    cfg: LeewayConfig, tokenizer: Tokenizer, *, dtype: torch.dtype = torch.float32, config_dir: Path | None = None
 ) -> PreTrainedModel:
-    """The run's model (``model.name_or_path``, seeded by ``run.seed``) sized to the tokenizer, on the CPU.
+    """The run's model (``model.name_or_path`` at ``model.revision``, seeded by ``run.seed``) sized to the
+    tokenizer, on the CPU; from the run's ``config.json`` in ``config_dir`` where given (see `build_model`).
 
     The trainer builds it in fp32 (master weights), the engine in ``model.dtype``; the weights agree
     because both come from the same seeded fp32 initialisation.
@@ -228,6 +254,8 @@ def build_policy_model(
         pad_token_id=pad_token_id(tokenizer),
         bos_token_id=special_token_id(tokenizer, BOS_TOKENS),
         eos_token_id=eos_token_id(tokenizer),
+        revision=cfg.model.revision,
+        config_dir=config_dir,
     )
 
 

@@ -80,7 +80,11 @@ class StoreConfig(Section):
 
 class ModelConfig(Section):
     name_or_path: str = "tiny-llama-2x64"
-    """A local HF checkpoint directory, or a built-in tiny preset (random init) such as `tiny-llama-2x64`."""
+    """A local HF checkpoint directory, a Hub id (`owner/name`, from the HF cache; `HF_HUB_OFFLINE` honoured), or a
+    built-in tiny preset (random init) such as `tiny-llama-2x64`. Only the trainer needs to reach a checkpoint:
+    it publishes the model's files to the store, and a generator without the checkpoint builds from them."""
+    revision: str | None = None
+    """The Hub revision (a commit, tag or branch) of a Hub id; pin it so every run loads the same model."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """The dtype the engine serves and the weight store publishes."""
     tokenizer: str | None = None
@@ -162,6 +166,9 @@ class GeneratorConfig(Section):
     the store) before it hands them back to other generators, says why, and takes no prompt until it has it."""
     id: str | None = None
     """Generator id recorded on trajectories. None: hostname-pid."""
+    model_files_wait_s: float = Field(3600.0, gt=0)
+    """How long a generator without the run's checkpoint (`model.name_or_path` not on this machine) waits for the
+    trainer to publish the model's files to the store before it gives up."""
     serve: ServeConfig = Field(default_factory=ServeConfig)
     """The generator's OpenAI-compatible endpoint (`actors/generator/serve/`)."""
 

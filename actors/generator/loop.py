@@ -159,6 +159,7 @@ class Generator:
             verifiers=verifiers,
             group_size=cfg.advantages.group_size,
             agents=agents,
+            template=template,
         )
         self._stop = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from actors.generator.agents import AgentRunner
 from actors.generator.engines.base import GenerateResult, SamplingParams
 from actors.generator.metrics import Submit
+from pipeline.chat.template import ChatTemplate
 from pipeline.rl.rollout import Generate, environment_factory, group_requests, run_group, score_group
 from pipeline.tasks import Task, VerifierPool
 from pipeline.wire.prompts import Prompt
@@ -45,8 +46,10 @@ class Rollouts:
         verifiers: VerifierPool,
         group_size: int,
         agents: AgentRunner | None = None,
+        template: ChatTemplate | None = None,
     ) -> None:
         self.agents = agents
+        self.template = template
         self.generate = generate
         self.submit = submit
         self.task = task
@@ -143,6 +146,7 @@ class Rollouts:
                 tokenizer=self.tokenizer,
                 verifiers=self.verifiers,
                 group_id=prompt.prompt_id,
+                template=self.template,
             )
             for prompt in prompts
         )

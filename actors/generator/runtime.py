@@ -19,11 +19,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import orjson
 import torch
@@ -39,6 +42,7 @@ from actors.generator.loop import Generator
 from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report, metered_submit
 from actors.generator.serve import Endpoint, EndpointService, build_app, read_api_key
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
+from actors.model_files import fetch_model_files, local_config, needs_model_files
 from actors.models import build_policy_model, eos_token_id, load_chat_template_for, load_tokenizer, pad_token_id
 from infra.role_logs import configure_role_logging
 from pipeline.chat.tool_parsers import get_tool_parser
@@ -70,9 +74,11 @@ def sampling_params(cfg: LeewayConfig, tokenizer: Tokenizer) -> SamplingParams:
     )
 
 
-def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str) -> Engine:
-    """The configured engine, with the model's random init in place until version 0 is pulled (version -1)."""
-    model = build_policy_model(cfg, tokenizer, dtype=getattr(torch, cfg.model.dtype)).to(cfg.engine.device)
+def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str, config_dir: Path | None = None) -> Engine:
+    """The configured engine, with the model's random init in place until version 0 is pulled (version -1);
+    built from the run's model files in ``config_dir`` when this machine has no checkpoint (`actors/model_files.py`)."""
+    dtype = getattr(torch, cfg.model.dtype)
+    model = build_policy_model(cfg, tokenizer, dtype=dtype, config_dir=config_dir).to(cfg.engine.device)
     seed = (cfg.run.seed * 1_000_003 + zlib.crc32(generator_id.encode())) % 2**62
     return TorchEngine(
         model,
@@ -116,9 +122,20 @@ class GeneratorRuntime:
         async with contextlib.AsyncExitStack() as opened:
             store = open_run_store(cfg, endpoints)
             opened.push_async_callback(_close_logged, "the object store", lambda: asyncio.to_thread(store.close))
+            config_dir = None
+            if engine is None and needs_model_files(cfg):  # the checkpoint is not here: the run's files are
+                config_dir = await asyncio.to_thread(
+                    fetch_model_files,
+                    store,
+                    cfg,
+                    Path(tempfile.mkdtemp(prefix=f"leeway-model-{generator_id}-")),
+                    wait_s=cfg.generator.model_files_wait_s,
+                )
+                opened.callback(shutil.rmtree, config_dir, ignore_errors=True)
+                cfg = local_config(cfg, config_dir)
             task = get_task(cfg.task.name, **cfg.task.args)
             tokenizer = load_tokenizer(cfg, task)
-            engine = engine or build_engine(cfg, tokenizer, generator_id)
+            engine = engine or build_engine(cfg, tokenizer, generator_id, config_dir)
             subscriber = WeightSubscriber(store, cfg.run.name, parallelism=cfg.weights.parallelism)
             opened.push_async_callback(
                 _close_logged, "the weight subscriber", lambda: asyncio.to_thread(subscriber.close)

@@ -27,11 +27,13 @@ import torch
 from tokenizers import Tokenizer
 
 from actors.endpoints import open_run_store, resolve_endpoints, stop_needs_endpoints
+from actors.model_files import publish_model_files
 from actors.models import build_policy_model, load_tokenizer
 from actors.trainer.backends import build_backend
 from actors.trainer.backends.data_parallel import is_data_parallel
 from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
 from actors.trainer.loop import Trainer
+from actors.trainer.prompt_feed import check_prompt_rows
 from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
 from actors.trainer.replay_session import ReplaySession
 from actors.trainer.run_lease import LeasedSession, LeaseKeeper
@@ -75,6 +77,7 @@ async def open_trainer(
             session = await ReplaySession.open(cfg, link, replay)
         else:
             lease = await LeaseKeeper.take(cfg, link.js, link.names, on_lost=stop.set)
+            await asyncio.to_thread(publish_model_files, link.store, cfg)  # before version 0: what generators build
             publisher = build_weight_publisher(cfg, link.store, model)
             try:
                 if is_data_parallel():  # rank 0 of several: the others follow its commands
@@ -101,7 +104,9 @@ async def check_task(cfg: LeewayConfig, task: Task, tokenizer: Tokenizer) -> Non
     """The verifier self-check on the first prompts the run admits (`pipeline/tasks/self_check.py`); a task that
     fails is refused (`TaskSelfCheckError`) before anything is trained on it."""
     if cfg.task.prompts_file is not None:
-        prompts = load_prompts(cfg.task.prompts_file)[:SELF_CHECK_ITEMS]
+        rows = load_prompts(cfg.task.prompts_file)
+        check_prompt_rows(rows, cfg.task.prompts_file, max_msg_bytes=cfg.stream.max_msg_bytes)  # the file first
+        prompts = rows[:SELF_CHECK_ITEMS]
     else:
         prompts = list(itertools.islice(task.prompts(), SELF_CHECK_ITEMS))
     with VerifierPool(timeout_s=cfg.generator.verifier_timeout_s, num_threads=VERIFIER_THREADS) as pool:

@@ -48,13 +48,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult, reward_problem
+from pipeline.tasks.environment import Environment
 from pipeline.wire.trajectory import FinishReason, Sample, Status
 
 if TYPE_CHECKING:
@@ -151,28 +152,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
-
-
-@dataclass(frozen=True)
-class EnvStep:
-    """An environment's answer to one policy reply: either the next message (text, tokenized by the rollout,
-    or token ids) or ``done``. A done step with a reward makes the environment the verifier of the episode
-    (``status`` ``ok`` or ``format_error``, the latter forcing reward 0); a done step without a reward lets
-    `Task.verify` score the whole completion."""
-
-    message: str | Sequence[int] | None = None
-    done: bool = False
-    reward: float | None = None
-    status: Literal["ok", "format_error"] = "ok"
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-class Environment(Protocol):
-    """One episode's counterpart in a multi-turn rollout (tool, user simulator, game)."""
-
-    async def step(self, reply_text: str, reply_ids: np.ndarray) -> EnvStep:
-        """React to the policy's reply (text with a final stop token removed; ids as sampled)."""
-        ...
 
 
 EnvironmentFactory = Callable[[Prompt], Environment]
@@ -347,16 +326,18 @@ async def run_group(
     max_turns: int = MAX_TURNS,
     max_total_tokens: int | None = None,
     group_id: str | None = None,
+    template: ChatTemplate | None = None,
 ) -> list[Sample]:
     """Roll out ``group_size`` samples of one prompt; every sample comes back, whatever its status.
 
     Without ``env``: one generate call, then `score_group`. With ``env``: each sample alternates policy
     replies and environment messages for at most ``max_turns`` replies and ``max_total_tokens`` tokens.
+    `template` renders a chat prompt and an environment's chat ``messages``.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     group_id = group_id or uuid.uuid4().hex
-    prompt_ids = prompt_token_ids(prompt, tokenizer)
+    prompt_ids = prompt_token_ids(prompt, tokenizer, template)
     if max_total_tokens is not None and len(prompt_ids) >= max_total_tokens:
         raise ValueError(
             f"prompt {prompt.prompt_id!r} has {len(prompt_ids)} tokens, no room under "
@@ -378,7 +359,9 @@ async def run_group(
     return list(
         await asyncio.gather(
             *(
-                _run_episode(generate, scorer, i, prompt_ids, env(prompt), env_timeout_s, max_turns, max_total_tokens)
+                _run_episode(
+                    generate, scorer, i, prompt_ids, env(prompt), env_timeout_s, max_turns, max_total_tokens, template
+                )
                 for i in range(group_size)
             )
         )
@@ -459,6 +442,7 @@ async def _run_episode(
     env_timeout_s: float,
     max_turns: int,
     max_total_tokens: int | None,
+    template: ChatTemplate | None = None,
 ) -> Sample:
     """One multi-turn sample. An environment message is appended only when a policy reply follows it."""
     turns = [Turn.context("prompt", prompt_ids)]
@@ -506,8 +490,31 @@ async def _run_episode(
             return scorer.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))
         if step.done:
             return await scorer.finish(index, turns, gen_s, truncated=False)
-        pending = _message_ids(step.message, scorer.tokenizer)
+        if step.messages is not None:
+            bridged = _bridged(step.messages, template, turns[-1])
+            if isinstance(bridged, str):
+                logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, bridged)
+                info = {**step.info, "error": f"environment: {bridged}"}
+                return scorer.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s, info=info)
+            pending = bridged
+        else:
+            pending = _message_ids(step.message, scorer.tokenizer)
     return await scorer.finish(index, turns, gen_s, truncated=True)
+
+
+def _bridged(messages: Sequence[Mapping[str, Any]], template: ChatTemplate | None, reply: Turn) -> list[int] | str:
+    """The ids that continue the conversation after `reply` with `messages`, or why they cannot."""
+    if template is None:
+        return "it answered with chat messages, and this model has no chat template (model.chat_template)"
+    try:
+        ids = template.bridge(
+            list(messages), ended_with_eos=len(reply.token_ids) > 0 and int(reply.token_ids[-1]) == template.eos_id
+        )
+    except Exception as exc:  # the template cannot render what the environment sent
+        return f"its messages do not render with the chat template: {type(exc).__name__}: {exc}"
+    if ids is None:
+        return "the chat template does not render its messages by appending to the conversation"
+    return ids
 
 
 def _message_ids(message: str | Sequence[int] | None, tokenizer: Tokenizer) -> list[int]:

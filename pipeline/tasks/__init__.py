@@ -63,6 +63,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "reverse_tool": "pipeline.tasks.tool_reverse:ReverseToolTask",
     "reasoning_gym": "pipeline.tasks.reasoning_gym:ReasoningGymTask",
     "math": "pipeline.tasks.math_problems:MathTask",
+    "skyrl_gym": "pipeline.tasks.skyrl_gym:SkyRLGymTask",
 }
 """Built-in task name -> ``module:callable`` returning a `Task`."""
 

@@ -1,0 +1,170 @@
+"""Checkpoints carried by the store: a trainer started on a local checkpoint directory publishes the model's files,
+and a generator that cannot see that directory builds the model from them alone; its version-0 weights equal the
+trainer's bit for bit (Llama with GQA and tied embeddings, Qwen2, Qwen3, each with a tokenizer and a chat
+template). A generator whose spec is not the run's, and a trainer that brings other files to a run, are refused
+naming the field or the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+from actors.generator.runtime import build_engine
+from actors.model_files import ModelFilesError, fetch_model_files, local_config, needs_model_files, publish_model_files
+from actors.models import build_policy_model, load_chat_template_for, load_tokenizer
+from actors.trainer.sessions import build_weight_publisher
+from infra.stack import StackState
+from pipeline.config import LeewayConfig, load_config
+from pipeline.tasks import get_task
+from pipeline.tasks.char_tokenizer import load_char_tokenizer
+from pipeline.tasks.chat_tokenizer import load_chat_template_text
+from storage.filestore import FileStore
+from storage.subscriber import WeightSubscriber
+from tests.support.builders import trainer_cfg
+from tests.support.runs import leeway_argv
+from tests.support.stores import s3_store
+
+TOKENIZER = load_char_tokenizer()
+SHAPE = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _config(family: str) -> PretrainedConfig:
+    ids = {"vocab_size": TOKENIZER.get_vocab_size(), "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    common = {**SHAPE, **ids, "intermediate_size": 64, "max_position_embeddings": 128}
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    return Qwen3Config(**common, head_dim=8, tie_word_embeddings=True)
+
+
+def _checkpoint(directory: Path, family: str) -> Path:
+    """A random-init checkpoint saved the Hugging Face way, with its tokenizer and a chat template."""
+    torch.manual_seed(11)
+    AutoModelForCausalLM.from_config(_config(family)).save_pretrained(directory)
+    TOKENIZER.save(str(directory / "tokenizer.json"))
+    config = {"chat_template": load_chat_template_text(), "eos_token": "<eos>", "bos_token": "<bos>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _cfg(checkpoint: Path, *overrides: str) -> LeewayConfig:
+    return load_config(
+        None,
+        [
+            "run.name=files",
+            f"model.name_or_path={checkpoint}",
+            f"model.tokenizer={checkpoint}",
+            "model.dtype=float32",
+            *overrides,
+        ],
+        environ={},
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_generator_without_the_checkpoint_builds_from_the_store_and_holds_version_0_bit_for_bit(
+    tmp_path: Path, family: str
+) -> None:
+    checkpoint = _checkpoint(tmp_path / "ckpt", family)
+    cfg = _cfg(checkpoint)
+    task = get_task(cfg.task.name, **cfg.task.args)
+    with FileStore(tmp_path / "store") as store:
+        published = publish_model_files(store, cfg)  # the trainer
+        assert published is not None and "config.json" in published.files and "tokenizer.json" in published.files
+        trainer_model = build_policy_model(cfg, load_tokenizer(cfg, task))
+        publisher = build_weight_publisher(cfg, store, trainer_model)
+        publisher.publish(0, {k: v.detach().clone() for k, v in trainer_model.state_dict().items()})
+        publisher.close()
+        checkpoint.rename(tmp_path / "elsewhere")  # the generator's machine has no such directory
+        assert needs_model_files(cfg)
+        fetched = fetch_model_files(store, cfg, tmp_path / "generator-home" / "model", wait_s=5)
+        local = local_config(cfg, fetched)
+        tokenizer = load_tokenizer(local, task)
+        assert tokenizer.to_str() == TOKENIZER.to_str()
+        template = load_chat_template_for(local, tokenizer, task)
+        assert template is not None and template.template == load_chat_template_text()
+        engine = build_engine(local, tokenizer, "gen", fetched)
+        subscriber = WeightSubscriber(store, cfg.run.name)
+        engine.load_state(subscriber.tensors if subscriber.pull(0) == 0 else {}, 0)
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "elsewhere", local_files_only=True).state_dict()
+    held = engine.model.state_dict()  # type: ignore[attr-defined]
+    assert held.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(held[name], tensor), name
+    assert type(engine.model).__name__ == type(trainer_model).__name__  # type: ignore[attr-defined]
+
+
+def test_a_generator_with_another_spec_and_a_trainer_with_other_files_are_refused(tmp_path: Path) -> None:
+    checkpoint = _checkpoint(tmp_path / "ckpt", "llama")
+    with FileStore(tmp_path / "store") as store:
+        publish_model_files(store, _cfg(checkpoint))
+        assert publish_model_files(store, _cfg(checkpoint)) is not None  # the same trainer again: nothing new
+        with pytest.raises(ModelFilesError, match=r"model.revision = 'v2', but run 'files' trains None"):
+            fetch_model_files(store, _cfg(checkpoint, "model.revision=v2"), tmp_path / "g", wait_s=5)
+        other = _checkpoint(tmp_path / "other", "qwen2")
+        with pytest.raises(ModelFilesError, match="model.name_or_path"):
+            publish_model_files(store, _cfg(other))
+        (checkpoint / "config.json").write_text((other / "config.json").read_text())  # same path, another model
+        with pytest.raises(ModelFilesError, match=r"files/model/config.json: the run's copy differs"):
+            publish_model_files(store, _cfg(checkpoint))
+    with FileStore(tmp_path / "empty") as empty, pytest.raises(ModelFilesError, match="no model files under"):
+        fetch_model_files(empty, _cfg(tmp_path / "nowhere"), tmp_path / "g2", wait_s=0.2, poll_s=0.05)
+
+
+def test_a_trainer_on_a_checkpoint_and_a_generator_without_it_train_together(stack: StackState, tmp_path: Path) -> None:
+    checkpoint = _checkpoint(tmp_path / "ckpt", "llama")
+    cfg = trainer_cfg(
+        stack,
+        tmp_path,
+        f"model.name_or_path={checkpoint}",
+        f"model.tokenizer={checkpoint}",
+        "trainer.max_steps=3",
+        "logging.level=INFO",
+    )
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(cfg.to_yaml())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    logs = {name: tmp_path / f"{name}.log" for name in ("trainer", "generator")}
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with open(logs["trainer"], "ab") as log:
+            procs.append(
+                subprocess.Popen(
+                    leeway_argv("trainer", str(config_path)), stdout=log, stderr=subprocess.STDOUT, env=env
+                )
+            )
+        store = s3_store(stack, "")
+        deadline = time.monotonic() + 180
+        while not (
+            store.exists(f"{cfg.run.name}/model/manifest.json") and store.exists(f"{cfg.run.name}/weights/LATEST")
+        ):
+            assert procs[0].poll() is None, logs["trainer"].read_text()
+            assert time.monotonic() < deadline, logs["trainer"].read_text()
+            time.sleep(0.2)
+        checkpoint.rename(tmp_path / "elsewhere")  # the trainer has loaded it; the generator's machine never had it
+        home = tmp_path / "generator-home"
+        home.mkdir()
+        generator_env = dict(env, HOME=str(home), HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1")
+        with open(logs["generator"], "ab") as log:
+            argv = leeway_argv("generator", str(config_path), "--set", "generator.id=gen-far")
+            procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=generator_env))
+        assert procs[0].wait(timeout=300) == 0, logs["trainer"].read_text()
+        generator_log = logs["generator"].read_text()
+        assert "built the model from the run's files" in generator_log, generator_log
+        assert "published the model's files" in logs["trainer"].read_text()
+        records = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "step" in r][-1] == 3
+        store.close()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
