@@ -307,6 +307,12 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--prompts", type=int, default=None, help="the first N eval prompts (default: eval.prompts, or all)"
     )
+    evaluate.add_argument(
+        "--follow",
+        action="store_true",
+        help="evaluate version 0 and every eval.every_steps-th version as it is published, appending to "
+        "<run.dir>/eval.jsonl, until version trainer.max_steps (what leeway run starts when eval.every_steps is set)",
+    )
     evaluate.set_defaults(handler=CONFIG_COMMANDS["eval"])
 
     fleet = sub.add_parser(

@@ -300,6 +300,9 @@ class TaskConfig(Section):
 
 
 class EvalConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Evaluate version 0 and every this many versions on the task's eval split while `leeway run` runs (its
+    evaluator, `leeway eval --follow`, appends to `<run.dir>/eval.jsonl`). 0: no periodic evaluation."""
     samples_per_prompt: int = Field(1, ge=1, le=1024)
     """Samples of each held-out prompt; pass@k is over this many (k = samples_per_prompt)."""
     temperature: float | None = Field(None, ge=0)

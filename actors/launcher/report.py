@@ -2,14 +2,17 @@
 
 - `report.png`: three panels over wall-clock time: reward (unfiltered and kept, each step and a
   moving average), staleness (mean and max of the tokens received, with the cap), throughput
-  (generated and trained tokens/s).
+  (generated and trained tokens/s); with `eval.every_steps`, the held-out evaluations of `eval.jsonl` on the
+  reward panel.
 - `summary.md`: a short table of what happened: steps, time, reward at the start and the end,
   staleness, drops, waiting, throughput, and the files to look at next.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +44,27 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_run(records: list[dict[str, Any]], path: Path, cfg: LeewayConfig | None = None) -> None:
-    """Reward curves, staleness and throughput over wall-clock time, one panel each."""
+def read_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluator's results (`<run_dir>/eval.jsonl`, `leeway eval --follow`), skipped versions left out."""
+    path = run_dir / "eval.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "skipped" not in record and record.get("mean_reward") is not None:
+            out.append(record)
+    return sorted(out, key=lambda r: r.get("version", 0))
+
+
+def plot_run(
+    records: list[dict[str, Any]], path: Path, cfg: LeewayConfig | None = None, evals: Sequence[dict[str, Any]] = ()
+) -> None:
+    """Reward curves, staleness and throughput over wall-clock time, one panel each; held-out evaluations
+    (`evals`) as points on the reward panel, at the time their version was published."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,6 +87,28 @@ def plot_run(records: list[dict[str, Any]], path: Path, cfg: LeewayConfig | None
                 linewidth=2,
                 label=f"{label}, {SMOOTH_STEPS}-step average",
             )
+    published = {r.get("version"): r.get("time_s") for r in records if r.get("time_s") is not None}
+    published.setdefault(0, 0.0)
+    points = [(published[e["version"]], e) for e in evals if e.get("version") in published]
+    if points:
+        reward_ax.plot(
+            [t for t, _ in points],
+            [e["mean_reward"] for _, e in points],
+            "D-",
+            color="black",
+            markersize=5,
+            linewidth=1,
+            label="held-out eval, mean reward",
+        )
+        reward_ax.plot(
+            [t for t, _ in points],
+            [e["pass@1"] for _, e in points],
+            "s:",
+            color="tab:red",
+            markersize=4,
+            linewidth=1,
+            label="held-out eval, pass@1",
+        )
     reward_ax.set_ylabel("mean reward")
     reward_ax.set_ylim(-0.02, 1.02)
     reward_ax.set_title("Reward (thin: each step)", loc="left", fontsize=10)
@@ -119,7 +163,9 @@ def _f(value: float | None, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def summarize(records: list[dict[str, Any]], cfg: LeewayConfig | None = None) -> str:
+def summarize(
+    records: list[dict[str, Any]], cfg: LeewayConfig | None = None, evals: Sequence[dict[str, Any]] = ()
+) -> str:
     """The markdown summary: a title, a table of the numbers that matter, and where to look next."""
     title = "# Leeway run" + ("" if cfg is None else f" `{cfg.run.name}`")
     if not records:
@@ -148,6 +194,15 @@ def summarize(records: list[dict[str, Any]], cfg: LeewayConfig | None = None) ->
         ("generated tokens/s (mean)", _f(_mean(records, "generators/tokens_per_s"), ",.0f")),
         ("trained tokens/s (mean)", _f(_mean(records, "trainer/tokens_per_s"), ",.0f")),
     ]
+    if evals:
+        first, final = evals[0], evals[-1]
+        rows.append(
+            (
+                "held-out eval, mean reward / pass@1",
+                f"version {first['version']}: {_f(first['mean_reward'])} / {_f(first['pass@1'])}; version "
+                f"{final['version']}: {_f(final['mean_reward'])} / {_f(final['pass@1'])} (`eval.jsonl`)",
+            )
+        )
     if cfg is not None:
         rows.insert(0, ("task, model", f"{cfg.task.name}, {cfg.model.name_or_path}"))
         rows.insert(1, ("max staleness, correction", f"{cfg.staleness.max_staleness}, {cfg.correction.method}"))
@@ -161,8 +216,9 @@ def summarize(records: list[dict[str, Any]], cfg: LeewayConfig | None = None) ->
 
 def write_report(run_dir: Path, records: list[dict[str, Any]], cfg: LeewayConfig | None = None) -> Path:
     """Write report.png (when there is a step to plot) and summary.md next to metrics.jsonl; returns summary.md."""
+    evals = read_evals(run_dir)
     if records:
-        plot_run(records, run_dir / "report.png", cfg)
+        plot_run(records, run_dir / "report.png", cfg, evals)
     summary = run_dir / "summary.md"
-    summary.write_text(summarize(records, cfg))
+    summary.write_text(summarize(records, cfg, evals))
     return summary

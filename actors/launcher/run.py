@@ -122,14 +122,19 @@ class RunProcesses:
 
     trainer: RoleProcess | None = None
     generators: list[RoleProcess] = field(default_factory=list)
+    evaluator: RoleProcess | None = None
+    """`leeway eval --follow`, when ``eval.every_steps`` is set."""
     hurry: threading.Event = field(default_factory=threading.Event)
     """Set by a second Ctrl-C: kill instead of waiting."""
 
     def stop(self, timeout_s: float) -> None:
-        """Generators first (all at once), then the trainer; each group is killed if it does not exit in time."""
+        """Generators first (all at once), then the trainer, then the evaluator (which first evaluates the versions
+        due up to the last one published); each group is killed if it does not exit in time."""
         stop_roles(self.generators, timeout_s, self.hurry)
         if self.trainer is not None:
             stop_roles([self.trainer], timeout_s, self.hurry)
+        if self.evaluator is not None:
+            stop_roles([self.evaluator], timeout_s, self.hurry)
 
     def status(self, queues: dict[str, int | None], *, stopping: bool = False, stopped: bool = False) -> RunStatus:
         return RunStatus(
@@ -245,6 +250,11 @@ def start_roles(
                 "generator", config_path, sets, logs / f"{gen_id}.log", generator_threads, name=gen_id, grace_s=grace_s
             )
         )
+    if cfg.eval.every_steps:
+        sets = [*extra, "engine.torch_threads=1"]
+        processes.evaluator = spawn_role(
+            "eval", config_path, sets, logs / "eval.log", 1, name="evaluator", grace_s=grace_s, flags=("--follow",)
+        )
     return processes
 
 
@@ -301,6 +311,8 @@ class RunOutcome:
     generator_rcs: dict[str, int | None] = field(default_factory=dict)
     stack_dir: Path | None = None
     """The private stack this run started (stopped again at the end), or None."""
+    evaluator_rc: int | None = None
+    """The exit status of the run's evaluator (`eval.every_steps`), None without one."""
 
     @property
     def ok(self) -> bool:
@@ -428,6 +440,7 @@ def run_pipeline(
         trainer.log_path if trainer else None,
         error=error,
         generator_rcs={g.name: g.returncode for g in processes.generators},
+        evaluator_rc=processes.evaluator.returncode if processes.evaluator else None,
         stack_dir=stack_started,
     )
 

@@ -22,15 +22,23 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
+import signal
+import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
 
+EVAL_LOG = "eval.jsonl"
+"""Where `follow` appends its results, in the run directory beside metrics.jsonl."""
+FOLLOW_POLL_S = 1.0
 EVAL_SEED = 7_000_000_007
 """Base of the evaluation seeds: sample k of eval prompt i samples with seed ``EVAL_SEED + i * 1024 + k``."""
 
@@ -40,6 +48,7 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
 
     from actors.endpoints import EndpointError, open_run_store, resolve_endpoints
     from actors.generator.runtime import build_engine
+    from actors.model_files import fetch_model_files, local_config, needs_model_files
     from actors.models import load_chat_template_for, load_tokenizer
     from pipeline.tasks import get_task
     from storage.manifest import ManifestError
@@ -67,30 +76,102 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     if not prompts:
         print(f"leeway eval: the eval split of task {cfg.task.name!r} is empty (see its eval_* arguments)", flush=True)
         return 2
-    tokenizer = load_tokenizer(cfg, task)
     try:
         store = open_run_store(cfg, resolve_endpoints(cfg, nats=False))
     except EndpointError as exc:
         print(f"leeway eval: {exc}", flush=True)
         return 2
+    config_dir: Path | None = None
     try:
+        if needs_model_files(cfg):  # the checkpoint is not on this machine: the run's files are (as for a generator)
+            config_dir = fetch_model_files(
+                store, cfg, Path(tempfile.mkdtemp(prefix="leeway-eval-model-")), wait_s=cfg.generator.model_files_wait_s
+            )
+            cfg = local_config(cfg, config_dir)
+        tokenizer = load_tokenizer(cfg, task)
+        template = load_chat_template_for(cfg, tokenizer, task)
         subscriber = WeightSubscriber(store, cfg.run.name, parallelism=cfg.weights.parallelism)
+        engine = build_engine(cfg, tokenizer, "eval", config_dir)
+        if args.follow:
+            return follow(cfg, engine, subscriber, tokenizer, template, task, prompts)
         try:
             version = subscriber.pull(args.version)
         except (NoVersionError, ManifestError) as exc:  # nothing published yet, or V never was (or was pruned)
             print(f"leeway eval: {exc}", flush=True)
             return 2
-        engine = build_engine(cfg, tokenizer, "eval")
         engine.load_state(subscriber.tensors, version)
-        result = asyncio.run(
-            evaluate(
-                cfg, engine, tokenizer, load_chat_template_for(cfg, tokenizer, task), task, prompts, version=version
-            )
-        )
+        result = asyncio.run(evaluate(cfg, engine, tokenizer, template, task, prompts, version=version))
     finally:
         store.close()
+        if config_dir is not None:
+            shutil.rmtree(config_dir, ignore_errors=True)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def follow(
+    cfg: LeewayConfig, engine: Any, subscriber: Any, tokenizer: Any, template: Any, task: Any, prompts: list[Any]
+) -> int:
+    """`leeway eval --follow` (what `leeway run` starts when ``eval.every_steps`` is set): evaluate version 0 and every
+    ``eval.every_steps``-th version as the trainer publishes it, each pulled exactly, and append each result to
+    ``<run.dir>/eval.jsonl`` (and stdout). Versions already in that file are not evaluated again (a resumed run);
+    one pruned from the store before its turn is recorded as skipped. Ends after version ``trainer.max_steps``, or
+    on SIGTERM/SIGINT once the versions due up to LATEST are done."""
+    from storage.manifest import ManifestError
+    from storage.weights_base import WeightPullError
+
+    every = cfg.eval.every_steps
+    if every < 1:
+        print("leeway eval --follow: set eval.every_steps (>= 1)", flush=True)
+        return 2
+    path = cfg.run.run_dir / EVAL_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = {r.get("version") for r in _records(path)}
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    next_due = 0
+    waiting_said = False
+    while True:
+        stopping = stop.is_set()
+        latest = subscriber.latest_version()
+        if latest is None:
+            if stopping:
+                return 0
+            if not waiting_said:
+                log.info("leeway eval: waiting for version 0 of run %r", cfg.run.name)
+                waiting_said = True
+            stop.wait(FOLLOW_POLL_S)
+            continue
+        for version in range(next_due, latest + 1, every):
+            if version in done:
+                continue
+            try:
+                subscriber.pull(version)
+            except (ManifestError, WeightPullError) as exc:  # pruned by retention before its turn
+                record: dict[str, Any] = {"version": version, "skipped": str(exc)}
+            else:
+                engine.load_state(subscriber.tensors, version)
+                record = asyncio.run(evaluate(cfg, engine, tokenizer, template, task, prompts, version=version))
+            with path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(json.dumps(record), flush=True)
+        next_due = (latest // every + 1) * every
+        if stopping or latest >= cfg.trainer.max_steps:
+            return 0
+        stop.wait(FOLLOW_POLL_S)
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by a kill: the version is evaluated again
+            continue
+    return out
 
 
 async def evaluate(

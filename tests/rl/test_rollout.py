@@ -13,7 +13,6 @@ from actors.generator.engines.base import GenerateRequest, GenerateResult, Sampl
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import build_model
 from pipeline.rl.rollout import (
-    EnvStep,
     Generate,
     UnrunnablePrompt,
     checked_prompt_ids,
@@ -24,6 +23,7 @@ from pipeline.rl.rollout import (
 )
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
+from pipeline.tasks.environment import EnvStep
 from pipeline.tasks.reverse import ReverseDigitsTask
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
 
