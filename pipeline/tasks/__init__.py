@@ -298,6 +298,14 @@ def _prompt_from_row(row: Any, path: Path, index: int, prefix: str) -> Prompt:
         raise ValueError(f"{path}: row {index}: {exc}") from exc
 
 
+def shuffled_epochs(items: Sequence[Any], key: str) -> Iterator[Any]:
+    """`items` forever, each epoch in an order shuffled from ``key`` and the epoch: the same in every process."""
+    for epoch in itertools.count():
+        order = list(items)
+        random.Random(f"{key}-{epoch}").shuffle(order)
+        yield from order
+
+
 def with_system_prompt(prompt: Prompt, system_prompt: str | None) -> Prompt:
     """`prompt` with a system message first, when it is a chat without one and `system_prompt` is set
     (``task.system_prompt``); any other prompt as it is."""
@@ -328,10 +336,7 @@ class ExactMatchTask(Task):
         self._seed = seed
 
     def prompts(self) -> Iterator[Prompt]:
-        for epoch in itertools.count():
-            order = list(self._prompts)
-            random.Random(f"{self._seed}-{epoch}").shuffle(order)
-            yield from order
+        return shuffled_epochs(self._prompts, str(self._seed))
 
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
         assert prompt.answer is not None

@@ -18,13 +18,11 @@ tokenizer (``tokenizer``: ``text`` or ``numeric``) is one of `char_tokenizer.alp
 
 from __future__ import annotations
 
-import itertools
 import logging
-import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pipeline.tasks import Prompt, Task, VerifierResult, load_prompts
+from pipeline.tasks import Prompt, Task, VerifierResult, load_prompts, shuffled_epochs
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its signal timeout is off
@@ -52,10 +50,7 @@ class MathTask(Task):
         self.tokenizer = alphabet_tokenizer(tokenizer)
 
     def prompts(self) -> Iterator[Prompt]:
-        for epoch in itertools.count():
-            order = list(self._prompts)
-            random.Random(f"math-{self._seed}-{epoch}").shuffle(order)
-            yield from order
+        return shuffled_epochs(self._prompts, f"math-{self._seed}")
 
     def eval_prompts(self) -> list[Prompt] | None:
         return None if self._eval is None else list(self._eval)

@@ -30,15 +30,13 @@ Tokenizer (the task's ``tokenizer``, unless ``model.tokenizer`` is set): ``text`
 
 from __future__ import annotations
 
-import itertools
 import logging
-import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
 
-from pipeline.tasks import Prompt, Task, VerifierResult
+from pipeline.tasks import Prompt, Task, VerifierResult, shuffled_epochs
 from pipeline.tasks.char_tokenizer import ALPHABETS, alphabet_tokenizer
 
 log = logging.getLogger(__name__)
@@ -122,11 +120,8 @@ class ReasoningGymTask(Task):
 
     def prompts(self) -> Iterator[Prompt]:
         """The train items forever, in an order shuffled per epoch from the seed."""
-        for epoch in itertools.count():
-            order = list(range(len(self._train)))
-            random.Random(f"reasoning_gym-{self.dataset}-{self.seed}-{epoch}").shuffle(order)
-            for index in order:
-                yield self._prompt("train", index)
+        for index in shuffled_epochs(range(len(self._train)), f"reasoning_gym-{self.dataset}-{self.seed}"):
+            yield self._prompt("train", index)
 
     def eval_prompts(self) -> list[Prompt]:
         return [self._prompt("eval", index) for index in self._eval_index]

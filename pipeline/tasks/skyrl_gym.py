@@ -22,14 +22,12 @@ raises is an ``infra_error`` (the environment's failure, not the policy's).
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from pipeline.tasks import Prompt, Task, VerifierResult, load_prompts
+from pipeline.tasks import Prompt, Task, VerifierResult, load_prompts, shuffled_epochs
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
 from pipeline.tasks.environment import EnvStep
 
@@ -79,10 +77,7 @@ class SkyRLGymTask(Task):
         self._env(self._prompts[0])  # an unknown env name or a bad env_config fails here, naming the task
 
     def prompts(self) -> Iterator[Prompt]:
-        for epoch in itertools.count():
-            order = list(self._prompts)
-            random.Random(f"skyrl_gym-{self.env_name}-{self._seed}-{epoch}").shuffle(order)
-            yield from order
+        return shuffled_epochs(self._prompts, f"skyrl_gym-{self.env_name}-{self._seed}")
 
     def eval_prompts(self) -> list[Prompt] | None:
         return None if self._eval is None else list(self._eval)
