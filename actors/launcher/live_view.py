@@ -87,6 +87,7 @@ class LiveView:
         self.last_plain_at = 0.0
         self.last_status: Any = None
         self.reported_exits: set[str] = set()
+        self.reported_evals = 0
 
     def __enter__(self) -> LiveView:
         if not self.plain:
@@ -121,6 +122,10 @@ class LiveView:
                     markup=False,
                     soft_wrap=True,
                 )
+        evals = _status_attr(status, "evals", ())
+        for record in evals[self.reported_evals :]:
+            self.console.print(eval_line(record), markup=False, highlight=False, soft_wrap=True)
+        self.reported_evals = max(self.reported_evals, len(evals))
         now = time.monotonic()
         due = step != self.last_plain_step and (
             step % PLAIN_EVERY_STEPS == 0 or step == self.max_steps or now - self.last_plain_at > PLAIN_EVERY_S
@@ -199,6 +204,13 @@ class LiveView:
             f"{_fmt(queues.get('prompts_in_generation'), 'd')} in generation · "
             f"groups {_queue_groups(last, queues)} waiting for the trainer",
         )
+        evals = _status_attr(status, "evals", ())
+        if evals:
+            held_out = [float(e["mean_reward"]) for e in evals]
+            facts.add_row(
+                "held-out",
+                Text.assemble(eval_line(evals[-1]), "  ", (sparkline(held_out[-SPARK_STEPS:]), "magenta")),
+            )
         wait = last.get("time/wait_fraction")
         facts.add_row(
             "throughput",
@@ -261,6 +273,16 @@ class LiveView:
                 process,
             )
         return table
+
+
+def eval_line(record: dict[str, Any]) -> str:
+    """One evaluation (`leeway eval`'s JSON) in a line."""
+    k = record.get("samples_per_prompt", 1)
+    return (
+        f"eval version {record.get('version')}: mean reward {_fmt(record.get('mean_reward'))} · "
+        f"pass@1 {_fmt(record.get('pass@1'))} · pass@{k} {_fmt(record.get(f'pass@{k}'))} "
+        f"over {record.get('prompts')} held-out prompts"
+    )
 
 
 def _queue_groups(last: dict[str, Any], queues: dict[str, Any]) -> str:

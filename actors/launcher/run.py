@@ -54,7 +54,7 @@ from typing import Any
 from actors.endpoints import private_stack_dir, stack_bucket
 from actors.launcher.live_view import LiveView
 from actors.launcher.queue_probe import QueueProbe
-from actors.launcher.report import write_report
+from actors.launcher.report import read_evals, write_report
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
 from infra.files import write_private
 from infra.process import StackError, log_tail, spawn_child, stop_groups, tied_to_this_process
@@ -114,6 +114,8 @@ class RunStatus:
     stopping: bool = False
     stopped: bool = False
     """Every process this run started has exited (the last update)."""
+    evals: tuple[dict[str, Any], ...] = ()
+    """The evaluator's results so far (`eval.jsonl`), oldest first."""
 
 
 @dataclass
@@ -124,6 +126,8 @@ class RunProcesses:
     generators: list[RoleProcess] = field(default_factory=list)
     evaluator: RoleProcess | None = None
     """`leeway eval --follow`, when ``eval.every_steps`` is set."""
+    eval_log: Path | None = None
+    """Where the evaluator appends its results."""
     hurry: threading.Event = field(default_factory=threading.Event)
     """Set by a second Ctrl-C: kill instead of waiting."""
 
@@ -145,6 +149,7 @@ class RunProcesses:
             queues=dict(queues),
             stopping=stopping,
             stopped=stopped,
+            evals=tuple(read_evals(self.eval_log.parent)) if self.eval_log is not None else (),
         )
 
 
@@ -255,6 +260,7 @@ def start_roles(
         processes.evaluator = spawn_role(
             "eval", config_path, sets, logs / "eval.log", 1, name="evaluator", grace_s=grace_s, flags=("--follow",)
         )
+        processes.eval_log = run_dir / "eval.jsonl"
     return processes
 
 

@@ -135,6 +135,10 @@ def test_live_view_renders_every_number(tmp_path: Path) -> None:
             GeneratorProcessStatus("gen-1", 1235, 1, tmp_path / "gen-1.log"),
         ),
         queues={"prompts_waiting": 35, "prompts_in_generation": 12, "groups_waiting": 4, "groups_in_step": 0},
+        evals=(
+            {"version": 0, "mean_reward": 0.1, "pass@1": 0.05, "pass@4": 0.2, "samples_per_prompt": 4, "prompts": 50},
+            {"version": 20, "mean_reward": 0.4, "pass@1": 0.25, "pass@4": 0.5, "samples_per_prompt": 4, "prompts": 50},
+        ),
     )
     records = synthetic_records()
     console.print(view.render(records, status))
@@ -153,6 +157,7 @@ def test_live_view_renders_every_number(tmp_path: Path) -> None:
         "exited 1: gen-1.log",
         "external",  # gen-9 reports but is not ours
         "http://127.0.0.1:40123",  # gen-0's endpoint
+        "eval version 20: mean reward 0.400 · pass@1 0.250 · pass@4 0.500 over 50 held-out prompts",
         "Ctrl-C stops everything cleanly",
     ):
         assert expected in text, f"{expected!r} missing from the live view:\n{text}"

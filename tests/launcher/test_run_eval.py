@@ -67,3 +67,5 @@ def test_a_run_evaluates_every_n_versions_on_held_out_prompts_at_exactly_those_v
     alone = json.loads(again.stdout.strip().splitlines()[-1])
     assert {k: v for k, v in alone.items() if k != "seconds"} == {k: v for k, v in middle.items() if k != "seconds"}
     assert "held-out eval, mean reward / pass@1" in (run_dir / "summary.md").read_text()
+    shown = [line for line in text.splitlines() if line.startswith("eval version ")]  # the live view, plain
+    assert [line.split(":")[0] for line in shown] == [f"eval version {e['version']}" for e in evals], text
