@@ -36,6 +36,10 @@ class LeaseKeeper:
         self.lost: str | None = None
         """Why the lease is gone (set once); every write the trainer makes checks it first (`check`)."""
         self._task: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
+        """Set by `close`: the heartbeat ends at its next turn even when the cancel of its task is lost (Python
+        3.11's `asyncio.wait_for`, which every NATS request goes through, drops a cancel that arrives as the
+        reply does)."""
 
     @classmethod
     async def take(
@@ -54,8 +58,11 @@ class LeaseKeeper:
             raise LeaseLost(self.lost)
 
     async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
+        while not self._closing.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), self.heartbeat_s)
+            if self._closing.is_set():
+                return
             try:
                 await asyncio.wait_for(self.lease.renew(), self.heartbeat_s)
             except LeaseLost as exc:
@@ -69,9 +76,9 @@ class LeaseKeeper:
     async def close(self) -> None:
         """Stop renewing; release the lease unless it was lost (then it is another trainer's)."""
         if self._task is not None:
+            self._closing.set()
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task})  # never raises the task's CancelledError as the caller's own
         if self.lost is None:
             await self.lease.release()
 

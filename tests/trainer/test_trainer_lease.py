@@ -11,6 +11,7 @@ import pytest
 
 from actors.endpoints import open_run_store, resolve_endpoints
 from actors.trainer.checkpoints import complete_checkpoints
+from actors.trainer.run_lease import LeaseKeeper
 from actors.trainer.runtime import open_trainer
 from infra.stack import StackState
 from pipeline.wire.jetstream import connect
@@ -68,3 +69,37 @@ def test_a_trainer_whose_lease_was_taken_over_stops_and_writes_nothing_more(stac
     asyncio.run(scenario())
     assert len(metrics_records(cfg.run.run_dir / "metrics.jsonl")) == 1  # no step after the loss
     assert complete_checkpoints(open_run_store(cfg), cfg.run.name) == []  # and no final checkpoint either
+
+
+class _ReplyLease:
+    """A lease whose renewal waits for its reply through `asyncio.wait_for`, as every NATS request does."""
+
+    def __init__(self) -> None:
+        self.reply: asyncio.Future[None] | None = None
+        self.renewals = 0
+        self.released = False
+
+    async def renew(self) -> None:
+        self.reply = asyncio.get_running_loop().create_future()
+        await asyncio.wait_for(self.reply, 5.0)
+        self.renewals += 1
+
+    async def release(self) -> None:
+        self.released = True
+
+
+def test_closing_the_keeper_ends_its_heartbeat_even_when_the_cancel_arrives_with_the_reply() -> None:
+    async def main() -> None:
+        lease = _ReplyLease()
+        keeper = LeaseKeeper(lease, heartbeat_s=0.01, on_lost=lambda: None)  # type: ignore[arg-type]
+        keeper._task = asyncio.create_task(keeper._beat())
+        while lease.reply is None:  # the first renewal is waiting for its reply
+            await asyncio.sleep(0.001)
+        lease.reply.set_result(None)  # the reply arrives in the same turn as the cancel: wait_for drops the cancel
+        closing = asyncio.create_task(keeper.close())
+        done, _ = await asyncio.wait({closing}, timeout=30.0)  # a bound, never reached when it works
+        assert closing in done, "close() hangs: the heartbeat renews on after its cancel was lost"
+        assert keeper._task is not None and keeper._task.done()
+        assert lease.released and lease.renewals == 1
+
+    asyncio.run(main())

@@ -4,7 +4,6 @@ over by exactly one of two takers, and a holder whose lease was taken over told 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import uuid
 from dataclasses import asdict
@@ -27,8 +26,11 @@ def _names() -> RunNames:
     return RunNames.for_run(f"lease-{uuid.uuid4().hex[:8]}")
 
 
-async def _beating(lease: RunLease) -> None:
-    while True:
+async def _beating(lease: RunLease, stop: asyncio.Event) -> None:
+    """Renew every `BEAT_S` until `stop` is set. A stop flag, not only a cancel: Python 3.11's `asyncio.wait_for`
+    (inside every NATS request) drops a cancel that arrives as the reply does, and a `while True` loop then
+    renews forever while its canceller waits (what hung this test in CI for 300 s)."""
+    while not stop.is_set():
         await asyncio.sleep(BEAT_S)
         await lease.renew()
 
@@ -42,14 +44,15 @@ def test_a_live_holder_is_refused_by_name_and_a_released_lease_is_taken_at_once(
             kv = await lease_kv(nc.jetstream(), names)
             first = RunLease(kv, names.run, ttl_s=TTL_S)
             await first.acquire()
-            beat = asyncio.create_task(_beating(first))
+            stop = asyncio.Event()
+            beat = asyncio.create_task(_beating(first, stop))
             with pytest.raises(LeaseHeld, match=rf"pid {os.getpid()}") as refused:
                 await RunLease(kv, names.run, ttl_s=TTL_S).acquire()
             assert refused.value.holder is not None and refused.value.holder.holder == first.me.holder
             assert first.me.beat > 0  # it kept renewing while the second watched
+            stop.set()
             beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            await asyncio.wait({beat})
             await first.release()
             second = RunLease(kv, names.run, ttl_s=3600.0)  # no watching: the key is gone
             await asyncio.wait_for(second.acquire(), timeout=30.0)
