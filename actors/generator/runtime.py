@@ -74,6 +74,10 @@ def sampling_params(cfg: LeewayConfig, tokenizer: Tokenizer) -> SamplingParams:
     )
 
 
+CANCEL_AGAIN_S = 1.0
+"""How long a cancelled background loop may take to end before it is cancelled again."""
+
+
 def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str, config_dir: Path | None = None) -> Engine:
     """The configured engine, with the model's random init in place until version 0 is pulled (version -1);
     built from the run's model files in ``config_dir`` when this machine has no checkpoint (`actors/model_files.py`)."""
@@ -296,9 +300,18 @@ async def report_metrics(
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the background loops and wait for them; a loop still running a second later is cancelled again
+    (Python 3.11's `asyncio.wait_for`, inside every NATS request, drops a cancel that arrives with the reply)."""
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    while pending := [t for t in tasks if not t.done()]:
+        await asyncio.wait(pending, timeout=CANCEL_AGAIN_S)
+        for task in pending:
+            if not task.done():
+                task.cancel()
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background task %s ended with an error", task.get_name(), exc_info=task.exception())
 
 
 async def _close_logged(what: str, close: Callable[[], Awaitable[object]]) -> None:

@@ -280,3 +280,27 @@ def test_a_generator_that_cannot_pull_its_prompts_version_hands_them_back_and_sa
                 assert rt.generator.metrics.weights_stuck == 0
 
     asyncio.run(main())
+
+
+def test_background_loops_stop_even_when_a_cancel_arrives_with_a_reply() -> None:
+    """Python 3.11's `asyncio.wait_for` (inside every NATS request) drops a cancel that arrives in the same turn as
+    the reply; the generator's shutdown cancels its background loops again until they end."""
+    from actors.generator.runtime import _cancel
+
+    async def main() -> None:
+        replies: list[asyncio.Future[None]] = []
+
+        async def loop_forever() -> None:
+            while True:
+                replies.append(asyncio.get_running_loop().create_future())
+                await asyncio.wait_for(replies[-1], 5.0)
+
+        task = asyncio.create_task(loop_forever())
+        while not replies:
+            await asyncio.sleep(0.001)
+        replies[-1].set_result(None)  # the reply lands in the cancel's turn: the first cancel is dropped
+        stopping = asyncio.create_task(_cancel([task]))
+        done, _ = await asyncio.wait({stopping}, timeout=30.0)  # a bound, never reached when it works
+        assert stopping in done and task.cancelled() and len(replies) >= 2
+
+    asyncio.run(main())
