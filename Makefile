@@ -18,8 +18,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e .
 	touch $@
 
+# openenv (task.name: openenv) without its declared gradio: its real dependencies are in the dev extra.
+OPENENV_SPEC ?= openenv==0.10.0
+
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
 	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install --no-deps "$(OPENENV_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed

@@ -48,14 +48,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult, reward_problem
-from pipeline.tasks.environment import Environment
+from pipeline.tasks.environment import Environment, EnvStep
 from pipeline.wire.trajectory import FinishReason, Sample, Status
 
 if TYPE_CHECKING:
@@ -401,7 +401,7 @@ class _Scorer:
             reward=reward,
             reward_source="none" if reward is None else "verifier",
             status=status,
-            finish_reason=policy_turns[-1].finish_reason or "abort",
+            finish_reason=(policy_turns[-1].finish_reason if policy_turns else None) or "abort",
             num_turns=len(policy_turns),
             tags=self.prompt.tags,
             gen_s=gen_s,
@@ -444,10 +444,53 @@ async def _run_episode(
     max_total_tokens: int | None,
     template: ChatTemplate | None = None,
 ) -> Sample:
-    """One multi-turn sample. An environment message is appended only when a policy reply follows it."""
+    """One multi-turn sample. An environment message is appended only when a policy reply follows it. An
+    environment with ``opening()`` speaks first (its message follows the prompt); one with ``aclose()`` is closed
+    when the episode ends, however it ends."""
+    try:
+        return await _episode_turns(
+            generate, scorer, index, prompt_ids, environment, env_timeout_s, max_turns, max_total_tokens, template
+        )
+    finally:
+        close = getattr(environment, "aclose", None)
+        if callable(close):
+            try:
+                await asyncio.wait_for(close(), timeout=env_timeout_s)
+            except Exception:  # the sample is already decided; a failed close only costs the environment's slot
+                logger.warning(
+                    "closing the environment of trajectory %s-%d failed", scorer.group_id, index, exc_info=True
+                )
+
+
+async def _episode_turns(
+    generate: Generate,
+    scorer: _Scorer,
+    index: int,
+    prompt_ids: list[int],
+    environment: Environment,
+    env_timeout_s: float,
+    max_turns: int,
+    max_total_tokens: int | None,
+    template: ChatTemplate | None,
+) -> Sample:
     turns = [Turn.context("prompt", prompt_ids)]
     pending: list[int] = []
     gen_s = 0.0
+    opening = getattr(environment, "opening", None)
+    if callable(opening):
+        try:
+            first = await asyncio.wait_for(opening(), timeout=env_timeout_s)
+            pending = _step_ids(first, scorer.tokenizer, template, None)
+        except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
+            logger.exception("environment failed to open trajectory %s-%d", scorer.group_id, index)
+            return scorer.sample(
+                index,
+                turns,
+                reward=None,
+                status="infra_error",
+                gen_s=0.0,
+                info={"error": f"environment: {type(exc).__name__}: {exc}"},
+            )
     for _ in range(max_turns):
         context_ids = np.concatenate([t.token_ids for t in turns] + [np.asarray(pending, np.int32)])
         budget = scorer.sampling.max_new_tokens
@@ -490,30 +533,33 @@ async def _run_episode(
             return scorer.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))
         if step.done:
             return await scorer.finish(index, turns, gen_s, truncated=False)
-        if step.messages is not None:
-            bridged = _bridged(step.messages, template, turns[-1])
-            if isinstance(bridged, str):
-                logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, bridged)
-                info = {**step.info, "error": f"environment: {bridged}"}
-                return scorer.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s, info=info)
-            pending = bridged
-        else:
-            pending = _message_ids(step.message, scorer.tokenizer)
+        try:
+            pending = _step_ids(step, scorer.tokenizer, template, turns[-1])
+        except _NotBridged as exc:
+            logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, exc)
+            info = {**step.info, "error": f"environment: {exc}"}
+            return scorer.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s, info=info)
     return await scorer.finish(index, turns, gen_s, truncated=True)
 
 
-def _bridged(messages: Sequence[Mapping[str, Any]], template: ChatTemplate | None, reply: Turn) -> list[int] | str:
-    """The ids that continue the conversation after `reply` with `messages`, or why they cannot."""
+class _NotBridged(ValueError):
+    """An environment's chat messages cannot continue the conversation token for token."""
+
+
+def _step_ids(step: EnvStep, tokenizer: Tokenizer, template: ChatTemplate | None, reply: Turn | None) -> list[int]:
+    """The ids of an environment's message: its chat ``messages`` bridged after `reply` (the prompt's end when
+    None), else its text or ids."""
+    if step.messages is None:
+        return _message_ids(step.message, tokenizer)
     if template is None:
-        return "it answered with chat messages, and this model has no chat template (model.chat_template)"
+        raise _NotBridged("it answered with chat messages, and this model has no chat template (model.chat_template)")
+    ended = reply is None or (len(reply.token_ids) > 0 and int(reply.token_ids[-1]) == template.eos_id)
     try:
-        ids = template.bridge(
-            list(messages), ended_with_eos=len(reply.token_ids) > 0 and int(reply.token_ids[-1]) == template.eos_id
-        )
+        ids = template.bridge(list(step.messages), ended_with_eos=ended)
     except Exception as exc:  # the template cannot render what the environment sent
-        return f"its messages do not render with the chat template: {type(exc).__name__}: {exc}"
+        raise _NotBridged(f"its messages do not render with the chat template: {type(exc).__name__}: {exc}") from exc
     if ids is None:
-        return "the chat template does not render its messages by appending to the conversation"
+        raise _NotBridged("the chat template does not render its messages by appending to the conversation")
     return ids
 
 

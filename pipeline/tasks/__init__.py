@@ -64,6 +64,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "reasoning_gym": "pipeline.tasks.reasoning_gym:ReasoningGymTask",
     "math": "pipeline.tasks.math_problems:MathTask",
     "skyrl_gym": "pipeline.tasks.skyrl_gym:SkyRLGymTask",
+    "openenv": "pipeline.tasks.openenv:OpenEnvTask",
 }
 """Built-in task name -> ``module:callable`` returning a `Task`."""
 
@@ -89,6 +90,9 @@ class Task(ABC):
     max_reward: float = 1.0
     """What a right answer scores: the verifier self-check (`pipeline/tasks/self_check.py`) requires each reference
     answer to score it, and an empty or a garbage answer to score below it."""
+    self_check: bool = True
+    """False for a task without reference answers whose rewards come from elsewhere (an environment server): the
+    verifier self-check does not apply to it."""
     reward_range: tuple[float, float] | None = None
     """Where the verifier's rewards must lie, or None for any finite reward; a reward outside is refused for its
     sample (``infra_error``, reason ``reward_out_of_range``), never trained on."""

@@ -12,8 +12,8 @@ run nothing to learn; one that raises on a malformed answer turns the policy's f
   ``format_error``, never an ``infra_error``) below it.
 
 A task that fails is refused, naming the task, the item and what went wrong, unless the user sets
-``task.skip_self_check``. A task whose rewards come from its agent (`Task.agent`, ``task.agent``) is not
-checked here: its verifier is the agent's, run inside the episode.
+``task.skip_self_check``. A task whose rewards come from its agent (`Task.agent`, ``task.agent``) or from an
+environment server (`Task.self_check` False) is not checked here: its verifier runs inside the episode.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ async def require_verified_task(
         log.warning("task %s: verifier self-check skipped (task.skip_self_check)", task_name)
         return
     if has_agent:
-        log.info("task %s: no verifier self-check, its rewards come from its agent", task_name)
+        log.info("task %s: no verifier self-check, its rewards come from its agent or its environment", task_name)
         return
     failures = await self_check(task, prompts, pool, encode=encode)
     if failures:
