@@ -90,25 +90,13 @@ def plot_run(
     published = {r.get("version"): r.get("time_s") for r in records if r.get("time_s") is not None}
     published.setdefault(0, 0.0)
     points = [(published[e["version"]], e) for e in evals if e.get("version") in published]
-    if points:
-        reward_ax.plot(
-            [t for t, _ in points],
-            [e["mean_reward"] for _, e in points],
-            "D-",
-            color="black",
-            markersize=5,
-            linewidth=1,
-            label="held-out eval, mean reward",
-        )
-        reward_ax.plot(
-            [t for t, _ in points],
-            [e["pass@1"] for _, e in points],
-            "s:",
-            color="tab:red",
-            markersize=4,
-            linewidth=1,
-            label="held-out eval, pass@1",
-        )
+    for key, style, color, size, label in (
+        ("mean_reward", "D-", "black", 5, "held-out eval, mean reward"),
+        ("pass@1", "s:", "tab:red", 4, "held-out eval, pass@1"),
+    ):
+        if points:
+            ys = [e[key] for _, e in points]
+            reward_ax.plot([t for t, _ in points], ys, style, color=color, markersize=size, linewidth=1, label=label)
     reward_ax.set_ylabel("mean reward")
     reward_ax.set_ylim(-0.02, 1.02)
     reward_ax.set_title("Reward (thin: each step)", loc="left", fontsize=10)

@@ -409,6 +409,19 @@ class _Scorer:
             info=info or {},
         )
 
+    def environment_failed(
+        self, index: int, turns: list[Turn], gen_s: float, error: str, info: dict[str, Any] | None = None
+    ) -> Sample:
+        """The sample of an episode its environment broke: ``infra_error``, no reward, the reason in ``error``."""
+        return self.sample(
+            index,
+            turns,
+            reward=None,
+            status="infra_error",
+            gen_s=gen_s,
+            info={**(info or {}), "error": f"environment: {error}"},
+        )
+
     async def finish(self, index: int, turns: list[Turn], gen_s: float, truncated: bool) -> Sample:
         """Score the completion (everything after the prompt) with the task's verifier and build the sample."""
         finish_reason = turns[-1].finish_reason or "abort"
@@ -483,14 +496,7 @@ async def _episode_turns(
             pending = _step_ids(first, scorer.tokenizer, template, None)
         except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
             logger.exception("environment failed to open trajectory %s-%d", scorer.group_id, index)
-            return scorer.sample(
-                index,
-                turns,
-                reward=None,
-                status="infra_error",
-                gen_s=0.0,
-                info={"error": f"environment: {type(exc).__name__}: {exc}"},
-            )
+            return scorer.environment_failed(index, turns, 0.0, f"{type(exc).__name__}: {exc}")
     for _ in range(max_turns):
         context_ids = np.concatenate([t.token_ids for t in turns] + [np.asarray(pending, np.int32)])
         budget = scorer.sampling.max_new_tokens
@@ -515,20 +521,12 @@ async def _episode_turns(
             )
         except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
             logger.exception("environment failed in trajectory %s-%d", scorer.group_id, index)
-            return scorer.sample(
-                index,
-                turns,
-                reward=None,
-                status="infra_error",
-                gen_s=gen_s,
-                info={"error": f"environment: {type(exc).__name__}: {exc}"},
-            )
+            return scorer.environment_failed(index, turns, gen_s, f"{type(exc).__name__}: {exc}")
         if step.done and step.reward is not None:
             problem = None if step.status == "format_error" else reward_problem(step.reward)
             if problem is not None:  # a broken environment fails its sample, not the group's validation
                 logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, problem)
-                info = {**step.info, "error": f"environment: {problem}"}
-                return scorer.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s, info=info)
+                return scorer.environment_failed(index, turns, gen_s, problem, step.info)
             reward = 0.0 if step.status == "format_error" else float(step.reward)
             return scorer.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))
         if step.done:
@@ -537,8 +535,7 @@ async def _episode_turns(
             pending = _step_ids(step, scorer.tokenizer, template, turns[-1])
         except _NotBridged as exc:
             logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, exc)
-            info = {**step.info, "error": f"environment: {exc}"}
-            return scorer.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s, info=info)
+            return scorer.environment_failed(index, turns, gen_s, str(exc), step.info)
     return await scorer.finish(index, turns, gen_s, truncated=True)
 
 
