@@ -33,15 +33,6 @@ from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
 
 log = logging.getLogger(__name__)
 
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
-"""What a checkpoint directory may hold that describes the model without its weights."""
 MANIFEST_FORMAT = 1
 SPEC_FIELDS = ("name_or_path", "revision")
 """The `model.*` fields a generator must share with the run's trainer."""
@@ -82,25 +73,11 @@ def spec_of(cfg: LeewayConfig) -> dict[str, Any]:
     return {name: getattr(cfg.model, name) for name in SPEC_FIELDS}
 
 
-def checkpoint_dir(cfg: LeewayConfig) -> Path | None:
-    """Where this process finds the checkpoint's files: the local directory, or the Hub snapshot of
-    ``model.name_or_path`` at ``model.revision`` (downloaded into the HF cache, or read from it when
-    ``HF_HUB_OFFLINE`` is set); None for a preset."""
-    from actors.models import is_preset
-
-    spec = cfg.model.name_or_path
-    if is_preset(spec):
-        return None
-    if Path(spec).is_dir():
-        return Path(spec)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(spec, revision=cfg.model.revision, allow_patterns=list(MODEL_FILES)))
-
-
 def publish_model_files(store: ObjectStore, cfg: LeewayConfig) -> ModelFiles | None:
     """The trainer's part: publish the checkpoint's model files under ``<run>/model/`` (see the module docstring);
     None for a preset, which every process builds from its name."""
+    from actors.models import MODEL_FILES, checkpoint_dir
+
     directory = checkpoint_dir(cfg)
     if directory is None:
         return None
@@ -172,11 +149,12 @@ def fetch_model_files(store: ObjectStore, cfg: LeewayConfig, into: Path, *, wait
 def _configured_files(cfg: LeewayConfig) -> dict[str, bytes]:
     """The tokenizer and chat template this trainer uses, where the config names them apart from the checkpoint:
     they are what the generators must use too."""
+    from actors.models import tokenizer_path
     from pipeline.chat.template import load_chat_template
 
     out: dict[str, bytes] = {}
-    if cfg.model.tokenizer is not None:
-        path = Path(cfg.model.tokenizer)
+    path = tokenizer_path(cfg)
+    if path is not None:
         out["tokenizer.json"] = (path / "tokenizer.json" if path.is_dir() else path).read_bytes()
         if path.is_dir() and (path / "tokenizer_config.json").is_file():
             out["tokenizer_config.json"] = (path / "tokenizer_config.json").read_bytes()

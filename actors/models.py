@@ -52,8 +52,20 @@ MAX_POSITION_EMBEDDINGS = 128
 HEAD_DIM = 16
 """Head size of the tiny presets; the number of heads is ``hidden // HEAD_DIM``."""
 
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+"""What a checkpoint directory may hold that describes the model without its weights."""
 EOS_TOKENS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>")
-"""Names tried, in order, for the end-of-sequence token: the engine's stop token and the model config's EOS."""
+"""Names tried, in order, for the end-of-sequence token: the model config's EOS, and a stop token."""
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+"""A chat template's end-of-turn token, preferred over EOS when the template writes it (ChatML, Llama 3, Gemma,
+Phi): a Qwen3 tokenizer has both <|endoftext|> and <|im_end|>, and a chat turn ends with the second."""
 BOS_TOKENS = ("<bos>", "<s>")
 PAD_TOKENS = ("<pad>", "<|pad|>")
 
@@ -208,12 +220,43 @@ def _check_rows(model: PreTrainedModel, spec: str, vocab_size: int) -> None:
         raise ValueError(f"model {spec!r} has {rows} embedding rows, fewer than vocab_size={vocab_size}")
 
 
+def checkpoint_dir(cfg: LeewayConfig) -> Path | None:
+    """Where this process finds the checkpoint's files: the local directory, or the Hub snapshot of
+    ``model.name_or_path`` at ``model.revision`` (downloaded into the HF cache, or read from it when
+    ``HF_HUB_OFFLINE`` is set); None for a preset."""
+    spec = cfg.model.name_or_path
+    if is_preset(spec):
+        return None
+    if Path(spec).is_dir():
+        return Path(spec)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(spec, revision=cfg.model.revision, allow_patterns=list(MODEL_FILES)))
+
+
+def tokenizer_path(cfg: LeewayConfig) -> Path | None:
+    """`model.tokenizer` on this machine: the file or directory it names, or, when it names the checkpoint's Hub
+    id (``model.tokenizer: Qwen/Qwen3-0.6B`` beside the same ``model.name_or_path``), that checkpoint's snapshot
+    at ``model.revision`` in the HF cache (downloaded unless ``HF_HUB_OFFLINE``); None when it is not set."""
+    spec = cfg.model.tokenizer
+    if spec is None:
+        return None
+    if Path(spec).exists() or spec != cfg.model.name_or_path or is_preset(spec):
+        return Path(spec)
+    try:
+        return checkpoint_dir(cfg)
+    except Exception as exc:  # not in the cache and no Hub, no such repo or revision
+        raise ValueError(
+            f"model.tokenizer = {spec!r} (revision {cfg.model.revision!r}): cannot fetch it: {exc}"
+        ) from exc
+
+
 def load_tokenizer(cfg: LeewayConfig, task: Task | None = None) -> Tokenizer:
-    """`model.tokenizer` (a tokenizer.json or a directory holding one), else the task's ``tokenizer``
-    attribute, else the built-in char tokenizer."""
-    if cfg.model.tokenizer is None:
+    """`model.tokenizer` (a tokenizer.json, a directory holding one, or the checkpoint's Hub id), else the task's
+    ``tokenizer`` attribute, else the built-in char tokenizer."""
+    path = tokenizer_path(cfg)
+    if path is None:
         return getattr(task, "tokenizer", None) or load_char_tokenizer()
-    path = Path(cfg.model.tokenizer)
     path = path / "tokenizer.json" if path.is_dir() else path
     if not path.is_file():
         raise ValueError(f"model.tokenizer = {cfg.model.tokenizer!r}: no tokenizer.json there")
@@ -231,6 +274,13 @@ def special_token_id(tokenizer: Tokenizer, candidates: Sequence[str]) -> int | N
 
 def eos_token_id(tokenizer: Tokenizer) -> int | None:
     return special_token_id(tokenizer, EOS_TOKENS)
+
+
+def stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Every end-of-sequence and end-of-turn token the tokenizer has (as a Hub model's generation_config lists
+    them): the engine stops at any of them, so a chat model ends its turn and a base model its text."""
+    ids = (tokenizer.token_to_id(t) for t in (*EOS_TOKENS, *END_OF_TURN_TOKENS))
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def pad_token_id(tokenizer: Tokenizer) -> int:
@@ -262,26 +312,32 @@ def build_policy_model(
 def load_chat_template_for(cfg: LeewayConfig, tokenizer: Tokenizer, task: Task | None = None) -> ChatTemplate | None:
     """The run's chat template: `model.chat_template`, else the ``tokenizer_config.json`` beside
     `model.tokenizer` (a directory), else the task's ``chat_template`` text; None when there is none.
-    Its end-of-turn token is the tokenizer's EOS (the engine's stop token)."""
+    Its end-of-turn token is the first of `END_OF_TURN_TOKENS` the template writes, else the tokenizer's EOS."""
     text: str | None = None
+    tokenizer_dir = tokenizer_path(cfg)
     if cfg.model.chat_template is not None:
         text = load_chat_template(cfg.model.chat_template)
-    elif cfg.model.tokenizer is not None and (Path(cfg.model.tokenizer) / "tokenizer_config.json").is_file():
+    elif tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").is_file():
         try:
-            text = load_chat_template(Path(cfg.model.tokenizer) / "tokenizer_config.json")
+            text = load_chat_template(tokenizer_dir / "tokenizer_config.json")
         except ValueError:
             text = None
     elif task is not None and isinstance(getattr(task, "chat_template", None), str):
         text = task.chat_template  # type: ignore[attr-defined]
     if text is None:
         return None
-    eos = eos_token_id(tokenizer)
+    written = [t for t in END_OF_TURN_TOKENS if t in text]
+    eos = special_token_id(tokenizer, written) if written else None
+    eos = eos_token_id(tokenizer) if eos is None else eos
     if eos is None:
-        raise ValueError(f"model.chat_template: the tokenizer has none of the end-of-turn tokens {EOS_TOKENS}")
+        raise ValueError(
+            f"model.chat_template: the tokenizer has none of the end-of-turn tokens {END_OF_TURN_TOKENS + EOS_TOKENS}"
+        )
     bos = special_token_id(tokenizer, BOS_TOKENS)
     return ChatTemplate(
         tokenizer,
         text,
         eos_token=tokenizer.id_to_token(eos),
         bos_token=None if bos is None else tokenizer.id_to_token(bos),
+        template_args=cfg.model.chat_template_args,
     )

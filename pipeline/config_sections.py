@@ -88,10 +88,14 @@ class ModelConfig(Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """The dtype the engine serves and the weight store publishes."""
     tokenizer: str | None = None
-    """A tokenizer.json or HF tokenizer directory. None: the task's own tokenizer."""
+    """A tokenizer.json, an HF tokenizer directory, or the checkpoint's own Hub id (the same as `name_or_path`: its
+    snapshot's tokenizer and chat template). None: the task's own tokenizer."""
     chat_template: str | None = None
     """A chat template file (`.jinja`, or a `tokenizer_config.json` holding `chat_template`) for message prompts and
     the chat endpoint. None: the `tokenizer_config.json` beside `model.tokenizer`, else the task's own template."""
+    chat_template_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables the chat template is rendered with, e.g. `{enable_thinking: false}` for Qwen3's (replies
+    without a reasoning block)."""
     tool_parser: str = "hermes"
     """How the endpoint reads tool calls in a reply: `hermes` (also `qwen`, `qwen3`: `<tool_call>{json}</tool_call>`)
     or `none`. Unparseable calls stay plain content and are counted."""

@@ -56,6 +56,30 @@ step "bench trainer" python3 -m actors.cli bench trainer --json --device cuda --
 step "bench trainer padded" python3 -m actors.cli bench trainer --json --device cuda --model llama-1.4b \
     --set trainer.packing=false
 
+# the GPU recipe (configs/gpu-qwen3.yaml: Qwen3-0.6B learning reasoning-gym's leg_counting, eval every 10
+# versions), shortened to 20 steps on a nats-server started here and a file store. It needs the checkpoint at the
+# config's pinned revision in the HF cache (this machine may have no network) and reasoning_gym importable.
+RECIPE=configs/gpu-qwen3.yaml
+if python3 - "${RECIPE}" <<'PY' 2>&1; then
+import sys
+from huggingface_hub import snapshot_download
+import reasoning_gym  # noqa: F401
+from pipeline.config import load_config
+model = load_config(sys.argv[1], [], environ={}).model
+snapshot_download(model.name_or_path, revision=model.revision, local_files_only=True)
+PY
+    WORK="$(mktemp -d)"
+    "${LEEWAY_NATS_SERVER_BIN:-nats-server}" -js -a 127.0.0.1 -p 14222 -sd "${WORK}/js" >"${WORK}/nats.log" 2>&1 &
+    NATS_PID=$!
+    step "recipe gpu-qwen3" env HF_HUB_OFFLINE=1 python3 -m actors.cli run "${RECIPE}" --no-live --fresh \
+        --set trainer.max_steps=20 --set nats.url=nats://127.0.0.1:14222 --set "store.url=file://${WORK}/store" \
+        --set "run.dir=${WORK}/run"
+    cat "${WORK}/run/summary.md" >&2 || true
+    kill "${NATS_PID}" || true
+else
+    echo "gpu_check: recipe gpu-qwen3 NOT RUN: its checkpoint is not in the HF cache or reasoning_gym is missing" >&2
+fi
+
 if [ "${#FAILED[@]}" -gt 0 ]; then
     echo "gpu_check: FAILED: ${FAILED[*]}" >&2
     exit 1

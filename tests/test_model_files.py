@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from actors.generator.runtime import build_engine
@@ -168,3 +170,60 @@ def test_a_trainer_on_a_checkpoint_and_a_generator_without_it_train_together(sta
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=60)
+
+
+HUB_CHECK = """
+import json, sys
+from safetensors.torch import save_file
+from actors.model_files import publish_model_files
+from actors.models import build_policy_model, load_chat_template_for, load_tokenizer
+from pipeline.config import load_config
+from storage.filestore import FileStore
+repo, revision, store_dir = sys.argv[1:4]
+cfg = load_config(None, ["run.name=hub", f"model.name_or_path={repo}", f"model.revision={revision}",
+                         f"model.tokenizer={repo}", "model.dtype=float32"], environ={})
+tokenizer = load_tokenizer(cfg)
+template = load_chat_template_for(cfg, tokenizer)
+model = build_policy_model(cfg, tokenizer)
+with FileStore(store_dir) as store:
+    files = publish_model_files(store, cfg)
+save_file({k: v.clone().contiguous() for k, v in model.state_dict().items()}, store_dir + "/held.safetensors")
+print(json.dumps({"vocab": tokenizer.get_vocab_size(), "template": template is not None,
+                  "files": sorted(files.files), "type": type(model).__name__}))
+"""
+
+
+def test_a_hub_id_at_a_pinned_revision_loads_model_tokenizer_and_template_from_the_hf_cache_offline(
+    tmp_path: Path,
+) -> None:
+    """The Hub path is the standard one (`from_pretrained` / `snapshot_download`), read here from an HF cache laid
+    out as the Hub client lays it out, with HF_HUB_OFFLINE: nothing is downloaded."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hf" / "hub" / "models--leeway-test--tiny-qwen3"
+    _checkpoint(cache / "snapshots" / revision, "qwen3")
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text(revision)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", HUB_CHECK, "leeway-test/tiny-qwen3", revision, str(tmp_path / "store")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["vocab"] == TOKENIZER.get_vocab_size() and result["template"]
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(result["files"])
+    assert result["type"] == "Qwen3ForCausalLM"
+    held = load_file(tmp_path / "store" / "held.safetensors")
+    expected = AutoModelForCausalLM.from_pretrained(cache / "snapshots" / revision).state_dict()
+    assert held.keys() == expected.keys() and all(torch.equal(held[k], v) for k, v in expected.items())
+    missing = subprocess.run(  # another revision is not in the cache: the error names the field
+        [sys.executable, "-c", HUB_CHECK, "leeway-test/tiny-qwen3", "f" * 40, str(tmp_path / "store2")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert missing.returncode != 0 and "model.tokenizer = 'leeway-test/tiny-qwen3'" in missing.stderr

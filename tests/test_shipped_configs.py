@@ -17,6 +17,7 @@ What a config must allow, checked here:
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,11 +28,21 @@ import torch
 from actors.generator.engines.base import GenerateRequest
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.generator.runtime import build_engine, sampling_params
-from actors.models import build_model, build_policy_model, eos_token_id, is_preset, load_tokenizer, pad_token_id
+from actors.models import (
+    build_model,
+    build_policy_model,
+    eos_token_id,
+    is_preset,
+    load_chat_template_for,
+    load_tokenizer,
+    pad_token_id,
+)
 from actors.trainer.backends import TrainBatch, TrainingBackend, TrainSequence, build_backend
 from pipeline.config import LeewayConfig, load_config
+from pipeline.rl.rollout import prompt_token_ids
 from pipeline.tasks import Task, get_task
 from pipeline.tasks.char_tokenizer import load_char_tokenizer
+from pipeline.tasks.chat_tokenizer import load_chat_template_text, load_chat_tokenizer
 from storage.weights import TORCH_DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +61,7 @@ def test_the_shipped_configs_are_the_documented_ones() -> None:
     assert [p.name for p in SHIPPED] == [
         "agent.yaml",
         "demo.yaml",
+        "gpu-qwen3.yaml",
         "gpu-single-node.yaml",
         "math.yaml",
         "multi-node.yaml",
@@ -57,9 +69,10 @@ def test_the_shipped_configs_are_the_documented_ones() -> None:
     ]
 
 
-def _write_tiny_checkpoint(directory: Path) -> Path:
-    """A 1-layer Llama in HF format with the char tokenizer: what `model.name_or_path` would point at."""
-    tokenizer = load_char_tokenizer()
+def _write_tiny_checkpoint(directory: Path, *, chat: bool = False) -> Path:
+    """A 1-layer Llama in HF format with the char tokenizer (for a chat config: the chat tokenizer and its chat
+    template in ``tokenizer_config.json``): what `model.name_or_path` would point at."""
+    tokenizer = load_chat_tokenizer("chat") if chat else load_char_tokenizer()
     model = build_model(
         TINY_CHECKPOINT,
         vocab_size=tokenizer.get_vocab_size(),
@@ -69,6 +82,8 @@ def _write_tiny_checkpoint(directory: Path) -> Path:
     )
     model.save_pretrained(directory)
     tokenizer.save(str(directory / "tokenizer.json"))
+    if chat:
+        (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": load_chat_template_text()}))
     return directory
 
 
@@ -78,7 +93,7 @@ def _cpu_config(path: Path, tmp_path: Path) -> LeewayConfig:
     spec = cfg.model.name_or_path
     if is_preset(spec) or (ROOT / spec).is_dir():
         return cfg
-    checkpoint = _write_tiny_checkpoint(tmp_path / "policy")
+    checkpoint = _write_tiny_checkpoint(tmp_path / "policy", chat=bool(cfg.task.args.get("chat")))
     overrides = [*CPU_OVERRIDES, f"model.name_or_path={checkpoint}"]
     if cfg.model.tokenizer == spec:
         overrides.append(f"model.tokenizer={checkpoint}")
@@ -109,8 +124,8 @@ def test_shipped_config_builds_an_engine_and_a_backend_that_agree(path: Path, tm
     engine.load_state(version_0, version=0)
 
     prompt = next(iter(task.prompts()))
-    assert prompt.text is not None
-    prompt_ids = tokenizer.encode(prompt.text).ids
+    prompt_ids = prompt_token_ids(prompt, tokenizer, load_chat_template_for(cfg, tokenizer, task))
+    prompt_ids = prompt_ids[-(engine.max_context_tokens - TEST_MAX_NEW_TOKENS) :]  # the stand-in's context is short
     # The trainer recomputes log pi under temperature only (actors/trainer/backends/torch_backend.py).
     params = replace(sampling_params(cfg, tokenizer), max_new_tokens=TEST_MAX_NEW_TOKENS, top_k=0, top_p=1.0)
     (result,) = engine.generate([GenerateRequest(prompt_ids, seed=0)], params)

@@ -43,7 +43,7 @@ from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format
 from actors.generator.serve import Endpoint, EndpointService, build_app, read_api_key
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
 from actors.model_files import fetch_model_files, local_config, needs_model_files
-from actors.models import build_policy_model, eos_token_id, load_chat_template_for, load_tokenizer, pad_token_id
+from actors.models import build_policy_model, load_chat_template_for, load_tokenizer, pad_token_id, stop_token_ids
 from infra.role_logs import configure_role_logging
 from pipeline.chat.tool_parsers import get_tool_parser
 from pipeline.config import LeewayConfig
@@ -62,15 +62,14 @@ LOG_EVERY_REPORTS = 10
 
 
 def sampling_params(cfg: LeewayConfig, tokenizer: Tokenizer) -> SamplingParams:
-    """The configured sampling, stopping at the tokenizer's EOS token (if it has one)."""
-    eos = eos_token_id(tokenizer)
+    """The configured sampling, stopping at any of the tokenizer's end-of-sequence or end-of-turn tokens."""
     s = cfg.engine.sampling
     return SamplingParams(
         max_new_tokens=s.max_new_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
-        stop_token_ids=() if eos is None else (eos,),
+        stop_token_ids=stop_token_ids(tokenizer),
     )
 
 

@@ -32,12 +32,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from actors.trainer.metrics_log import EVAL_LOG, ScalarSinks, eval_scalars
 from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
 
-EVAL_LOG = "eval.jsonl"
-"""Where `follow` appends its results, in the run directory beside metrics.jsonl."""
 FOLLOW_POLL_S = 1.0
 EVAL_SEED = 7_000_000_007
 """Base of the evaluation seeds: sample k of eval prompt i samples with seed ``EVAL_SEED + i * 1024 + k``."""
@@ -114,14 +113,14 @@ def follow(
 ) -> int:
     """`leeway eval --follow` (what `leeway run` starts when ``eval.every_steps`` is set): evaluate version 0 and every
     ``eval.every_steps``-th version as the trainer publishes it, each pulled exactly, and append each result to
-    ``<run.dir>/eval.jsonl`` (and stdout). Versions already in that file are not evaluated again (a resumed run);
+    ``<run.dir>/eval.jsonl`` (and stdout), its ``eval/*`` scalars to TensorBoard (``<run.dir>/tb/eval``) and W&B at
+    step = version when the config asks for them. Versions already in that file are not evaluated again (a resumed run);
     one pruned from the store before its turn is recorded as skipped. Ends after version ``trainer.max_steps``, or
     on SIGTERM/SIGINT once the versions due up to LATEST are done."""
     from storage.manifest import ManifestError
     from storage.weights_base import WeightPullError
 
-    every = cfg.eval.every_steps
-    if every < 1:
+    if cfg.eval.every_steps < 1:
         print("leeway eval --follow: set eval.every_steps (>= 1)", flush=True)
         return 2
     path = cfg.run.run_dir / EVAL_LOG
@@ -130,36 +129,42 @@ def follow(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    next_due = 0
-    waiting_said = False
-    while True:
-        stopping = stop.is_set()
-        latest = subscriber.latest_version()
-        if latest is None:
-            if stopping:
-                return 0
-            if not waiting_said:
-                log.info("leeway eval: waiting for version 0 of run %r", cfg.run.name)
-                waiting_said = True
-            stop.wait(FOLLOW_POLL_S)
-            continue
-        for version in range(next_due, latest + 1, every):
-            if version in done:
+    sinks = ScalarSinks(cfg, cfg.run.run_dir / "tb" / "eval", job_type="eval")
+    try:
+        every = cfg.eval.every_steps
+        next_due = 0
+        waiting_said = False
+        while True:
+            stopping = stop.is_set()
+            latest = subscriber.latest_version()
+            if latest is None:
+                if stopping:
+                    return 0
+                if not waiting_said:
+                    log.info("leeway eval: waiting for version 0 of run %r", cfg.run.name)
+                    waiting_said = True
+                stop.wait(FOLLOW_POLL_S)
                 continue
-            try:
-                subscriber.pull(version)
-            except (ManifestError, WeightPullError) as exc:  # pruned by retention before its turn
-                record: dict[str, Any] = {"version": version, "skipped": str(exc)}
-            else:
-                engine.load_state(subscriber.tensors, version)
-                record = asyncio.run(evaluate(cfg, engine, tokenizer, template, task, prompts, version=version))
-            with path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            print(json.dumps(record), flush=True)
-        next_due = (latest // every + 1) * every
-        if stopping or latest >= cfg.trainer.max_steps:
-            return 0
-        stop.wait(FOLLOW_POLL_S)
+            for version in range(next_due, latest + 1, every):
+                if version in done:
+                    continue
+                try:
+                    subscriber.pull(version)
+                except (ManifestError, WeightPullError) as exc:  # pruned by retention before its turn
+                    record: dict[str, Any] = {"version": version, "skipped": str(exc)}
+                else:
+                    engine.load_state(subscriber.tensors, version)
+                    record = asyncio.run(evaluate(cfg, engine, tokenizer, template, task, prompts, version=version))
+                with path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                sinks.log(eval_scalars(record), version)
+                print(json.dumps(record), flush=True)
+            next_due = (latest // every + 1) * every
+            if stopping or latest >= cfg.trainer.max_steps:
+                return 0
+            stop.wait(FOLLOW_POLL_S)
+    finally:
+        sinks.close()
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

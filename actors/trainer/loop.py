@@ -186,7 +186,7 @@ class Trainer:
         try:
             self.state = await self.session.start()
             self.handled = RecentIds(self.state.handled_group_ids)
-            self.metrics = MetricsLog(self.cfg, self.session.metrics_path)
+            self.metrics = MetricsLog(self.cfg, self.session.metrics_path, eval_path=self.session.eval_path)
             try:
                 await self._steps()
             except StopRequested:

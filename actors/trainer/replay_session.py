@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 from actors.trainer.admission import count_lost_to_retention
 from actors.trainer.checkpoints import RecentIds, TrainerState
@@ -38,6 +39,7 @@ class ReplaySession:
         self.link = link
         self.reader = reader
         self.metrics_path = replay_metrics_path(cfg)
+        self.eval_path: Path | None = None
         self.staleness_cap: int | None = cfg.staleness.max_staleness if cfg.staleness.cap_in_replay else None
         self.generator_reports = GeneratorReports()
         self.newest_version = 0

@@ -64,7 +64,7 @@ from actors.trainer.checkpoints import (
 )
 from actors.trainer.claim_gc import collect_claims
 from actors.trainer.generator_reports import GeneratorReports
-from actors.trainer.metrics_log import roll_back_metrics
+from actors.trainer.metrics_log import EVAL_LOG, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
 from actors.trainer.resume_reads import ResumeReads
 from actors.trainer.slots import DeadLetterCheck, DeadLetterEntry, read_dead_letters_quietly
@@ -117,6 +117,8 @@ class Session(Protocol):
     """What the trainer loop asks of a session (the two answers are in the module docstring)."""
 
     metrics_path: Path
+    eval_path: Path | None
+    """The evaluator's eval.jsonl whose results the step records carry (live only)."""
     staleness_cap: int | None
     """`staleness.max_staleness`, or None when a replay runs with the cap off."""
     generator_reports: GeneratorReports
@@ -215,6 +217,7 @@ class LiveSession:
         self.kv = kv
         self.resume = resume
         self.metrics_path = cfg.run.run_dir / "metrics.jsonl"
+        self.eval_path: Path | None = cfg.run.run_dir / EVAL_LOG
         self.staleness_cap: int | None = cfg.staleness.max_staleness
         self.generator_reports = GeneratorReports()
         self.prompt_feed: PromptFeed | None = None

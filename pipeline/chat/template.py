@@ -70,13 +70,22 @@ class ChatTemplate:
     """A Jinja chat template over a `tokenizers.Tokenizer`; ``eos_token`` is the end-of-turn token the
     model samples (the engine's stop token)."""
 
-    def __init__(self, tokenizer: Tokenizer, template: str, *, eos_token: str, bos_token: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str,
+        *,
+        eos_token: str,
+        bos_token: str | None = None,
+        template_args: Mapping[str, Any] | None = None,
+    ) -> None:
         if tokenizer.token_to_id(eos_token) is None:
             raise ValueError(f"chat template: the tokenizer has no end-of-turn token {eos_token!r}")
         self.tokenizer = tokenizer
         self.template = template
         self.eos_token = eos_token
         self.eos_id = int(tokenizer.token_to_id(eos_token))
+        self.template_args = dict(template_args or {})
         self._hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos_token, bos_token=bos_token)
         self._hf.chat_template = template
         self._bases: dict[str, str] = {}
@@ -91,6 +100,7 @@ class ChatTemplate:
                 tools=[dict(t) for t in tools] if tools else None,
                 tokenize=False,
                 add_generation_prompt=generation,
+                **self.template_args,
             )
         except Exception as exc:  # jinja2 errors, raise_exception() in the template, bad message shapes
             raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc

@@ -137,3 +137,32 @@ def test_messages_compare_by_role_text_and_tool_calls_not_by_call_ids() -> None:
     assert normalized({"role": "user", "content": [{"type": "text", "text": "hi"}]}) == normalized(
         {"role": "user", "content": "hi"}
     )
+
+
+def test_a_tokenizer_with_both_eos_and_end_of_turn_stops_at_both_and_chat_turns_end_with_end_of_turn(
+    tmp_path: Path,
+) -> None:
+    from actors.models import load_chat_template_for, stop_token_ids
+    from pipeline.config import load_config
+
+    tokenizer = chatml_tokenizer()  # <|endoftext|> and <|im_end|>, as a Qwen3 tokenizer has
+    stops = stop_token_ids(tokenizer)
+    assert set(stops) == {tokenizer.token_to_id("<|endoftext|>"), tokenizer.token_to_id("<|im_end|>")}
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    cfg = load_config(None, [f"model.chat_template={tmp_path / 'chatml.jinja'}"], environ={})
+    template = load_chat_template_for(cfg, tokenizer)
+    assert template is not None and template.eos_token == "<|im_end|>"
+
+
+def test_chat_template_args_reach_the_template() -> None:
+    thinking = CHATML.replace(
+        "<|im_start|>assistant\n{% endif %}",
+        "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+        "{% endif %}",
+    )
+    messages = [{"role": "user", "content": "1+1"}]
+    plain = ChatTemplate(chatml_tokenizer(), thinking, eos_token="<|im_end|>").render_text(messages)
+    off = ChatTemplate(
+        chatml_tokenizer(), thinking, eos_token="<|im_end|>", template_args={"enable_thinking": False}
+    ).render_text(messages)
+    assert off == plain + "<think></think>"

@@ -1,7 +1,7 @@
 """Periodic held-out evaluation in `leeway run` (`eval.every_steps`): the run's evaluator evaluates version 0 and
 every N-th version on the task's eval split, never on a prompt the run trains on, each at exactly its version
-(the same result as `leeway eval --version V` on that version afterwards), into eval.jsonl, the summary and the
-plot."""
+(the same result as `leeway eval --version V` on that version afterwards), into eval.jsonl, TensorBoard, metrics.jsonl,
+the summary and the plot."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import subprocess
 import uuid
 from pathlib import Path
+
+import numpy as np
 
 from infra.stack import StackState
 from pipeline.config import load_config
@@ -31,6 +33,7 @@ def test_a_run_evaluates_every_n_versions_on_held_out_prompts_at_exactly_those_v
         "task.args.size=300",
         "task.args.eval_size=20",
         "weights.keep_versions=20",
+        "logging.tensorboard=true",
     ]
     cfg = load_config(str(REPO / "configs" / "reasoning-gym.yaml"), sets)
     config_path = tmp_path / "config.yaml"
@@ -66,6 +69,21 @@ def test_a_run_evaluates_every_n_versions_on_held_out_prompts_at_exactly_those_v
     assert again.returncode == 0, again.stdout + again.stderr
     alone = json.loads(again.stdout.strip().splitlines()[-1])
     assert {k: v for k, v in alone.items() if k != "seconds"} == {k: v for k, v in middle.items() if k != "seconds"}
+    # the same curve in TensorBoard (the evaluator's own writer, at step = version) and in metrics.jsonl (each step
+    # carries the newest result the trainer saw; how many it saw depends on who was faster, what it saw must match)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tb" / "eval"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("eval/mean_reward")] == [
+        (e["version"], float(np.float32(e["mean_reward"])))
+        for e in evals  # TensorBoard keeps float32
+    ]
+    by_version = {e["version"]: e for e in evals}
+    folded = [r for r in run_records(run_dir) if "eval/version" in r]
+    for record in folded:
+        assert record["eval/pass@1"] == by_version[record["eval/version"]]["pass@1"]
+    assert [r["eval/version"] for r in folded] == sorted({r["eval/version"] for r in folded})
     assert "held-out eval, mean reward / pass@1" in (run_dir / "summary.md").read_text()
     shown = [line for line in text.splitlines() if line.startswith("eval version ")]  # the live view, plain
     assert [line.split(":")[0] for line in shown] == [f"eval version {e['version']}" for e in evals], text

@@ -151,6 +151,7 @@ class FakeSession:
     ) -> None:
         self.cfg = cfg
         self.metrics_path = metrics_path
+        self.eval_path: Path | None = None
         self.staleness_cap: int | None = cfg.staleness.max_staleness
         self.generator_reports = GeneratorReports()
         self.events: list[Event] = []
