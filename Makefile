@@ -21,7 +21,12 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 # openenv (task.name: openenv) without its declared gradio: its real dependencies are in the dev extra.
 OPENENV_SPEC ?= openenv==0.10.0
 
+# bubblewrap (the sandbox backend; tests/sandbox/ runs model-written code in it): a Debian package, installed here
+# when this is root with apt-get, else named.
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	@command -v bwrap >/dev/null || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
+		else echo "make: bubblewrap is missing; install it (Debian/Ubuntu: sudo apt-get install bubblewrap)" >&2; exit 1; fi; }
 	$(BIN)/pip install -e ".[dev]"
 	$(BIN)/pip install --no-deps "$(OPENENV_SPEC)"
 	touch $@

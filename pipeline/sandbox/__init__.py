@@ -1,0 +1,26 @@
+"""Sandboxes for model-written code (`pipeline/sandbox/base.py` says what one is): the bubblewrap backend, the
+unisolated local one, and the pool that admits them in waves (`pipeline/sandbox/pool.py`)."""
+
+from pipeline.sandbox.base import (
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+    SandboxLost,
+    SandboxRefused,
+    SandboxSpec,
+    SandboxStartFailed,
+    SandboxStartTimeout,
+)
+
+__all__ = [
+    "ExecResult",
+    "Sandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxLost",
+    "SandboxRefused",
+    "SandboxSpec",
+    "SandboxStartFailed",
+    "SandboxStartTimeout",
+]

@@ -1,0 +1,114 @@
+"""What a sandbox is to the code that uses it: `Sandbox` (start, exec with a timeout, write and read a file, close),
+its `ExecResult`, what it is made of (`SandboxSpec`, `SandboxLimits`) and the typed ways it fails.
+
+A sandbox holds model-written code, which is hostile: no network, no credentials, no view of the run's files, and
+limits on what it can use. A command that fails is an `ExecResult` with its exit code (the policy's business); a
+sandbox that could not start or died is a `SandboxError` whose ``reason`` is one of the failure taxonomy's
+infrastructure reasons, so the episode becomes an ``infra_error`` and never scores 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+class SandboxError(RuntimeError):
+    """The sandbox, not the command, failed; ``reason`` is the failure's name in the step metrics."""
+
+    reason = "sandbox_lost"
+
+
+class SandboxStartFailed(SandboxError):
+    reason = "sandbox_start_failed"
+
+
+class SandboxStartTimeout(SandboxError):
+    reason = "sandbox_start_timeout"
+
+
+class SandboxLost(SandboxError):
+    """It died (killed, out of memory, reaped as idle) or stopped answering."""
+
+    reason = "sandbox_lost"
+
+
+class SandboxRefused(ValueError):
+    """The configuration asks for a backend this machine cannot give, or an unisolated one not allowed."""
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    """The command ran past its timeout; its process group was killed."""
+    truncated: bool = False
+    """More output than the exec's ``max_output`` bytes: the rest was dropped."""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-sandbox limits, applied as rlimits to everything inside (and its processes run as a uid of their own
+    when the generator runs as root, so the process limit is the sandbox's alone)."""
+
+    memory_mb: int = 1024
+    """Address space of each process (RLIMIT_AS)."""
+    max_processes: int = 128
+    """Processes and threads of the sandbox (RLIMIT_NPROC of its own uid): a fork bomb stops here."""
+    max_file_mb: int = 256
+    """Largest file a process may write (RLIMIT_FSIZE)."""
+    max_open_files: int = 256
+    cpu_time_s: int = 600
+    """CPU seconds of each process (RLIMIT_CPU): an endless loop left in the background dies here at the latest."""
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What one sandbox is made of: the directory commands start in, host directories bound into it (read-only
+    unless listed in ``writable``), fixed environment variables and limits."""
+
+    workdir: str = "/app"
+    binds: Mapping[str, Path] = field(default_factory=dict)
+    """Sandbox path -> host directory, bound read-only (a task's tests, its oracle solution)."""
+    writable: tuple[str, ...] = ("/app", "/logs")
+    """Sandbox directories that start empty and writable, private to this sandbox (besides /tmp)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    label: str = ""
+    """Names the sandbox in logs (a task and a trajectory id)."""
+
+
+class Sandbox(Protocol):
+    """One sandbox: started once, any number of execs whose files and background processes last, closed once."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    async def start(self) -> None:
+        """Start it; `SandboxStartFailed` or `SandboxStartTimeout` when it cannot."""
+        ...
+
+    async def exec(
+        self, command: str, *, timeout_s: float, cwd: str | None = None, env: Mapping[str, str] | None = None
+    ) -> ExecResult:
+        """Run ``bash -c command``; a failing command is an `ExecResult`, a dead sandbox `SandboxLost`."""
+        ...
+
+    async def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> None: ...
+
+    async def read_file(self, path: str, *, max_bytes: int = 1 << 24) -> bytes:
+        """The file's bytes (`FileNotFoundError` when it is not there)."""
+        ...
+
+    async def close(self) -> None:
+        """Kill everything inside and delete its files; returns once no process of it is left."""
+        ...
