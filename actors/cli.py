@@ -125,6 +125,7 @@ CONFIG_COMMANDS: dict[str, ConfigCommand] = {
     "purge": ConfigCommand("actors.tools.purge"),
     "eval": ConfigCommand("actors.tools.evaluate"),
     "fleet": ConfigCommand("actors.fleet.commands"),
+    "tasks": ConfigCommand("actors.tools.tasks_check"),
 }
 """The commands whose handler is only that; `leeway trainer` checks its flags first and may launch ranks."""
 
@@ -345,6 +346,22 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
             fleet_parser.add_argument("--json", action="store_true", help="one JSON object")
         fleet_parser.set_defaults(handler=CONFIG_COMMANDS["fleet"])
 
+    tasks = sub.add_parser("tasks", help="check a task set before training on it")
+    tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True, metavar="ACTION")
+    check = tasks_sub.add_parser(
+        "check",
+        help="run every Harbor task's oracle (must score 1) and a do-nothing agent (must score less) in sandboxes",
+        description="Every task directory under DIR (instruction.md, task.toml, tests/test.sh, solution/solve.sh) "
+        "is attempted twice in its own sandbox, as an episode would be: once running solution/solve.sh, which "
+        "must make the tests write reward 1, once doing nothing, which must score less. Sandbox settings come "
+        "from CONFIG's sandbox section (or --set sandbox.*). One JSON line per task, then a summary; exit 1 when "
+        "a task fails.",
+    )
+    check.add_argument("dir", help="a directory of Harbor task directories (e.g. configs/data/coding)")
+    _add_config_args(check, required=False)
+    check.add_argument("--concurrency", type=int, default=2, help="tasks checked at once (default 2)")
+    check.set_defaults(handler=CONFIG_COMMANDS["tasks"])
+
     bench = sub.add_parser("bench", help="benchmarks that print JSON with ratios against same-run baselines")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for name, text in [
@@ -354,6 +371,7 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         ("engine", "the Leeway engine vs HF generate (dynamic cache; static cache on CUDA): tokens/s, TTFT"),
         ("trainer", "the training backend vs a plain HF loop on the same batch: tokens/s, MFU (CPU: tiny defaults)"),
         ("agents", "multi-turn episodes through the endpoint vs driven directly on the engine: turns/s, latency"),
+        ("sandbox", "bubblewrap sandboxes vs local and plain subprocesses: start, exec round trip, pool waves"),
     ]:
         bench_parser = bench_sub.add_parser(name, help=text, description=text)
         bench_parser.add_argument("--json", action="store_true", help="one JSON line (default: indented JSON)")

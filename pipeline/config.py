@@ -45,7 +45,9 @@ from pipeline.config_sections import (
     ModelConfig,
     NatsConfig,
     OutageConfig,
+    RolloutConfig,
     RunConfig,
+    SandboxConfig,
     Section,
     StalenessConfig,
     StoreConfig,
@@ -113,6 +115,8 @@ class LeewayConfig(Section):
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     advantages: AdvantagesConfig = Field(default_factory=AdvantagesConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)

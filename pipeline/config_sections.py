@@ -303,6 +303,54 @@ class TaskConfig(Section):
     model's context, refuses the file with an error naming the row."""
 
 
+class RolloutConfig(Section):
+    infra_retries: int = Field(1, ge=0)
+    """An episode that ends as an infra_error (a sandbox that failed to start or was lost, a verifier that timed
+    out or crashed, no reward written) is run again, from scratch, up to this many times before its sample goes to
+    the trainer as an infra_error (masked from loss and baseline)."""
+    agent_timeout_is: Literal["policy", "infra"] = "policy"
+    """An agent that runs out of its time (a Harbor task's `[agent] timeout_sec`): a policy failure, reward 0
+    (`policy`), or infrastructure, masked (`infra`). Masking it hides a policy that dawdles; counting it punishes
+    one that met a slow sandbox."""
+    strict_format: bool = False
+    """End an episode at its first format error (a shell-agent reply with no command and no DONE) with reward 0,
+    so a trajectory rescued after a malformed turn never earns a positive advantage. Off: the agent is told and
+    goes on."""
+    strict_truncation: bool = False
+    """End an episode with reward 0 when one reply fills its whole token limit (instead of scoring what it has)."""
+
+
+class SandboxConfig(Section):
+    backend: Literal["auto", "bwrap", "local"] = "auto"
+    """Where model-written code runs: `bwrap` (bubblewrap: no network, no credentials, no view of the run's files),
+    `local` (no isolation at all; refused unless allow_unisolated), `auto` (bwrap when installed)."""
+    allow_unisolated: bool = False
+    """Accept the local backend (also what `auto` falls back to without bubblewrap); logged as a warning."""
+    max_concurrent: int = Field(8, ge=1)
+    """Sandboxes a generator holds at once; an episode waits for a slot before its sandbox starts."""
+    starts_per_s: float = Field(4.0, ge=0)
+    """Sandbox starts per second at most (admission in waves, so a fleet never starts them all at once); 0: no limit."""
+    cpus: float = Field(1.0, gt=0)
+    """CPUs each sandbox reserves out of the machine's (a start waits until they are free)."""
+    memory_mb: int = Field(1024, ge=32)
+    """Memory each sandbox reserves out of the machine's, and the address-space limit of each of its processes."""
+    max_processes: int = Field(128, ge=8)
+    """Processes and threads inside one sandbox (a fork bomb stops here)."""
+    max_file_mb: int = Field(256, ge=1)
+    """Largest file a sandboxed process may write."""
+    max_open_files: int = Field(256, ge=16)
+    cpu_time_s: int = Field(600, ge=1)
+    """CPU seconds of each sandboxed process."""
+    start_timeout_s: float = Field(60.0, gt=0)
+    """A sandbox not up within this is `sandbox_start_timeout` (infra_error)."""
+    command_timeout_s: float = Field(60.0, gt=0)
+    """Longest a single agent command may run (within the task's agent timeout)."""
+    idle_timeout_s: float = Field(900.0, gt=0)
+    """A sandbox no command has used for this long is reaped (its episode becomes `sandbox_lost`)."""
+    dir: str | None = None
+    """Where sandboxes' private directories are made on the host. None: the system temp directory."""
+
+
 class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Evaluate version 0 and every this many versions on the task's eval split while `leeway run` runs (its

@@ -160,6 +160,7 @@ class Generator:
             group_size=cfg.advantages.group_size,
             agents=agents,
             template=template,
+            rollout=cfg.rollout,
         )
         self._stop = asyncio.Event()
         self._publishing: set[asyncio.Task[None]] = set()
@@ -435,6 +436,7 @@ class Generator:
             samples=[replace(s, gen_start_s=start_s, gen_end_s=end_s) for s in samples],
         )
         await self.publisher.publish(group)
+        self.metrics.samples_failed([(s.status, s.info) for s in samples])
         self.metrics.group_published(
             group.versions,
             group.loss_mask,

@@ -25,7 +25,11 @@ the announcement's ``published_at_s`` (KV), or the moment a LATEST poll found th
 moment the engine applied it (wall clock: across machines it includes their clock skew); ``versions_behind_at_pull`` is newest-known minus engine version when a pull starts.
 ``weight_pull_failures`` counts failed pulls; ``weight_pull_timeouts`` the times the generator handed its
 prompts back because the engine could not reach their version within ``generator.weight_pull_timeout_s``;
-``weights_stuck`` is 1 while it takes no prompts for that reason (the log says why).
+``weights_stuck`` is 1 while it takes no prompts for that reason (the log says why). ``failure_reasons``
+counts published samples by typed failure (the failure taxonomy: ``sandbox_start_failed``, ``sandbox_lost``,
+``verifier_timeout``, ``reward_missing``, ... for infrastructure; ``agent_timeout``, ``format_error`` for the
+policy) and ``retried_episodes`` the episodes run again after an infra_error; the trainer sums both over its
+generators into each step's ``failures/<reason>`` and ``failures/retried_episodes``.
 """
 
 from __future__ import annotations
@@ -103,6 +107,11 @@ class GeneratorMetrics:
     """1 while the generator takes no prompts because it cannot reach the version they need (see the loop)."""
     announce_to_applied: _Running = field(default_factory=lambda: _Running())
     versions_behind_at_pull: _Running = field(default_factory=lambda: _Running())
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+    """Published samples by typed failure (``infra_reason``: ``sandbox_lost``, ``verifier_timeout``, ...;
+    ``agent_timeout`` and ``format_error`` for the policy's own), cumulative."""
+    retried_episodes: int = 0
+    """Episodes run again after an infra_error (``rollout.infra_retries``), cumulative."""
     staleness_sum: int = 0
     staleness_tokens: int = 0
     staleness_max: int = 0
@@ -158,6 +167,16 @@ class GeneratorMetrics:
     def group_aborted(self) -> None:
         self.groups_aborted += 1
 
+    def samples_failed(self, infos: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        """Count the typed failures of a published group's samples: ``(status, info)`` of each."""
+        for status, info in infos:
+            reason = info.get("infra_reason") if status == "infra_error" else info.get("error")
+            if status == "format_error":
+                reason = "format_error"
+            if isinstance(reason, str) and (status == "infra_error" or reason in ("agent_timeout", "format_error")):
+                self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
+            self.retried_episodes += max(int(info.get("attempts", 1)) - 1, 0)
+
     # ---- reports ---------------------------------------------------------------------------------
 
     def _busy_total(self, now: float) -> float:
@@ -193,6 +212,8 @@ class GeneratorMetrics:
             "weight_pull_failures": self.weight_pull_failures,
             "weight_pull_timeouts": self.weight_pull_timeouts,
             "weights_stuck": self.weights_stuck,
+            "failure_reasons": dict(sorted(self.failure_reasons.items())),
+            "retried_episodes": self.retried_episodes,
             "announce_to_applied_s_mean": self.announce_to_applied.mean,
             "announce_to_applied_s_max": self.announce_to_applied.max,
             "versions_behind_at_pull_mean": self.versions_behind_at_pull.mean,

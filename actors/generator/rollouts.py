@@ -21,6 +21,7 @@ from actors.generator.agents import AgentRunner
 from actors.generator.engines.base import GenerateResult, SamplingParams
 from actors.generator.metrics import Submit
 from pipeline.chat.template import ChatTemplate
+from pipeline.config_sections import RolloutConfig
 from pipeline.rl.rollout import Generate, environment_factory, group_requests, run_group, score_group
 from pipeline.tasks import Task, VerifierPool
 from pipeline.wire.prompts import Prompt
@@ -47,7 +48,9 @@ class Rollouts:
         group_size: int,
         agents: AgentRunner | None = None,
         template: ChatTemplate | None = None,
+        rollout: RolloutConfig | None = None,
     ) -> None:
+        self.rollout = rollout or RolloutConfig()
         self.agents = agents
         self.template = template
         self.generate = generate
@@ -147,6 +150,8 @@ class Rollouts:
                 verifiers=self.verifiers,
                 group_id=prompt.prompt_id,
                 template=self.template,
+                infra_retries=self.rollout.infra_retries,
+                strict_truncation=self.rollout.strict_truncation,
             )
             for prompt in prompts
         )

@@ -47,7 +47,7 @@ from actors.models import build_policy_model, load_chat_template_for, load_token
 from infra.role_logs import configure_role_logging
 from pipeline.chat.tool_parsers import get_tool_parser
 from pipeline.config import LeewayConfig
-from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, get_task
+from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, task_for
 from pipeline.tasks.agents import load_agent
 from pipeline.wire.announce import generator_metrics_subject, version_kv, watch_announcements
 from pipeline.wire.names import RunNames
@@ -136,7 +136,10 @@ class GeneratorRuntime:
                 )
                 opened.callback(shutil.rmtree, config_dir, ignore_errors=True)
                 cfg = local_config(cfg, config_dir)
-            task = get_task(cfg.task.name, **cfg.task.args)
+            task = task_for(cfg)
+            closing = getattr(task, "aclose", None)
+            if callable(closing):  # the task's sandboxes (harbor), torn down when the generator stops
+                opened.push_async_callback(_close_logged, "the task's sandboxes", closing)
             tokenizer = load_tokenizer(cfg, task)
             engine = engine or build_engine(cfg, tokenizer, generator_id, config_dir)
             subscriber = WeightSubscriber(store, cfg.run.name, parallelism=cfg.weights.parallelism)

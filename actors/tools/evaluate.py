@@ -49,7 +49,7 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     from actors.generator.runtime import build_engine
     from actors.model_files import fetch_model_files, local_config, needs_model_files
     from actors.models import load_chat_template_for, load_tokenizer
-    from pipeline.tasks import get_task
+    from pipeline.tasks import task_for
     from storage.manifest import ManifestError
     from storage.subscriber import WeightSubscriber
     from storage.weights_base import NoVersionError
@@ -67,7 +67,7 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
             return 2
         cfg = cfg.model_copy(update={"eval": settings})
     torch.set_num_threads(cfg.engine.torch_threads)
-    task = get_task(cfg.task.name, **cfg.task.args)
+    task = task_for(cfg)
     prompts = task.eval_prompts()
     if prompts is None:
         print(f"leeway eval: task {cfg.task.name!r} has no eval split (Task.eval_prompts)", flush=True)

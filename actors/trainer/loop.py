@@ -74,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -428,6 +429,7 @@ class Trainer:
             "queue/trajectories": self.queue_depth,
             "generators": dict(reports),
             "generators/tokens_per_s": sum(r.get("tokens_per_s") or 0.0 for r in reports.values()),
+            **failure_counts(reports.values()),
         }
         assert self.metrics is not None, "write_metrics before run() opened the metrics log"
         self.metrics.write(record)
@@ -454,6 +456,16 @@ class Trainer:
 
 def _with_proximal(seq: TrainSequence, proximal: np.ndarray) -> TrainSequence:
     return replace(seq, proximal_logprobs=proximal)
+
+
+def failure_counts(reports: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """The generators' typed failures, summed (each report's counts are cumulative): ``failures/<reason>``."""
+    out: dict[str, int] = {"failures/retried_episodes": 0}
+    for report in reports:
+        out["failures/retried_episodes"] += int(report.get("retried_episodes") or 0)
+        for reason, count in (report.get("failure_reasons") or {}).items():
+            out[f"failures/{reason}"] = out.get(f"failures/{reason}", 0) + int(count)
+    return out
 
 
 def _num(value: float | None) -> float:

@@ -40,7 +40,7 @@ from actors.trainer.run_lease import LeasedSession, LeaseKeeper
 from actors.trainer.sessions import RunLink, Session, build_weight_publisher
 from infra.role_logs import configure_role_logging
 from pipeline.config import LeewayConfig
-from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, get_task, load_prompts
+from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, load_prompts, task_for
 from pipeline.tasks.self_check import SELF_CHECK_ITEMS, TaskSelfCheckError, require_verified_task
 from pipeline.wire.replay import ReplaySelection
 
@@ -59,7 +59,7 @@ async def open_trainer(
     A live session is opened only once this trainer holds the run's lease (`actors/trainer/run_lease.py`):
     `LeaseHeld`, naming the holder, if another trainer of the run is alive."""
     stop = stop if stop is not None else asyncio.Event()
-    task = get_task(cfg.task.name, **cfg.task.args)
+    task = task_for(cfg)
     tokenizer = load_tokenizer(cfg, task)
     if replay is None:
         await check_task(cfg, task, tokenizer)
@@ -123,7 +123,7 @@ async def check_task(cfg: LeewayConfig, task: Task, tokenizer: Tokenizer) -> Non
 
 def _follow(cfg: LeewayConfig) -> int:
     """Ranks 1..N-1: the same model and backend as rank 0, a store and publisher for their shares, no NATS."""
-    task = get_task(cfg.task.name, **cfg.task.args)
+    task = task_for(cfg)
     model = build_policy_model(cfg, load_tokenizer(cfg, task))
     backend = build_backend(cfg, model)
     store = open_run_store(cfg, resolve_endpoints(cfg))

@@ -49,7 +49,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
@@ -327,12 +327,16 @@ async def run_group(
     max_total_tokens: int | None = None,
     group_id: str | None = None,
     template: ChatTemplate | None = None,
+    infra_retries: int = 0,
+    strict_truncation: bool = False,
 ) -> list[Sample]:
     """Roll out ``group_size`` samples of one prompt; every sample comes back, whatever its status.
 
     Without ``env``: one generate call, then `score_group`. With ``env``: each sample alternates policy
     replies and environment messages for at most ``max_turns`` replies and ``max_total_tokens`` tokens.
-    `template` renders a chat prompt and an environment's chat ``messages``.
+    `template` renders a chat prompt and an environment's chat ``messages``. An episode that ends as an
+    ``infra_error`` is run again, with a fresh environment, up to ``infra_retries`` times; ``strict_truncation``
+    gives reward 0 to an episode one of whose replies filled its token limit.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -345,27 +349,28 @@ async def run_group(
         )
     if env is None:
         results = await asyncio.to_thread(generate, group_requests(prompt_ids, group_size, group_id), sampling)
-        return await score_group(
-            task,
-            prompt,
-            prompt_ids,
-            results,
-            sampling,
-            tokenizer=tokenizer,
-            group_id=group_id,
-            verifiers=verifiers,
-        )
+        scoring = {"tokenizer": tokenizer, "group_id": group_id, "verifiers": verifiers}
+        return await score_group(task, prompt, prompt_ids, results, sampling, **scoring)  # type: ignore[arg-type]
     scorer = _Scorer(task, prompt, sampling, tokenizer, verifiers, group_id)
-    return list(
-        await asyncio.gather(
-            *(
-                _run_episode(
-                    generate, scorer, i, prompt_ids, env(prompt), env_timeout_s, max_turns, max_total_tokens, template
-                )
-                for i in range(group_size)
-            )
-        )
-    )
+    limits = _Limits(env_timeout_s, max_turns, max_total_tokens, strict_truncation)
+
+    async def episode(i: int) -> Sample:
+        for attempt in range(infra_retries + 1):
+            sample = await _run_episode(generate, scorer, i, prompt_ids, env(prompt), limits, template)
+            if sample.status != "infra_error":
+                break
+            logger.warning("trajectory %s-%d: %s (try %d)", group_id, i, sample.info.get("error"), attempt + 1)
+        return replace(sample, info={**sample.info, "attempts": attempt + 1})
+
+    return list(await asyncio.gather(*(episode(i) for i in range(group_size))))
+
+
+@dataclass(frozen=True)
+class _Limits:
+    env_timeout_s: float
+    max_turns: int
+    max_total_tokens: int | None
+    strict_truncation: bool
 
 
 @dataclass
@@ -410,17 +415,19 @@ class _Scorer:
         )
 
     def environment_failed(
-        self, index: int, turns: list[Turn], gen_s: float, error: str, info: dict[str, Any] | None = None
+        self,
+        index: int,
+        turns: list[Turn],
+        gen_s: float,
+        error: str,
+        info: dict[str, Any] | None = None,
+        *,
+        reason: str,
     ) -> Sample:
-        """The sample of an episode its environment broke: ``infra_error``, no reward, the reason in ``error``."""
-        return self.sample(
-            index,
-            turns,
-            reward=None,
-            status="infra_error",
-            gen_s=gen_s,
-            info={**(info or {}), "error": f"environment: {error}"},
-        )
+        """The sample of an episode its environment broke: ``infra_error``, no reward, the typed ``reason``
+        (``sandbox_lost``, ``verifier_timeout``, ...; the metrics count them) and the ``error``."""
+        info = {**(info or {}), "error": f"environment: {error}", "infra_reason": reason}
+        return self.sample(index, turns, reward=None, status="infra_error", gen_s=gen_s, info=info)
 
     async def finish(self, index: int, turns: list[Turn], gen_s: float, truncated: bool) -> Sample:
         """Score the completion (everything after the prompt) with the task's verifier and build the sample."""
@@ -452,23 +459,19 @@ async def _run_episode(
     index: int,
     prompt_ids: list[int],
     environment: Environment,
-    env_timeout_s: float,
-    max_turns: int,
-    max_total_tokens: int | None,
+    limits: _Limits,
     template: ChatTemplate | None = None,
 ) -> Sample:
     """One multi-turn sample. An environment message is appended only when a policy reply follows it. An
     environment with ``opening()`` speaks first (its message follows the prompt); one with ``aclose()`` is closed
     when the episode ends, however it ends."""
     try:
-        return await _episode_turns(
-            generate, scorer, index, prompt_ids, environment, env_timeout_s, max_turns, max_total_tokens, template
-        )
+        return await _episode_turns(generate, scorer, index, prompt_ids, environment, limits, template)
     finally:
         close = getattr(environment, "aclose", None)
         if callable(close):
             try:
-                await asyncio.wait_for(close(), timeout=env_timeout_s)
+                await asyncio.wait_for(close(), timeout=limits.env_timeout_s)
             except Exception:  # the sample is already decided; a failed close only costs the environment's slot
                 logger.warning(
                     "closing the environment of trajectory %s-%d failed", scorer.group_id, index, exc_info=True
@@ -481,9 +484,7 @@ async def _episode_turns(
     index: int,
     prompt_ids: list[int],
     environment: Environment,
-    env_timeout_s: float,
-    max_turns: int,
-    max_total_tokens: int | None,
+    limits: _Limits,
     template: ChatTemplate | None,
 ) -> Sample:
     turns = [Turn.context("prompt", prompt_ids)]
@@ -492,16 +493,16 @@ async def _episode_turns(
     opening = getattr(environment, "opening", None)
     if callable(opening):
         try:
-            first = await asyncio.wait_for(opening(), timeout=env_timeout_s)
+            first = await asyncio.wait_for(opening(), timeout=limits.env_timeout_s)
             pending = _step_ids(first, scorer.tokenizer, template, None)
         except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
             logger.exception("environment failed to open trajectory %s-%d", scorer.group_id, index)
-            return scorer.environment_failed(index, turns, 0.0, f"{type(exc).__name__}: {exc}")
-    for _ in range(max_turns):
+            return scorer.environment_failed(index, turns, 0.0, f"{type(exc).__name__}: {exc}", reason=_reason(exc))
+    for _ in range(limits.max_turns):
         context_ids = np.concatenate([t.token_ids for t in turns] + [np.asarray(pending, np.int32)])
         budget = scorer.sampling.max_new_tokens
-        if max_total_tokens is not None:
-            budget = min(budget, max_total_tokens - len(context_ids))
+        if limits.max_total_tokens is not None:
+            budget = min(budget, limits.max_total_tokens - len(context_ids))
         if budget < 1:
             break
         if pending:
@@ -512,21 +513,23 @@ async def _episode_turns(
         result = (await asyncio.to_thread(generate, [request], scorer.sampling))[0]
         turns.append(Turn.policy(result))
         gen_s += result.gen_s
+        if result.finish_reason == "length" and limits.strict_truncation:  # rollout.strict_truncation
+            return scorer.sample(index, turns, reward=0.0, status="truncated", gen_s=gen_s, info={"strict": "length"})
         if result.finish_reason != "stop":  # "length": later turns are dropped; "abort": not scored
             return await scorer.finish(index, turns, gen_s, truncated=True)
         reply_ids = _strip_stop(turns[-1], scorer.sampling)
         try:
             step = await asyncio.wait_for(
-                environment.step(_decode(scorer.tokenizer, reply_ids), reply_ids), timeout=env_timeout_s
+                environment.step(_decode(scorer.tokenizer, reply_ids), reply_ids), timeout=limits.env_timeout_s
             )
         except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
             logger.exception("environment failed in trajectory %s-%d", scorer.group_id, index)
-            return scorer.environment_failed(index, turns, gen_s, f"{type(exc).__name__}: {exc}")
+            return scorer.environment_failed(index, turns, gen_s, f"{type(exc).__name__}: {exc}", reason=_reason(exc))
         if step.done and step.reward is not None:
             problem = None if step.status == "format_error" else reward_problem(step.reward)
             if problem is not None:  # a broken environment fails its sample, not the group's validation
                 logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, problem)
-                return scorer.environment_failed(index, turns, gen_s, problem, step.info)
+                return scorer.environment_failed(index, turns, gen_s, problem, step.info, reason="reward_invalid")
             reward = 0.0 if step.status == "format_error" else float(step.reward)
             return scorer.sample(index, turns, reward=reward, status=step.status, gen_s=gen_s, info=dict(step.info))
         if step.done:
@@ -535,8 +538,15 @@ async def _episode_turns(
             pending = _step_ids(step, scorer.tokenizer, template, turns[-1])
         except _NotBridged as exc:
             logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, exc)
-            return scorer.environment_failed(index, turns, gen_s, str(exc), step.info)
+            return scorer.environment_failed(index, turns, gen_s, str(exc), step.info, reason="not_bridged")
     return await scorer.finish(index, turns, gen_s, truncated=True)
+
+
+def _reason(exc: BaseException) -> str:
+    """An environment failure's typed reason (a sandbox's or verifier's ``reason``), else what kind it was."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "environment_timeout"
+    return str(getattr(exc, "reason", "environment_error"))
 
 
 class _NotBridged(ValueError):

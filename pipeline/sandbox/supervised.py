@@ -220,6 +220,11 @@ class SupervisedSandbox:
             raise OSError(f"sandbox {self.spec.label}: cannot read {path}: {error}")
         return base64.b64decode(reply["data"])
 
+    async def kill_processes(self) -> int:
+        """Kill every process inside but the supervisor (background jobs, a tmux server); how many there were."""
+        reply = await self._request({"op": "killall"})
+        return int(reply.get("killed", 0))  # type: ignore[call-overload]
+
     async def _request(self, request: dict[str, object], timeout_s: float = 0.0) -> dict[str, object]:
         async with self._lock:
             proc = self._proc

@@ -9,7 +9,7 @@ reads this file's source as the first line of its stdin and runs it, so it uses 
 
 Requests: ``{"op": "exec", "command", "timeout_s", "cwd", "env", "max_output"}`` (bash -c; the command's process
 group is killed at the timeout), ``{"op": "write", "path", "data"}`` and ``{"op": "read", "path", "max_bytes"}``
-(base64). Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error"}`` for a request that could not be carried
+(base64), ``{"op": "killall"}`` (every process but this one). Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error"}`` for a request that could not be carried
 out (a missing file). A command's output stops being read once bash has exited and nothing more is ready, so a
 background job holding the pipe open never holds the reply up.
 """
@@ -125,7 +125,27 @@ def _read(request):
     return {"ok": True, "data": base64.b64encode(data[:limit]).decode(), "truncated": len(data) > limit}
 
 
-OPS = {"exec": _exec, "write": _write, "read": _read}
+def _killall(request):
+    """Kill every process of the sandbox but this one and the namespace's init (what an agent left running must
+    not touch the files a verifier reads)."""
+    keep = {os.getpid(), 1}
+    killed = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in keep:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+    for _ in range(killed):  # reap our own children among them
+        try:
+            os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+    return {"ok": True, "killed": killed}
+
+
+OPS = {"exec": _exec, "write": _write, "read": _read, "killall": _killall}
 
 
 LIMITS = {

@@ -31,9 +31,12 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pipeline.wire.prompts import Prompt, PromptError
+
+if TYPE_CHECKING:
+    from pipeline.config import LeewayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "math": "pipeline.tasks.math_problems:MathTask",
     "skyrl_gym": "pipeline.tasks.skyrl_gym:SkyRLGymTask",
     "openenv": "pipeline.tasks.openenv:OpenEnvTask",
+    "harbor": "pipeline.tasks.harbor:HarborTask",
 }
 """Built-in task name -> ``module:callable`` returning a `Task`."""
 
@@ -118,6 +122,16 @@ class Task(ABC):
     @abstractmethod
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
         """Score one completion (the reply text with its final stop token removed, and the reply's ids)."""
+
+
+def task_for(cfg: LeewayConfig) -> Task:
+    """The run's task (`task.name` with `task.args`); a task with ``bind_run(cfg)`` (Harbor's: its sandboxes and
+    rollout settings) is handed the whole config."""
+    task = get_task(cfg.task.name, **cfg.task.args)
+    bind = getattr(task, "bind_run", None)
+    if callable(bind):
+        bind(cfg)
+    return task
 
 
 def get_task(name: str, **kwargs: Any) -> Task:

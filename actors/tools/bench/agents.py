@@ -74,9 +74,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 async def _bench(cfg: Any, episodes: int, turns: int, digits: int, max_tokens: int) -> dict[str, Any]:
     from actors.generator.runtime import build_engine, open_endpoint, sampling_params
     from actors.models import load_tokenizer
-    from pipeline.tasks import get_task
+    from pipeline.tasks import task_for
 
-    task = get_task(cfg.task.name, **cfg.task.args)
+    task = task_for(cfg)
     tokenizer = load_tokenizer(cfg, task)
     engine = build_engine(cfg, tokenizer, "bench-agents")
     engine.load_state(dict(engine.model.state_dict()), 0)  # type: ignore[attr-defined]

@@ -261,7 +261,7 @@ class Setup:
 def load_setup(args: argparse.Namespace) -> Setup:
     from actors.models import load_tokenizer
     from pipeline.config import load_config
-    from pipeline.tasks import get_task
+    from pipeline.tasks import task_for
 
     base = load_config(args.config, args.overrides)
     device_name = args.device or base.engine.device
@@ -275,7 +275,7 @@ def load_setup(args: argparse.Namespace) -> Setup:
     if args.model is not None:
         overrides.append(f"model.name_or_path={args.model}")
     cfg = load_config(args.config, overrides)
-    task = get_task(cfg.task.name, **cfg.task.args)
+    task = task_for(cfg)
     return Setup(cfg, task, load_tokenizer(cfg, task), device, tuple(overrides))
 
 

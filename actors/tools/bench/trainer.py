@@ -336,7 +336,7 @@ def _measure(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from actors.models import build_policy_model, load_tokenizer
-    from pipeline.tasks import get_task
+    from pipeline.tasks import task_for
 
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
@@ -344,7 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(cfg.trainer.device)
     if device.type == "cpu":
         torch.set_num_threads(cfg.trainer.torch_threads)
-    tokenizer = load_tokenizer(cfg, get_task(cfg.task.name, **cfg.task.args))
+    tokenizer = load_tokenizer(cfg, task_for(cfg))
     model = build_policy_model(cfg, tokenizer)
     vocab = model.get_input_embeddings().num_embeddings
     context = int(getattr(model.config, "max_position_embeddings", 0) or getattr(model.config, "n_positions", 0))

@@ -1,0 +1,108 @@
+"""`leeway tasks check DIR [CONFIG]`: every Harbor task in DIR must be solvable and must not pay for nothing, before
+anyone trains on the set.
+
+    each task:  sandbox ─► /solution/solve.sh (the oracle) ─► tests ─► reward == max_reward ?
+                sandbox ─► (do nothing)                     ─► tests ─► reward <  max_reward ?
+
+Both runs go through exactly what an episode goes through (`pipeline/tasks/harbor.py`: its sandbox from the
+config's `sandbox.*`, the agent's leftovers killed, the tests copied in afterwards, the reward read from what
+they wrote), so a task that passes here scores the way training will score it. A task whose oracle fails, whose
+tests pay an empty attempt, or whose verifier cannot run is named with the reason. Prints one JSON object per
+task and a summary; exit 1 when any task fails, 2 when DIR holds no task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from typing import Any
+
+from pipeline.config import LeewayConfig
+
+MAX_REWARD = 1.0
+
+
+def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
+    from pipeline.sandbox import SandboxRefused
+    from pipeline.tasks.harbor import HarborTask
+
+    try:
+        task = HarborTask(args.dir)
+        task.bind_run(cfg)
+        task.pool  # noqa: B018 (a machine without bubblewrap is refused here, before any task runs)
+    except (ValueError, SandboxRefused) as exc:
+        print(f"leeway tasks check: {exc}", flush=True)
+        return 2
+    results = asyncio.run(_check_all(task, args.concurrency))
+    failed = [r for r in results if not r["passed"]]
+    for result in results:
+        print(json.dumps(result), flush=True)
+    summary = {"tasks": len(results), "passed": len(results) - len(failed), "failed": [r["task"] for r in failed]}
+    print(json.dumps(summary), flush=True)
+    return 1 if failed else 0
+
+
+async def _check_all(task: Any, concurrency: int) -> list[dict[str, Any]]:
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(task_dir: Any) -> dict[str, Any]:
+        async with gate:
+            return await check_task_dir(task, task_dir)
+
+    try:
+        return list(await asyncio.gather(*(one(d) for d in task.tasks)))
+    finally:
+        await task.aclose()
+
+
+async def check_task_dir(task: Any, task_dir: Any) -> dict[str, Any]:
+    """The oracle's reward and a do-nothing agent's, and whether they are what they must be."""
+    started = time.monotonic()
+    out: dict[str, Any] = {"task": task_dir.name}
+    problems = []
+    oracle = await _attempt(task, task_dir, solve=True)
+    nothing = await _attempt(task, task_dir, solve=False)
+    out["oracle_reward"], out["nothing_reward"] = oracle.get("reward"), nothing.get("reward")
+    if "error" in oracle:
+        problems.append(f"oracle: {oracle['error']}")
+    elif oracle["reward"] < MAX_REWARD:
+        problems.append(f"the oracle solution scores {oracle['reward']:g}, not {MAX_REWARD:g}")
+    if "error" in nothing:
+        problems.append(f"do-nothing agent: {nothing['error']}")
+    elif nothing["reward"] >= MAX_REWARD:
+        problems.append(f"an agent that does nothing scores {nothing['reward']:g}: the tests pay for nothing")
+    out["passed"] = not problems
+    if problems:
+        out["problems"] = problems
+    out["seconds"] = round(time.monotonic() - started, 3)
+    return out
+
+
+async def _attempt(task: Any, task_dir: Any, *, solve: bool) -> dict[str, Any]:
+    from pipeline.tasks.harbor import EpisodeFailure, HarborEpisode
+
+    episode = HarborEpisode(task, task_dir)
+    try:
+        await episode.opening()
+        box = episode.box
+        assert box is not None
+        if solve:
+            solution = task_dir.path / "solution"
+            if not (solution / "solve.sh").is_file():
+                return {"error": f"{solution / 'solve.sh'} is missing"}
+            for path in sorted(solution.rglob("*")):
+                if path.is_file():
+                    inside = "/tmp/solution/" + path.relative_to(solution).as_posix()
+                    await box.write_file(inside, path.read_bytes(), mode=0o755)
+            ran = await box.exec("bash /tmp/solution/solve.sh", timeout_s=task_dir.agent_timeout_s)
+            if not ran.ok:
+                why = " (timed out)" if ran.timed_out else ""
+                return {"error": f"solve.sh exit {ran.exit_code}{why}: {(ran.stdout + ran.stderr)[-300:]}"}
+        step = await episode.verify()
+        return {"reward": float(step.reward if step.reward is not None else float("nan"))}
+    except EpisodeFailure as exc:
+        return {"error": str(exc)}
+    finally:
+        await episode.aclose()
