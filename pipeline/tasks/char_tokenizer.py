@@ -33,10 +33,11 @@ def build_charset_tokenizer(
     special_tokens: tuple[str, ...], characters: str, *, unk: str | None = None, path: str | Path | None = None
 ) -> Tokenizer:
     """One token per character: `special_tokens` first (the second is the `<bos>` prepended on encode),
-    then `characters`, in id order; written to ``path`` when given. Shared by the task tokenizers."""
+    then `characters`, in id order; written to ``path`` when given. Shared by the task tokenizers. An alphabet
+    with a newline splits on every character, newlines included (``.`` would leave a run of them one piece)."""
     vocab = {token: i for i, token in enumerate((*special_tokens, *characters))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk) if unk else models.WordLevel(vocab=vocab))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]" if "\n" in characters else "."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(list(special_tokens))
     bos = special_tokens[1]

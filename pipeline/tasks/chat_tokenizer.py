@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from pipeline.tasks.char_tokenizer import build_charset_tokenizer
+from pipeline.tasks.char_tokenizer import ALPHABETS, build_charset_tokenizer
 
 TOKENIZER_PATH = Path(__file__).with_name("chat_tokenizer.json")
 DIGITS_TOKENIZER_PATH = Path(__file__).with_name("chat_digits_tokenizer.json")
@@ -60,10 +60,17 @@ def build_chat_tokenizer(path: str | Path | None = None, *, characters: str = CH
     return build_charset_tokenizer(SPECIAL_TOKENS, characters, unk="<unk>", path=path)
 
 
+TEXT_CHARACTERS = ALPHABETS["text"]
+"""The alphabet of the text variant: printable ASCII with newline and tab (shell commands, code, their output)."""
+
+
 def load_chat_tokenizer(variant: str = "chat") -> Tokenizer:
-    """The shipped tokenizer: ``chat`` (`CHARACTERS`) or ``digits`` (`DIGITS_CHARACTERS`)."""
-    if variant not in ("chat", "digits"):
-        raise ValueError(f"chat tokenizer variant must be 'chat' or 'digits', got {variant!r}")
+    """The shipped tokenizer: ``chat`` (`CHARACTERS`) or ``digits`` (`DIGITS_CHARACTERS`); ``text``
+    (`TEXT_CHARACTERS`, built here: nothing to ship) for tasks whose replies are code."""
+    if variant not in ("chat", "digits", "text"):
+        raise ValueError(f"chat tokenizer variant must be 'chat', 'digits' or 'text', got {variant!r}")
+    if variant == "text":
+        return build_chat_tokenizer(characters=TEXT_CHARACTERS)
     return Tokenizer.from_file(str(TOKENIZER_PATH if variant == "chat" else DIGITS_TOKENIZER_PATH))
 
 

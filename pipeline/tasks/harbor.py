@@ -149,7 +149,7 @@ class HarborTask(Task):
     self_check = False
     """Rewards come from each task's own tests in a sandbox: `leeway tasks check DIR` is this task's self-check."""
 
-    def __init__(self, path: str, eval_size: int = 0, seed: int = 0, tokenizer: str = "chat") -> None:
+    def __init__(self, path: str, eval_size: int = 0, seed: int = 0, tokenizer: str = "text") -> None:
         self.tasks = load_task_dirs(path)
         if not 0 <= eval_size < len(self.tasks):
             raise ValueError(f"harbor: task.args.eval_size must be in [0, {len(self.tasks)}), got {eval_size}")

@@ -1,0 +1,244 @@
+"""Harbor tasks through the real rollout, in real bubblewrap sandboxes, with a scripted policy (the shell agent's
+replies are fixed, so each test decides what the agent does): a reward counts only if the task's tests wrote it,
+every failure is typed, a sandbox killed mid-episode is re-run and never scores 0, and `leeway tasks check` passes
+the shipped set and catches a broken oracle and tests that pay for nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from actors.models import load_chat_template_for, stop_token_ids
+from pipeline.config import LeewayConfig, load_config
+from pipeline.rl.rollout import run_group
+from pipeline.tasks import VerifierPool
+from pipeline.tasks.harbor import HarborTask
+from pipeline.wire.trajectory import Sample
+from tests.support.runs import REPO, leeway_argv
+
+CODING = REPO / "configs" / "data" / "coding"
+SOLVE = "```bash\n" + (CODING / "reverse-words" / "solution" / "solve.sh").read_text() + "\n```"
+WRONG = "```bash\necho 'def reverse_words(s): return s' > /app/solution.py\n```"
+
+
+def _one_task(tmp_path: Path, name: str = "reverse-words", **edits: str) -> Path:
+    """A task set of one shipped task, with files replaced by `edits` (relative path -> new text)."""
+    root = tmp_path / "tasks"
+    shutil.copytree(CODING / name, root / name)
+    for relative, text in edits.items():
+        (root / name / relative).write_text(textwrap.dedent(text))
+    return root
+
+
+class _Agent:
+    """A `Generate` callable: the scripted replies of attempt k are ``scripts[k]`` (the last script repeats);
+    ``on_reply(attempt, turn)`` runs before each reply (a test's hook: kill the sandbox)."""
+
+    def __init__(self, task: HarborTask, scripts: Sequence[Sequence[str]], on_reply: Callable[..., None] | None = None):
+        self.task = task
+        self.scripts = [list(s) for s in scripts]
+        self.on_reply = on_reply
+        self.attempt = 0
+        self.turn = 0
+        self.eos = stop_token_ids(task.tokenizer)[0]
+
+    def __call__(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:
+        script = self.scripts[min(self.attempt, len(self.scripts) - 1)]
+        if self.turn >= len(script):  # a new attempt began: its first reply
+            self.attempt, self.turn = self.attempt + 1, 0
+            script = self.scripts[min(self.attempt, len(self.scripts) - 1)]
+        if self.on_reply is not None:
+            self.on_reply(self.attempt, self.turn)
+        text = script[self.turn]
+        self.turn += 1
+        ids = list(self.task.tokenizer.encode(text, add_special_tokens=False).ids) + [self.eos]
+        n = len(ids)
+        return [
+            GenerateResult(np.asarray(ids, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32), "stop")  # type: ignore[arg-type]
+            for _ in requests
+        ]
+
+
+def _episode(
+    root: Path, scripts: Sequence[Sequence[str]], *sets: str, on_reply: Callable[..., None] | None = None
+) -> tuple[Sample, HarborTask]:
+    cfg = load_config(None, ["sandbox.starts_per_s=0", *sets], environ={})
+    task = HarborTask(str(root))
+    task.bind_run(cfg)
+    agent = _Agent(task, scripts, on_reply)
+    template = load_chat_template_for(LeewayConfig(), task.tokenizer, task)
+    sampling = SamplingParams(max_new_tokens=4096, stop_token_ids=stop_token_ids(task.tokenizer))
+    prompt = next(iter(task.prompts()))
+
+    async def go() -> list[Sample]:
+        with VerifierPool() as verifiers:
+            try:
+                return await run_group(
+                    agent,
+                    task,
+                    prompt,
+                    1,
+                    sampling,
+                    task.environment,
+                    tokenizer=task.tokenizer,
+                    verifiers=verifiers,
+                    template=template,
+                    env_timeout_s=120.0,
+                    max_turns=8,
+                    infra_retries=cfg.rollout.infra_retries,
+                    strict_truncation=cfg.rollout.strict_truncation,
+                )
+            finally:
+                await task.aclose()
+
+    (sample,) = asyncio.run(go())
+    return sample, task
+
+
+def test_the_reward_is_what_the_tests_wrote_after_the_agents_commands(tmp_path: Path) -> None:
+    root = _one_task(tmp_path)
+    solved, _ = _episode(root, [[SOLVE, "DONE"]])
+    assert (solved.status, solved.reward, solved.reward_source) == ("ok", 1.0, "verifier")
+    wrong, _ = _episode(root, [[WRONG, "DONE"]])
+    assert (wrong.status, wrong.reward) == ("ok", 0.0)
+    nothing, _ = _episode(root, [["DONE"]])
+    assert nothing.reward == 0.0
+    # a background job that keeps writing the reward file is killed before the tests run
+    cheat = "```bash\n(while true; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; done) &\n```"
+    cheated, _ = _episode(root, [[cheat, "DONE"]])
+    assert cheated.reward == 0.0
+    # the tests were never in view of the agent
+    peek = "```bash\nls /tests; cat /tests/test.sh\n```"
+    peeked, task = _episode(root, [[peek, "DONE"]])
+    transcript = task.tokenizer.decode([int(t) for t in peeked.tokens], skip_special_tokens=False)
+    assert "reward.txt" not in transcript.split("ls /tests")[1] and peeked.reward == 0.0
+
+
+def test_a_reply_without_command_or_done_is_told_or_with_strict_format_ends_at_zero(tmp_path: Path) -> None:
+    root = _one_task(tmp_path)
+    told, task = _episode(root, [["I think I will write it.", SOLVE, "DONE"]])
+    assert told.reward == 1.0 and told.num_turns == 3
+    strict, _ = _episode(root, [["I think I will write it.", SOLVE, "DONE"]], "rollout.strict_format=true")
+    assert (strict.status, strict.reward, strict.num_turns) == ("format_error", 0.0, 1)
+
+
+def test_a_sandbox_killed_mid_episode_is_sandbox_lost_rerun_and_never_scores_zero(tmp_path: Path) -> None:
+    root = _one_task(tmp_path)
+    holder: dict[str, HarborTask] = {}
+
+    def kill_first_attempt(attempt: int, turn: int) -> None:
+        if attempt == 0 and turn == 1:  # after the solution is written, before DONE: the sandbox dies
+            for box in list(holder["task"].pool._live):
+                assert box._proc is not None
+                os.killpg(box._proc.pid, signal.SIGKILL)
+
+    cfg_sets = ("rollout.infra_retries=1",)
+    cfg = load_config(None, ["sandbox.starts_per_s=0", *cfg_sets], environ={})
+    task = HarborTask(str(root))
+    task.bind_run(cfg)
+    holder["task"] = task
+    # the same scripted policy twice: the first attempt's sandbox is killed; the rerun solves it
+    rerun, _ = _episode_with(task, [[SOLVE, "DONE"]], kill_first_attempt, infra_retries=1)
+    assert (rerun.status, rerun.reward, rerun.info["attempts"]) == ("ok", 1.0, 2)
+    never = HarborTask(str(root))
+    never.bind_run(cfg)
+    holder["task"] = never
+    lost, _ = _episode_with(never, [[SOLVE, "DONE"]], lambda a, t: kill_first_attempt(0, t), infra_retries=1)
+    assert (lost.status, lost.reward, lost.reward_source) == ("infra_error", None, "none")
+    assert lost.info["infra_reason"] == "sandbox_lost" and lost.info["attempts"] == 2
+
+
+def _episode_with(
+    task: HarborTask, scripts: Sequence[Sequence[str]], on_reply: Callable[..., None], *, infra_retries: int
+) -> tuple[Sample, HarborTask]:
+    agent = _Agent(task, scripts, on_reply)
+    template = load_chat_template_for(LeewayConfig(), task.tokenizer, task)
+    sampling = SamplingParams(max_new_tokens=4096, stop_token_ids=stop_token_ids(task.tokenizer))
+
+    async def go() -> list[Sample]:
+        with VerifierPool() as verifiers:
+            try:
+                return await run_group(
+                    agent,
+                    task,
+                    next(iter(task.prompts())),
+                    1,
+                    sampling,
+                    task.environment,
+                    tokenizer=task.tokenizer,
+                    verifiers=verifiers,
+                    template=template,
+                    env_timeout_s=120.0,
+                    infra_retries=infra_retries,
+                )
+            finally:
+                await task.aclose()
+
+    (sample,) = asyncio.run(go())
+    return sample, task
+
+
+@pytest.mark.parametrize(
+    ("edits", "reason"),
+    [
+        (
+            {"tests/test.sh": "#!/bin/bash\nsleep 1000\n", "task.toml": "[verifier]\ntimeout_sec = 1.0\n"},
+            "verifier_timeout",
+        ),
+        ({"tests/test.sh": "#!/bin/bash\necho written nowhere\n"}, "reward_missing"),
+        ({"tests/test.sh": "#!/bin/bash\nexit 7\n"}, "verifier_crashed"),
+        (
+            {"tests/test.sh": "#!/bin/bash\nmkdir -p /logs/verifier; echo lots > /logs/verifier/reward.txt\n"},
+            "verifier_crashed",
+        ),
+    ],
+)
+def test_a_verifier_that_cannot_score_is_a_typed_infra_error_never_a_zero(
+    tmp_path: Path, edits: dict[str, str], reason: str
+) -> None:
+    sample, _ = _episode(_one_task(tmp_path, **edits), [[SOLVE, "DONE"]], "rollout.infra_retries=0")
+    assert (sample.status, sample.reward, sample.info["infra_reason"]) == ("infra_error", None, reason)
+
+
+def test_an_agent_out_of_time_scores_zero_or_with_agent_timeout_is_infra_is_masked(tmp_path: Path) -> None:
+    root = _one_task(tmp_path, **{"task.toml": "[agent]\ntimeout_sec = 1.0\n"})
+    slow = ["```bash\nsleep 1000\n```", SOLVE, "DONE"]
+    policy, _ = _episode(root, [slow])
+    assert (policy.status, policy.reward, policy.info["error"]) == ("ok", 0.0, "agent_timeout")
+    infra, _ = _episode(root, [slow], "rollout.agent_timeout_is=infra", "rollout.infra_retries=0")
+    assert (infra.status, infra.reward, infra.info["infra_reason"]) == ("infra_error", None, "agent_timeout")
+
+
+def test_tasks_check_passes_the_shipped_set_and_catches_a_broken_oracle_and_free_rewards(tmp_path: Path) -> None:
+    shipped = subprocess.run(
+        leeway_argv("tasks", "check", str(CODING), "--set", "sandbox.starts_per_s=0"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert shipped.returncode == 0, shipped.stdout + shipped.stderr
+    assert '"tasks": 32, "passed": 32' in shipped.stdout
+    root = _one_task(
+        tmp_path, **{"solution/solve.sh": "#!/bin/bash\necho 'def reverse_words(s): return s' > /app/solution.py\n"}
+    )
+    shutil.copytree(CODING / "fizzbuzz-list", root / "fizzbuzz-list")
+    (root / "fizzbuzz-list" / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"
+    )
+    broken = subprocess.run(
+        leeway_argv("tasks", "check", str(root)), cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert '"failed": ["fizzbuzz-list", "reverse-words"]' in broken.stdout
+    assert "the oracle solution scores 0" in broken.stdout and "scores 1: the tests pay for nothing" in broken.stdout
