@@ -5,11 +5,11 @@ so a generator and a trainer started from the same spec and seed hold bit-identi
 and agree on the stop token without shipping a snapshot between them.
 
 A spec is either
-- a local Hugging Face checkpoint directory (loaded with ``local_files_only=True``; nothing is ever
-  fetched from a hub), or
+- a local Hugging Face checkpoint directory, or a Hub id at ``model.revision`` (from the HF cache, downloaded
+  unless ``HF_HUB_OFFLINE``; only the trainer loads it, generators build from the run's files), or
 - a named preset ``tiny-llama-<layers>x<hidden>`` (e.g. ``tiny-llama-2x64``): a randomly initialised
   Llama with ``hidden // 16`` heads, an MLP four times as wide, untied embeddings and
-  ``MAX_POSITION_EMBEDDINGS`` positions (rotary position embeddings), or
+  ``MAX_POSITION_EMBEDDINGS`` positions (rotary position embeddings; ``tiny-llama-2x64-2048``: 2048), or
 - a named preset ``tiny-gpt2-<layers>x<hidden>`` (e.g. ``tiny-gpt2-2x64``): a randomly initialised GPT-2
   with the same head size, MLP width, untied embeddings and context, but *learned absolute* position
   embeddings and every dropout at 0 (the trainer backend rejects dropout). Absolute positions make
@@ -47,7 +47,8 @@ from pipeline.tasks import Task
 from pipeline.tasks.char_tokenizer import load_char_tokenizer
 
 MAX_POSITION_EMBEDDINGS = 128
-"""Context length of the tiny presets: prompts and completions of the built-in tasks are far shorter."""
+"""Context length of the tiny presets: prompts and completions of the built-in tasks are far shorter. A preset
+named with a last ``-<positions>`` (``tiny-llama-2x64-2048``) has that many instead (the coding tasks' prompts)."""
 
 HEAD_DIM = 16
 """Head size of the tiny presets; the number of heads is ``hidden // HEAD_DIM``."""
@@ -69,7 +70,7 @@ Phi): a Qwen3 tokenizer has both <|endoftext|> and <|im_end|>, and a chat turn e
 BOS_TOKENS = ("<bos>", "<s>")
 PAD_TOKENS = ("<pad>", "<|pad|>")
 
-_PRESET_RE = re.compile(r"^tiny-(?P<family>llama|gpt2)-(?P<layers>\d+)x(?P<hidden>\d+)$")
+_PRESET_RE = re.compile(r"^tiny-(?P<family>llama|gpt2)-(?P<layers>\d+)x(?P<hidden>\d+)(?:-(?P<positions>\d+))?$")
 NAMED_PRESETS: dict[str, dict[str, int]] = {
     "llama-1.4b": {
         "hidden_size": 2048,
@@ -82,8 +83,9 @@ NAMED_PRESETS: dict[str, dict[str, int]] = {
 }
 """Named Llama shapes (untied embeddings, random init) for the GPU benchmarks; see the module docstring."""
 
-PRESET_FORMS = "'tiny-llama-<layers>x<hidden>', 'tiny-gpt2-<layers>x<hidden>' or one of " + ", ".join(
-    repr(name) for name in NAMED_PRESETS
+PRESET_FORMS = (
+    "'tiny-llama-<layers>x<hidden>[-<positions>]', 'tiny-gpt2-<layers>x<hidden>[-<positions>]' or one of "
+    + ", ".join(repr(name) for name in NAMED_PRESETS)
 )
 
 
@@ -121,6 +123,7 @@ def preset_config(
     if match is None:
         raise ValueError(f"model spec {spec!r} is not a preset of the form {PRESET_FORMS}")
     num_layers, hidden = int(match["layers"]), int(match["hidden"])
+    positions = int(match["positions"] or MAX_POSITION_EMBEDDINGS)
     if num_layers < 1 or hidden < HEAD_DIM or hidden % HEAD_DIM:
         raise ValueError(f"model spec {spec!r}: need >= 1 layer and a hidden size that is a multiple of {HEAD_DIM}")
     if vocab_size < 1:
@@ -129,7 +132,7 @@ def preset_config(
     if match["family"] == "gpt2":
         return GPT2Config(
             vocab_size=vocab_size,
-            n_positions=MAX_POSITION_EMBEDDINGS,
+            n_positions=positions,
             n_embd=hidden,
             n_layer=num_layers,
             n_head=num_heads,
@@ -150,7 +153,7 @@ def preset_config(
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         intermediate_size=4 * hidden,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        max_position_embeddings=positions,
         tie_word_embeddings=False,
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,

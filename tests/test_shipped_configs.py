@@ -60,6 +60,7 @@ LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 5e-3}
 def test_the_shipped_configs_are_the_documented_ones() -> None:
     assert [p.name for p in SHIPPED] == [
         "agent.yaml",
+        "coding.yaml",
         "demo.yaml",
         "gpu-qwen3.yaml",
         "gpu-single-node.yaml",

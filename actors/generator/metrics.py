@@ -285,8 +285,16 @@ def format_report(record: dict[str, Any]) -> str:
         f"{record['tokens_per_s']:.0f} tok/s, idle {record['idle_fraction']:.0%} "
         f"(total {record['idle_fraction_total']:.0%}), {record['rollouts_in_flight']} in flight, "
         f"{record['groups_published']} groups published, {record['weight_pulls']} pulls, "
-        f"staleness mean {'-' if staleness is None else f'{staleness:.2f}'}"
+        f"staleness mean {'-' if staleness is None else f'{staleness:.2f}'}" + _failures(record)
     )
+
+
+def _failures(record: dict[str, Any]) -> str:
+    reasons = record.get("failure_reasons") or {}
+    if not reasons:
+        return ""
+    listed = ", ".join(f"{reason} {count}" for reason, count in reasons.items())
+    return f"; failures: {listed}; {record.get('retried_episodes', 0)} episodes re-run"
 
 
 def _clip01(value: float) -> float:

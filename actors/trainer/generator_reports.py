@@ -39,6 +39,10 @@ LOGGED_REJECTIONS_MAX = 64
 """Rejections logged at WARNING (one per field); the rest at DEBUG, so a flood does not drown the log."""
 
 
+COUNT_FIELDS = {"failure_reasons": 64}
+"""Fields that are name -> count maps (the typed failures), with their most names."""
+
+
 class ReportError(ValueError):
     """A generator report that is not one; the message names the field."""
 
@@ -60,7 +64,19 @@ def parse_report(data: bytes) -> dict[str, Any]:
     for key, value in report.items():
         if len(key) > REPORT_MAX_KEY_CHARS:
             raise ReportError(f"field name {key[:REPORT_MAX_KEY_CHARS]!r}... longer than {REPORT_MAX_KEY_CHARS}")
-        if key in TEXT_FIELDS:
+        if key in COUNT_FIELDS:
+            if (
+                not isinstance(value, dict)
+                or len(value) > COUNT_FIELDS[key]
+                or not all(
+                    isinstance(k, str) and len(k) <= REPORT_MAX_KEY_CHARS and type(v) is int and v >= 0
+                    for k, v in value.items()
+                )
+            ):
+                raise ReportError(
+                    f"field {key!r} must map at most {COUNT_FIELDS[key]} names to counts, got {value!r:.80}"
+                )
+        elif key in TEXT_FIELDS:
             if not isinstance(value, str) or len(value) > TEXT_FIELDS[key]:
                 raise ReportError(f"field {key!r} must be a string of <= {TEXT_FIELDS[key]} chars, got {value!r:.80}")
         elif value is not None and (

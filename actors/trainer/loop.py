@@ -297,9 +297,15 @@ class Trainer:
                 batch.num_dropped,
             )
         if idle_s > self.cfg.trainer.queue_wait_timeout_s:
+            why = (
+                f"{batch.num_dropped} groups arrived and none could train (dropped by the staleness cap, or every "
+                "sample of each scored the same: no learning signal, as when a policy solves none of its tasks)"
+                if batch.num_dropped
+                else f"are generators running for run {self.cfg.run.name!r}?"
+            )
             raise QueueWaitTimeout(
                 f"no trainable group for {self.cfg.trainer.queue_wait_timeout_s:.0f} s "
-                f"(trainer.queue_wait_timeout_s); are generators running for run {self.cfg.run.name!r}?"
+                f"(trainer.queue_wait_timeout_s); {why}"
             )
 
     async def _take(self, delivery: Delivery, batch: Batch) -> int | None:

@@ -54,8 +54,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from pipeline.rl.env_messages import NotBridged, encode, step_ids
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult, reward_problem
-from pipeline.tasks.environment import Environment, EnvStep
+from pipeline.tasks.environment import Environment
 from pipeline.wire.trajectory import FinishReason, Sample, Status
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer, template: ChatTemplat
             )
         return template.render(prompt.messages)
     assert prompt.text is not None
-    return _encode(tokenizer, prompt.text, add_special_tokens=True)
+    return encode(tokenizer, prompt.text, add_special_tokens=True)
 
 
 class NoChatTemplate(ValueError):
@@ -494,7 +495,7 @@ async def _episode_turns(
     if callable(opening):
         try:
             first = await asyncio.wait_for(opening(), timeout=limits.env_timeout_s)
-            pending = _step_ids(first, scorer.tokenizer, template, None)
+            pending = step_ids(first, scorer.tokenizer, template, None)
         except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
             logger.exception("environment failed to open trajectory %s-%d", scorer.group_id, index)
             return scorer.environment_failed(index, turns, 0.0, f"{type(exc).__name__}: {exc}", reason=_reason(exc))
@@ -516,7 +517,7 @@ async def _episode_turns(
         if result.finish_reason == "length" and limits.strict_truncation:  # rollout.strict_truncation
             return scorer.sample(index, turns, reward=0.0, status="truncated", gen_s=gen_s, info={"strict": "length"})
         if result.finish_reason != "stop":  # "length": later turns are dropped; "abort": not scored
-            return await scorer.finish(index, turns, gen_s, truncated=True)
+            return await _cut(scorer, index, turns, gen_s, environment, limits)
         reply_ids = _strip_stop(turns[-1], scorer.sampling)
         try:
             step = await asyncio.wait_for(
@@ -535,11 +536,27 @@ async def _episode_turns(
         if step.done:
             return await scorer.finish(index, turns, gen_s, truncated=False)
         try:
-            pending = _step_ids(step, scorer.tokenizer, template, turns[-1])
-        except _NotBridged as exc:
+            pending = step_ids(step, scorer.tokenizer, template, turns[-1].token_ids)
+        except NotBridged as exc:
             logger.warning("environment of trajectory %s-%d: %s; infra_error", scorer.group_id, index, exc)
             return scorer.environment_failed(index, turns, gen_s, str(exc), step.info, reason="not_bridged")
-    return await scorer.finish(index, turns, gen_s, truncated=True)
+    return await _cut(scorer, index, turns, gen_s, environment, limits)
+
+
+async def _cut(
+    scorer: _Scorer, index: int, turns: list[Turn], gen_s: float, environment: Environment, limits: _Limits
+) -> Sample:
+    """An episode cut by a limit (a reply's length, the turns, the tokens): ``truncated``, scored by the
+    environment's own ``final()`` when it has one (a sandbox's tests), else by the task's verifier."""
+    final = getattr(environment, "final", None)
+    if not callable(final) or turns[-1].finish_reason in ("abort", "prompt_too_long"):
+        return await scorer.finish(index, turns, gen_s, truncated=True)
+    try:
+        step = await asyncio.wait_for(final(), timeout=limits.env_timeout_s)
+    except Exception as exc:  # a boundary we own, as for step()
+        return scorer.environment_failed(index, turns, gen_s, f"{type(exc).__name__}: {exc}", reason=_reason(exc))
+    reward = 0.0 if step.status == "format_error" else float(step.reward or 0.0)
+    return scorer.sample(index, turns, reward=reward, status="truncated", gen_s=gen_s, info=dict(step.info))
 
 
 def _reason(exc: BaseException) -> str:
@@ -547,40 +564,6 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "environment_timeout"
     return str(getattr(exc, "reason", "environment_error"))
-
-
-class _NotBridged(ValueError):
-    """An environment's chat messages cannot continue the conversation token for token."""
-
-
-def _step_ids(step: EnvStep, tokenizer: Tokenizer, template: ChatTemplate | None, reply: Turn | None) -> list[int]:
-    """The ids of an environment's message: its chat ``messages`` bridged after `reply` (the prompt's end when
-    None), else its text or ids."""
-    if step.messages is None:
-        return _message_ids(step.message, tokenizer)
-    if template is None:
-        raise _NotBridged("it answered with chat messages, and this model has no chat template (model.chat_template)")
-    ended = reply is None or (len(reply.token_ids) > 0 and int(reply.token_ids[-1]) == template.eos_id)
-    try:
-        ids = template.bridge(list(step.messages), ended_with_eos=ended)
-    except Exception as exc:  # the template cannot render what the environment sent
-        raise _NotBridged(f"its messages do not render with the chat template: {type(exc).__name__}: {exc}") from exc
-    if ids is None:
-        raise _NotBridged("the chat template does not render its messages by appending to the conversation")
-    return ids
-
-
-def _message_ids(message: str | Sequence[int] | None, tokenizer: Tokenizer) -> list[int]:
-    if message is None:
-        return []
-    if isinstance(message, str):
-        return _encode(tokenizer, message, add_special_tokens=False)
-    return [int(t) for t in message]
-
-
-def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
-    encoded = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return list(getattr(encoded, "ids", encoded))
 
 
 def _decode(tokenizer: Tokenizer, ids: np.ndarray) -> str:

@@ -29,7 +29,10 @@ class EnvStep:
 
 
 class Environment(Protocol):
-    """One episode's counterpart in a multi-turn rollout (tool, user simulator, game)."""
+    """One episode's counterpart in a multi-turn rollout (tool, user simulator, game). Optional hooks the rollout
+    calls when they exist: ``opening()`` (its first message, after the prompt), ``final()`` (its verdict on an
+    episode cut by a limit before it said done: the reward of a truncated sample) and ``aclose()`` (however the
+    episode ended). An exception with a ``reason`` (a sandbox's failure) names the sample's infra_error."""
 
     async def step(self, reply_text: str, reply_ids: np.ndarray) -> EnvStep:
         """React to the policy's reply (text with a final stop token removed; ids as sampled)."""

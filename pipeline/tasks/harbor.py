@@ -265,6 +265,10 @@ class HarborEpisode:
             raise EpisodeFailure("agent_timeout", f"{self.dir.name}: past [agent] timeout_sec")
         return EnvStep(done=True, reward=0.0, info={"error": "agent_timeout", "commands": self.commands})
 
+    async def final(self) -> EnvStep:
+        """The episode was cut by a turn or token limit before DONE: the tests judge what the agent left."""
+        return await self.verify()
+
     async def verify(self) -> EnvStep:
         """Kill what the agent left, copy the tests in, run them; the reward is what they wrote."""
         assert self.box is not None
