@@ -290,11 +290,11 @@ def format_report(record: dict[str, Any]) -> str:
 
 
 def _failures(record: dict[str, Any]) -> str:
-    reasons = record.get("failure_reasons") or {}
-    if not reasons:
+    reasons, rerun = record.get("failure_reasons") or {}, record.get("retried_episodes") or 0
+    if not reasons and not rerun:
         return ""
-    listed = ", ".join(f"{reason} {count}" for reason, count in reasons.items())
-    return f"; failures: {listed}; {record.get('retried_episodes', 0)} episodes re-run"
+    listed = ", ".join(f"{reason} {count}" for reason, count in reasons.items()) or "none"
+    return f"; failures: {listed}; {rerun} episodes re-run"
 
 
 def _clip01(value: float) -> float:
