@@ -1,0 +1,101 @@
+"""The sandbox pool: at most max_concurrent at once, starts in waves of starts_per_s, reservations out of the
+machine's CPUs and memory, an idle sandbox reaped (its next request is sandbox_lost), every sandbox torn down
+when its block ends or the pool closes, and the unisolated backend refused unless allowed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.sandbox import SandboxLost, SandboxRefused, SandboxSpec
+from pipeline.sandbox.local import LocalSandbox
+from pipeline.sandbox.pool import PoolSettings, SandboxPool
+from pipeline.sandbox.supervised import uid_processes
+
+
+def test_waves_space_the_starts_and_max_concurrent_bounds_the_live_ones() -> None:
+    async def go() -> tuple[list[float], int]:
+        pool = SandboxPool(PoolSettings(max_concurrent=3, starts_per_s=10.0, cpus=0.01, memory_mb=16))
+        peak = 0
+
+        async def episode() -> None:
+            nonlocal peak
+            async with pool.sandbox(SandboxSpec(label="wave")) as box:
+                peak = max(peak, pool.live)
+                assert (await box.exec("echo ok", timeout_s=30)).stdout == "ok\n"
+
+        await asyncio.gather(*(episode() for _ in range(8)))
+        await pool.close()
+        return pool.stats.admitted_s, peak
+
+    admitted, peak = asyncio.run(go())
+    assert len(admitted) == 8 and peak <= 3
+    gaps = [b - a for a, b in zip(admitted, admitted[1:])]
+    assert min(gaps) >= 0.1 - 1e-3, gaps  # 10 a second: never two starts closer than 0.1 s
+
+
+def test_a_reservation_waits_for_room_on_the_machine() -> None:
+    async def go() -> int:
+        import os
+
+        pool = SandboxPool(PoolSettings(max_concurrent=8, starts_per_s=0, cpus=float(os.cpu_count() or 1)))
+        peak = 0
+
+        async def episode() -> None:
+            nonlocal peak
+            async with pool.sandbox(SandboxSpec(label="big")):
+                peak = max(peak, pool.live)
+                await asyncio.sleep(0)
+
+        await asyncio.gather(*(episode() for _ in range(3)))
+        return peak
+
+    assert asyncio.run(go()) == 1  # each reserves every CPU: one at a time
+
+
+def test_an_idle_sandbox_is_reaped_and_its_next_request_is_sandbox_lost() -> None:
+    async def go() -> None:
+        pool = SandboxPool(PoolSettings(starts_per_s=0, cpus=0.01, memory_mb=16, idle_timeout_s=0.2))
+        async with pool.sandbox(SandboxSpec(label="idle")) as box:
+            while box.alive:  # the reaper's event: it kills the box once it has been idle past the timeout
+                await asyncio.sleep(0.05)
+            with pytest.raises(SandboxLost, match="reaped"):
+                await box.exec("true", timeout_s=30)
+        assert pool.stats.reaped == 1
+        await pool.close()
+
+    asyncio.run(go())
+
+
+def test_every_sandbox_is_torn_down_when_its_block_ends_however_it_ends() -> None:
+    async def go() -> list[int]:
+        pool = SandboxPool(PoolSettings(starts_per_s=0, cpus=0.01, memory_mb=16))
+        uids = []
+        with pytest.raises(RuntimeError, match="the episode failed"):
+            async with pool.sandbox(SandboxSpec(label="fails")) as box:
+                await box.exec("sleep 1000 &", timeout_s=30)
+                assert box.uid is not None
+                uids.append(box.uid)
+                raise RuntimeError("the episode failed")
+        await pool.close()
+        return uids
+
+    (uid,) = asyncio.run(go())
+    assert uid_processes(uid) == []
+
+
+def test_the_unisolated_backend_is_refused_unless_allowed() -> None:
+    with pytest.raises(SandboxRefused, match="allow_unisolated"):
+        SandboxPool(PoolSettings(backend="local"))
+    pool = SandboxPool(PoolSettings(backend="local", allow_unisolated=True, cpus=0.01, memory_mb=16))
+    assert pool.backend == "local"
+
+    async def go() -> str:
+        async with pool.sandbox(SandboxSpec(label="local")) as box:
+            assert isinstance(box, LocalSandbox)
+            await box.exec("echo here > note.txt", timeout_s=30)
+            return (await box.exec("cat note.txt; pwd", timeout_s=30)).stdout
+
+    out = asyncio.run(go())
+    assert out.startswith("here\n") and "leeway-sandbox-" in out  # its private directory stands for /app
