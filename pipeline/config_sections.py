@@ -339,6 +339,7 @@ class SandboxConfig(Section):
     max_file_mb: int = Field(256, ge=1)
     """Largest file a sandboxed process may write."""
     max_open_files: int = Field(256, ge=16)
+    """Open files of each sandboxed process."""
     cpu_time_s: int = Field(600, ge=1)
     """CPU seconds of each sandboxed process."""
     start_timeout_s: float = Field(60.0, gt=0)

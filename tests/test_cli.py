@@ -26,6 +26,7 @@ COMMANDS = (
     ("replay",),
     ("purge",),
     ("eval",),
+    ("tasks", "check"),
     ("fleet", "up"),
     ("fleet", "scale"),
     ("fleet", "status"),
@@ -36,6 +37,7 @@ COMMANDS = (
     ("bench", "engine"),
     ("bench", "trainer"),
     ("bench", "agents"),
+    ("bench", "sandbox"),
 )
 """Every leaf command of the parser (a test checks this list against `build_parser`)."""
 
