@@ -362,6 +362,9 @@ class EvalConfig(Section):
     """Sampling temperature of evaluation; None: `engine.sampling.temperature`. 0 is greedy."""
     prompts: int | None = Field(None, ge=1)
     """The first this many prompts of the task's eval split; None: all of it."""
+    strict: bool = False
+    """Hold evaluation episodes to `rollout.strict_format` and `rollout.strict_truncation` too. Off: evaluation
+    is lenient (a malformed turn is told, not ended at 0), whatever training does."""
 
 
 class WeightsConfig(Section):

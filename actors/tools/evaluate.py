@@ -5,7 +5,9 @@
 
 The weights are the store's own version V (`WeightSubscriber.pull`, bit-exact, hashes checked), so the result
 belongs to that version and to nothing else; nothing is trained on and nothing is published. Seeds are fixed
-per (prompt, sample), so evaluating the same version twice samples the same replies. The prompts are the
+per (prompt, sample), so evaluating the same version twice samples the same replies (a multi-turn task, whose
+episodes run through the rollout with an environment each, is not seed-fixed that way). Evaluation is lenient
+(`rollout.strict_*` off) unless ``eval.strict``. The prompts are the
 task's eval split (`Task.eval_prompts`: reasoning-gym's held-out seed, the math task's ``eval_path``), which
 `prompts()` never yields.
 
@@ -67,6 +69,7 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
             return 2
         cfg = cfg.model_copy(update={"eval": settings})
     torch.set_num_threads(cfg.engine.torch_threads)
+    cfg = lenient(cfg)
     task = task_for(cfg)
     prompts = task.eval_prompts()
     if prompts is None:
@@ -185,7 +188,14 @@ async def evaluate(
     """Roll out the first `eval.prompts` of `prompts` on `engine` (holding `version`) and score them; see the
     module docstring for the keys."""
     from actors.generator.runtime import sampling_params
-    from pipeline.rl.rollout import GenerateRequest, UnrunnablePrompt, checked_prompt_ids, score_group
+    from pipeline.rl.rollout import (
+        GenerateRequest,
+        UnrunnablePrompt,
+        checked_prompt_ids,
+        environment_factory,
+        run_group,
+        score_group,
+    )
     from pipeline.tasks import VERIFIER_THREADS, VerifierPool
 
     settings = cfg.eval
@@ -210,18 +220,35 @@ async def evaluate(
             unrunnable[exc.reason] += 1
             continue
         requests = [GenerateRequest(ids, seed=EVAL_SEED + i * 1024 + j, request_id=f"eval-{i}-{j}") for j in range(k)]
-        jobs.append((prompt, ids, engine.submit(requests, sampling)))
+        jobs.append((prompt, ids, [] if environment_factory(task) else engine.submit(requests, sampling)))
     statuses: Counter[str] = Counter()
     rewards: list[float] = []
     by_tag: dict[str, list[float]] = defaultdict(list)
     pass1: list[float] = []
     passk: list[float] = []
+    environment = environment_factory(task)
     with VerifierPool(timeout_s=cfg.generator.verifier_timeout_s, num_threads=VERIFIER_THREADS) as pool:
         for n, (prompt, ids, futures) in enumerate(jobs):
-            results = [await asyncio.wrap_future(f) for f in futures]
-            samples = await score_group(
-                task, prompt, ids, results, sampling, tokenizer=tokenizer, group_id=f"eval-{n}", verifiers=pool
-            )
+            if environment is not None:  # a multi-turn task: k episodes, the engine called once per turn
+                samples = await run_group(
+                    engine.generate,
+                    task,
+                    prompt,
+                    k,
+                    sampling,
+                    environment,
+                    tokenizer=tokenizer,
+                    verifiers=pool,
+                    group_id=f"eval-{n}",
+                    template=template,
+                    infra_retries=cfg.rollout.infra_retries,
+                    strict_truncation=cfg.rollout.strict_truncation,
+                )
+            else:
+                results = [await asyncio.wrap_future(f) for f in futures]
+                samples = await score_group(
+                    task, prompt, ids, results, sampling, tokenizer=tokenizer, group_id=f"eval-{n}", verifiers=pool
+                )
             scored = [s.reward for s in samples if s.reward is not None and s.status not in ("infra_error", "aborted")]
             statuses.update(s.status for s in samples)
             rewards.extend(scored)
@@ -231,6 +258,9 @@ async def evaluate(
                 right = [r >= task.max_reward for r in scored]
                 pass1.append(sum(right) / len(right))
                 passk.append(float(any(right)))
+    closing = getattr(task, "aclose", None)
+    if callable(closing):  # what the episodes held in this event loop (a harbor task's sandbox pool)
+        await closing()
     return {
         "version": version,
         "prompts": len(jobs),
@@ -244,6 +274,15 @@ async def evaluate(
         "unrunnable": dict(sorted(unrunnable.items())),
         "seconds": time.perf_counter() - started,
     }
+
+
+def lenient(cfg: LeewayConfig) -> LeewayConfig:
+    """`cfg` with the strict-episode rules off unless ``eval.strict``: evaluation measures what the policy can
+    do, not how often training's stricter rules would end its episodes."""
+    if cfg.eval.strict:
+        return cfg
+    rollout = cfg.rollout.model_copy(update={"strict_format": False, "strict_truncation": False})
+    return cfg.model_copy(update={"rollout": rollout})
 
 
 def _mean(values: list[float]) -> float | None:

@@ -206,8 +206,10 @@ class HarborTask(Task):
         return VerifierResult(None, status="infra_error", info={"error": "harbor: scored only by its tests"})
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            await self._pool.close()
+        """Tear down the pool's sandboxes; a later episode (in another event loop, say) makes a new pool."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
 
 
 class HarborEpisode:

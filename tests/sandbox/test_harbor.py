@@ -6,6 +6,7 @@ the shipped set and catches a broken oracle and tests that pay for nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -242,3 +243,38 @@ def test_tasks_check_passes_the_shipped_set_and_catches_a_broken_oracle_and_free
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert '"failed": ["fizzbuzz-list", "reverse-words"]' in broken.stdout
     assert "the oracle solution scores 0" in broken.stdout and "scores 1: the tests pay for nothing" in broken.stdout
+
+
+def test_leeway_eval_plays_a_harbor_tasks_held_out_episodes_in_sandboxes(tmp_path: Path) -> None:
+    """A multi-turn task's evaluation runs episodes (an environment each), not one reply scored by `verify`: every
+    sample is scored by the task's tests (the demo model solves none: reward 0, never an infra_error)."""
+    import torch
+
+    from actors.models import build_policy_model, load_tokenizer
+    from actors.trainer.sessions import build_weight_publisher
+    from pipeline.tasks import task_for
+    from storage.filestore import FileStore
+
+    sets = [
+        f"store.url=file://{tmp_path / 'store'}",
+        "run.name=harbor-eval",
+        "task.args.eval_size=2",
+        "sandbox.starts_per_s=0",
+        "engine.sampling.max_new_tokens=16",
+    ]
+    cfg = load_config(str(REPO / "configs" / "coding.yaml"), sets, environ={})
+    task = task_for(cfg)
+    torch.manual_seed(0)
+    model = build_policy_model(cfg, load_tokenizer(cfg, task))
+    with FileStore(tmp_path / "store") as store:
+        publisher = build_weight_publisher(cfg, store, model)
+        publisher.publish(0, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        publisher.close()
+    argv = leeway_argv("eval", str(REPO / "configs" / "coding.yaml"), "--version", "0", "--samples", "2")
+    done = subprocess.run(
+        [*argv, *(a for s in sets for a in ("--set", s))], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["prompts"] == 2 and sum(result["statuses"].values()) == 4
+    assert "infra_error" not in result["statuses"] and result["mean_reward"] == 0.0
