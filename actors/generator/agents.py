@@ -12,9 +12,12 @@ leaves a sample of its rendered prompt (no loss tokens) so the group keeps one s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import httpx2
 import numpy as np
@@ -42,7 +45,14 @@ class AgentRunner:
         api_key: str | None,
         timeout_s: float,
         max_tokens: int,
+        sandboxes: Callable[[Prompt], Any] | None = None,
+        agent_timeout_is: str = "infra",
     ) -> None:
+        self.agent_timeout_is = agent_timeout_is
+        """A sandboxed run past its timeout: ``policy`` (reward 0, `rollout.agent_timeout_is`) or ``infra``."""
+        self.sandboxes = sandboxes
+        """A sandboxed task's episode maker (`HarborTask.environment`): each run gets the episode's sandbox in
+        ``ctx.sandbox``, and the episode's tests score it once the agent returns."""
         self.agent = agent
         self.service = service
         self.base_url = base_url
@@ -84,8 +94,15 @@ class AgentRunner:
         start_wall, start = time.time(), time.perf_counter()
         outcome: AgentOutcome | None = None
         error = ""
+        sandboxed = self.sandboxes(prompt) if self.sandboxes is not None else None
         try:
+            if sandboxed is not None:
+                await sandboxed.opening()
+                ctx = dataclasses.replace(ctx, sandbox=sandboxed.box)
             outcome = await asyncio.wait_for(self.agent(prompt, client, ctx), timeout=self.timeout_s)
+            if sandboxed is not None and isinstance(outcome, AgentOutcome) and outcome.status != "format_error":
+                verdict = await sandboxed.verify()  # the tests, not the agent, score a sandboxed run
+                outcome = AgentOutcome(verdict.reward, info={**outcome.info, **verdict.info})
             if not isinstance(outcome, AgentOutcome):
                 error = f"agent returned {type(outcome).__name__}, not an AgentOutcome"
             elif outcome.reward is None and outcome.status != "format_error":
@@ -93,18 +110,25 @@ class AgentRunner:
             elif outcome.status != "format_error" and (problem := reward_problem(outcome.reward)):
                 error = f"agent: {problem}"
         except asyncio.TimeoutError:
-            error = f"agent_timeout: the agent ran past task.agent_timeout_s = {self.timeout_s}"
+            if sandboxed is not None and self.agent_timeout_is == "policy":  # the policy's failure: reward 0
+                outcome = AgentOutcome(0.0, info={"error": "agent_timeout"})
+            else:
+                error = f"agent_timeout: the agent ran past task.agent_timeout_s = {self.timeout_s}"
         except Exception as exc:  # a boundary we own: any agent failure is that episode's infra_error
-            log.warning("agent run %s raised", session_id, exc_info=True)
-            error = f"agent raised {type(exc).__name__}: {exc}"
+            reason = getattr(exc, "reason", None)  # a sandbox's or verifier's typed failure
+            log.warning("agent run %s raised", session_id, exc_info=reason is None)
+            error = f"{reason}: {exc}" if reason else f"agent raised {type(exc).__name__}: {exc}"
         finally:
             self.service.sessions.close(session_id)
+            if sandboxed is not None:
+                await sandboxed.aclose()
         elapsed = time.perf_counter() - start
         if error:
             self.failures[error.split(":")[0]] = self.failures.get(error.split(":")[0], 0) + 1
         branches = session.samples()
         if error or outcome is None:
-            reward, status, info = None, "infra_error", {"error": error}
+            reason = error.split(":")[0] if ":" in error and " " not in error.split(":")[0] else "agent_error"
+            reward, status, info = None, "infra_error", {"error": error, "infra_reason": reason}
         elif outcome.status == "format_error":
             reward, status, info = 0.0, "format_error", dict(outcome.info)
         else:

@@ -256,6 +256,8 @@ def _agent_runner(
         api_key=api_key,
         timeout_s=cfg.task.agent_timeout_s,
         max_tokens=cfg.engine.sampling.max_new_tokens,
+        sandboxes=task.environment if getattr(task, "sandboxed_agents", False) else None,  # type: ignore[attr-defined]
+        agent_timeout_is=cfg.rollout.agent_timeout_is,
     )
 
 

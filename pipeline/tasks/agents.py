@@ -41,6 +41,9 @@ class AgentContext:
     max_tokens: int
     index: int
     """The sample's index in its group (0 .. group_size - 1)."""
+    sandbox: Any = None
+    """The episode's sandbox (`pipeline.sandbox.Sandbox`: ``exec``, ``write_file``, ``read_file``) when the task
+    runs one (harbor); the agent works in it, and the task's tests, not the agent, then give the reward."""
 
 
 AgentFunction = Callable[[Prompt, Any, AgentContext], Awaitable[AgentOutcome]]

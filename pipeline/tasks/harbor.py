@@ -148,6 +148,8 @@ class HarborTask(Task):
     name = "harbor"
     self_check = False
     """Rewards come from each task's own tests in a sandbox: `leeway tasks check DIR` is this task's self-check."""
+    sandboxed_agents = True
+    """An agent function (`task.agent`) runs in the episode's sandbox (``ctx.sandbox``) and is scored by the tests."""
 
     def __init__(self, path: str, eval_size: int = 0, seed: int = 0, tokenizer: str = "text") -> None:
         self.tasks = load_task_dirs(path)

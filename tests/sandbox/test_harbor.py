@@ -14,6 +14,7 @@ import subprocess
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -278,3 +279,66 @@ def test_leeway_eval_plays_a_harbor_tasks_held_out_episodes_in_sandboxes(tmp_pat
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["prompts"] == 2 and sum(result["statuses"].values()) == 4
     assert "infra_error" not in result["statuses"] and result["mean_reward"] == 0.0
+
+
+async def _oracle_agent(prompt: Any, client: Any, ctx: Any) -> Any:
+    """An agent function that asks the model once and then writes the task's oracle in its sandbox itself."""
+    from pipeline.tasks.agents import AgentOutcome
+
+    await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "12>"}])
+    solution = CODING / prompt.metadata["task"] / "solution" / "solve.sh"
+    ran = await ctx.sandbox.exec(solution.read_text(), timeout_s=60)
+    return AgentOutcome(1.0 if ran.ok else None, info={"wrote": ran.ok})  # its own reward is not the one counted
+
+
+async def _idle_agent(prompt: Any, client: Any, ctx: Any) -> Any:
+    from pipeline.tasks.agents import AgentOutcome
+
+    await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "12>"}])
+    return AgentOutcome(1.0)  # claims success, wrote nothing: the tests say 0
+
+
+async def _slow_agent(prompt: Any, client: Any, ctx: Any) -> Any:
+    await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "12>"}])
+    await ctx.sandbox.exec("sleep 1000", timeout_s=600)
+    raise AssertionError("unreachable")
+
+
+def test_an_agent_function_works_in_the_episodes_sandbox_and_the_tests_score_it(tmp_path: Path) -> None:
+    from actors.generator.agents import AgentRunner
+    from tests.support.endpoints import served
+
+    root = _one_task(tmp_path)
+    task = HarborTask(str(root))
+    task.bind_run(load_config(None, ["sandbox.starts_per_s=0"], environ={}))
+    prompt = next(iter(task.prompts()))
+
+    async def go() -> dict[str, list[Sample]]:
+        out = {}
+        async with served() as s:
+            for name, agent, timeout_is in (
+                ("oracle", _oracle_agent, "policy"),
+                ("idle", _idle_agent, "policy"),
+                ("slow-policy", _slow_agent, "policy"),
+                ("slow-infra", _slow_agent, "infra"),
+            ):
+                runner = AgentRunner(
+                    agent,
+                    s.service,
+                    base_url=s.endpoint.url,
+                    api_key=None,
+                    timeout_s=30 if agent is not _slow_agent else 2,
+                    max_tokens=6,
+                    sandboxes=task.environment,
+                    agent_timeout_is=timeout_is,
+                )
+                out[name] = await runner.group(prompt, 2)
+        await task.aclose()
+        return out
+
+    runs = asyncio.run(go())
+    assert [(x.status, x.reward) for x in runs["oracle"]] == [("ok", 1.0)] * 2
+    assert all(x.info["wrote"] and x.loss_mask.sum() > 0 for x in runs["oracle"])
+    assert [(x.status, x.reward) for x in runs["idle"]] == [("ok", 0.0)] * 2
+    assert [(x.status, x.reward) for x in runs["slow-policy"]] == [("ok", 0.0)] * 2
+    assert [(x.status, x.info["infra_reason"]) for x in runs["slow-infra"]] == [("infra_error", "agent_timeout")] * 2
