@@ -77,34 +77,13 @@ def _episode(
     cfg = load_config(None, ["sandbox.starts_per_s=0", *sets], environ={})
     task = HarborTask(str(root))
     task.bind_run(cfg)
-    agent = _Agent(task, scripts, on_reply)
-    template = load_chat_template_for(LeewayConfig(), task.tokenizer, task)
-    sampling = SamplingParams(max_new_tokens=4096, stop_token_ids=stop_token_ids(task.tokenizer))
-    prompt = next(iter(task.prompts()))
-
-    async def go() -> list[Sample]:
-        with VerifierPool() as verifiers:
-            try:
-                return await run_group(
-                    agent,
-                    task,
-                    prompt,
-                    1,
-                    sampling,
-                    task.environment,
-                    tokenizer=task.tokenizer,
-                    verifiers=verifiers,
-                    template=template,
-                    env_timeout_s=120.0,
-                    max_turns=8,
-                    infra_retries=cfg.rollout.infra_retries,
-                    strict_truncation=cfg.rollout.strict_truncation,
-                )
-            finally:
-                await task.aclose()
-
-    (sample,) = asyncio.run(go())
-    return sample, task
+    return _episode_with(
+        task,
+        scripts,
+        on_reply,
+        infra_retries=cfg.rollout.infra_retries,
+        strict_truncation=cfg.rollout.strict_truncation,
+    )
 
 
 def test_the_reward_is_what_the_tests_wrote_after_the_agents_commands(tmp_path: Path) -> None:
@@ -161,8 +140,14 @@ def test_a_sandbox_killed_mid_episode_is_sandbox_lost_rerun_and_never_scores_zer
 
 
 def _episode_with(
-    task: HarborTask, scripts: Sequence[Sequence[str]], on_reply: Callable[..., None], *, infra_retries: int
+    task: HarborTask,
+    scripts: Sequence[Sequence[str]],
+    on_reply: Callable[..., None] | None,
+    *,
+    infra_retries: int,
+    strict_truncation: bool = False,
 ) -> tuple[Sample, HarborTask]:
+    """One episode of the task's first prompt, played by the scripted `_Agent`, through the real rollout."""
     agent = _Agent(task, scripts, on_reply)
     template = load_chat_template_for(LeewayConfig(), task.tokenizer, task)
     sampling = SamplingParams(max_new_tokens=4096, stop_token_ids=stop_token_ids(task.tokenizer))
@@ -181,7 +166,9 @@ def _episode_with(
                     verifiers=verifiers,
                     template=template,
                     env_timeout_s=120.0,
+                    max_turns=8,
                     infra_retries=infra_retries,
+                    strict_truncation=strict_truncation,
                 )
             finally:
                 await task.aclose()
