@@ -60,6 +60,9 @@ SHELL_AGENT_PROMPT = (
 COMMAND = re.compile(r"```(?:bash|sh)?[ \t]*\n(.*?)```", re.DOTALL)
 DONE = re.compile(r"(?m)^\s*DONE\s*$")
 REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
+VERIFIER_ENV = {"HOME": "/logs/home", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+"""The tests run with a fresh home and no user site-packages: nothing the agent left in its home (a
+``usercustomize.py``) runs inside them."""
 MAX_OBSERVATION_CHARS = 2000
 """Output of one command shown to the model (the head and the tail when longer)."""
 
@@ -279,12 +282,12 @@ class HarborEpisode:
         box = self.box
         try:
             await box.kill_processes()
-            await box.exec("rm -rf /logs/verifier /tests/*", timeout_s=30)
+            await box.exec("rm -rf /logs/verifier /logs/home /tests/* && mkdir -p /logs/home", timeout_s=30)
             for path in sorted((self.dir.path / "tests").rglob("*")):
                 if path.is_file():
                     inside = "/tests/" + path.relative_to(self.dir.path / "tests").as_posix()
                     await box.write_file(inside, path.read_bytes(), mode=0o755)
-            ran = await box.exec("bash /tests/test.sh", timeout_s=self.dir.verifier_timeout_s)
+            ran = await box.exec("bash /tests/test.sh", timeout_s=self.dir.verifier_timeout_s, env=VERIFIER_ENV)
             if ran.timed_out:
                 raise EpisodeFailure("verifier_timeout", f"{self.dir.name}: past {self.dir.verifier_timeout_s:g} s")
             reward = await self._reward(ran.exit_code, ran.stderr)

@@ -329,3 +329,15 @@ def test_an_agent_function_works_in_the_episodes_sandbox_and_the_tests_score_it(
     assert [(x.status, x.reward) for x in runs["idle"]] == [("ok", 0.0)] * 2
     assert [(x.status, x.reward) for x in runs["slow-policy"]] == [("ok", 0.0)] * 2
     assert [(x.status, x.info["infra_reason"]) for x in runs["slow-infra"]] == [("infra_error", "agent_timeout")] * 2
+
+
+def test_what_the_agent_leaves_in_its_home_does_not_run_inside_the_tests(tmp_path: Path) -> None:
+    # a usercustomize.py that answers the checker's token and exits 0 before any check: it fools the shipped
+    # test.sh whenever the tests' python imports it
+    cheat = "import os, sys; print(sys.stdin.readline().strip(), flush=True); os._exit(0)"
+    plant = (
+        "```bash\nd=$(python3 -m site --user-site) && mkdir -p $d && "
+        f"echo '{cheat}' > $d/usercustomize.py && echo planted\n```"
+    )
+    planted, _ = _episode(_one_task(tmp_path), [[plant, "DONE"]])
+    assert planted.reward == 0.0
