@@ -124,6 +124,7 @@ CONFIG_COMMANDS: dict[str, ConfigCommand] = {
     "replay": ConfigCommand("actors.tools.replay"),
     "purge": ConfigCommand("actors.tools.purge"),
     "eval": ConfigCommand("actors.tools.evaluate"),
+    "sft": ConfigCommand("actors.sft.runtime"),
     "fleet": ConfigCommand("actors.fleet.commands"),
     "tasks": ConfigCommand("actors.tools.tasks_check"),
 }
@@ -253,6 +254,25 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     add_selection_arguments(trainer, required=False)
     trainer.set_defaults(handler=cmd_trainer)
 
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning into a checkpoint directory that model.name_or_path then loads for RL",
+        description="Trains sft.base_model (default model.name_or_path) on sft.data (JSONL/Parquet rows of "
+        "'messages', or 'prompt' and 'completion') or, with sft.from_task, on the task's reference answers; the loss "
+        "is on the assistant's tokens only, rendered with the run's tokenizer and chat template as a generator "
+        "renders them. Uses the trainer's backend (trainer.backend, packing, --nproc FSDP2 ranks), a learning rate "
+        "with warm-up and decay (sft.*), gradient clipping, a progress bar with loss and tokens/s, resumable state "
+        "every sft.checkpoint_every steps. Writes a Hugging Face checkpoint (safetensors, config, tokenizer, chat "
+        "template) into sft.output_dir (default runs/<run.name>-sft), then evaluates it on the task's eval split "
+        "(eval.json) and prints a JSON summary.",
+    )
+    _add_config_args(sft)
+    sft.add_argument("--resume", action="store_true", help="continue from the newest saved state in sft.output_dir")
+    sft.add_argument("--fresh", action="store_true", help="delete sft.output_dir first (an earlier result or state)")
+    sft.add_argument("--nproc", type=int, default=None, help="FSDP2 data-parallel ranks (default: trainer.nproc)")
+    sft.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
+    sft.set_defaults(handler=CONFIG_COMMANDS["sft"])
+
     generator = sub.add_parser(
         "generator",
         help="run one generator until interrupted",
@@ -307,6 +327,12 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
     )
     evaluate.add_argument(
         "--prompts", type=int, default=None, help="the first N eval prompts (default: eval.prompts, or all)"
+    )
+    evaluate.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="evaluate a local checkpoint directory instead (a `leeway sft` result); needs no servers",
     )
     evaluate.add_argument(
         "--follow",

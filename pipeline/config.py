@@ -49,6 +49,7 @@ from pipeline.config_sections import (
     RunConfig,
     SandboxConfig,
     Section,
+    SftConfig,
     StalenessConfig,
     StoreConfig,
     StreamConfig,
@@ -118,6 +119,7 @@ class LeewayConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     stream: StreamConfig = Field(default_factory=StreamConfig)
     outages: OutageConfig = Field(default_factory=OutageConfig)

@@ -367,6 +367,56 @@ class EvalConfig(Section):
     is lenient (a malformed turn is told, not ended at 0), whatever training does."""
 
 
+class SftConfig(Section):
+    """Supervised fine-tuning (`leeway sft CONFIG`): the model warmed up on reference answers before RL. It trains
+    with the trainer's backend and its settings (`trainer.backend`, `trainer.device`, `trainer.micro_batch_tokens`,
+    `trainer.packing`, `trainer.nproc`, `trainer.torch_threads`) and writes a Hugging Face checkpoint directory
+    that `model.name_or_path` takes as it stands."""
+
+    base_model: str | None = None
+    """The model SFT starts from (a preset, a checkpoint directory or a Hub id); None: `model.name_or_path`. A
+    recipe that RLs the SFT checkpoint sets `model.name_or_path` to `sft.output_dir` and this to its start."""
+    data: str | None = None
+    """A JSONL or Parquet file of examples: rows with `messages` (a chat; the loss is on the assistant turns) or
+    `prompt` and `completion` (text, or messages for the prompt). Exclusive with `from_task`."""
+    from_task: bool = False
+    """Train on the task's own reference answers: every train prompt of `task.*` with the completion its verifier
+    scores highest (`Task.reference_completion`; reasoning-gym has them), rendered as the generator renders it."""
+    max_examples: int | None = Field(None, ge=1)
+    """Use at most this many examples (the first of the file, or of the task's train split)."""
+    output_dir: str | None = None
+    """Where the checkpoint is written (model.safetensors, config.json, tokenizer, chat template, eval.json) and
+    the resumable state kept (`state/`). Default: `runs/<run.name>-sft`, outside `run.dir` so `leeway run
+    --fresh` never deletes it."""
+    epochs: float = Field(1.0, gt=0)
+    """Passes over the examples (fractions allowed); ignored when `max_steps` is set."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps in all; None: as many as `epochs` take."""
+    batch_examples: int = Field(32, ge=1)
+    """Examples per optimizer step (the loss is the mean over their assistant tokens)."""
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate (AdamW with `trainer.betas`, `trainer.adam_eps`, `trainer.weight_decay`)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to `lr`."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """After warm-up: cosine or linear decay to `min_lr_ratio * lr` at the last step, or constant."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The learning rate at the last step, as a fraction of `lr` (cosine and linear)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    checkpoint_every: int = Field(100, ge=1)
+    """Save the resumable state (weights, AdamW, RNG, data position) every this many steps; `leeway sft --resume`
+    continues from the newest."""
+    eval_at_end: bool = True
+    """Evaluate the checkpoint on the task's eval split at the end (`eval.*` settings), into `eval.json`."""
+    log_every: int = Field(10, ge=1)
+    """Append a record to `<output_dir>/sft.jsonl` (loss, tokens/s, lr) every this many steps."""
+
+    @property
+    def output_path(self) -> Path | None:
+        return None if self.output_dir is None else Path(self.output_dir)
+
+
 class WeightsConfig(Section):
     full_every: int = Field(50, ge=1)
     """A full snapshot every this many versions (version 0 is always full); deltas in between."""

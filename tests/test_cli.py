@@ -26,6 +26,7 @@ COMMANDS = (
     ("replay",),
     ("purge",),
     ("eval",),
+    ("sft",),
     ("tasks", "check"),
     ("fleet", "up"),
     ("fleet", "scale"),

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from actors.generator.engines.base import GenerateRequest
 from actors.generator.engines.torch_engine import TorchEngine
@@ -67,13 +68,15 @@ def test_the_shipped_configs_are_the_documented_ones() -> None:
         "math.yaml",
         "multi-node.yaml",
         "reasoning-gym.yaml",
+        "reasoning.yaml",
     ]
 
 
-def _write_tiny_checkpoint(directory: Path, *, chat: bool = False) -> Path:
-    """A 1-layer Llama in HF format with the char tokenizer (for a chat config: the chat tokenizer and its chat
-    template in ``tokenizer_config.json``): what `model.name_or_path` would point at."""
-    tokenizer = load_chat_tokenizer("chat") if chat else load_char_tokenizer()
+def _write_tiny_checkpoint(directory: Path, *, chat: bool = False, tokenizer: Tokenizer | None = None) -> Path:
+    """A 1-layer Llama in HF format with `tokenizer` (the task's own), else the char tokenizer (for a chat config:
+    the chat tokenizer and its chat template in ``tokenizer_config.json``): what `model.name_or_path` would point
+    at."""
+    tokenizer = tokenizer or (load_chat_tokenizer("chat") if chat else load_char_tokenizer())
     model = build_model(
         TINY_CHECKPOINT,
         vocab_size=tokenizer.get_vocab_size(),
@@ -94,7 +97,10 @@ def _cpu_config(path: Path, tmp_path: Path) -> LeewayConfig:
     spec = cfg.model.name_or_path
     if is_preset(spec) or (ROOT / spec).is_dir():
         return cfg
-    checkpoint = _write_tiny_checkpoint(tmp_path / "policy", chat=bool(cfg.task.args.get("chat")))
+    # a config that takes its tokenizer from the task (configs/reasoning.yaml's numeric alphabet) gets a checkpoint
+    # sized for it, as `leeway sft` writes one
+    own = None if cfg.model.tokenizer else getattr(get_task(cfg.task.name, **cfg.task.args), "tokenizer", None)
+    checkpoint = _write_tiny_checkpoint(tmp_path / "policy", chat=bool(cfg.task.args.get("chat")), tokenizer=own)
     overrides = [*CPU_OVERRIDES, f"model.name_or_path={checkpoint}"]
     if cfg.model.tokenizer == spec:
         overrides.append(f"model.tokenizer={checkpoint}")

@@ -78,6 +78,14 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     if not prompts:
         print(f"leeway eval: the eval split of task {cfg.task.name!r} is empty (see its eval_* arguments)", flush=True)
         return 2
+    if getattr(args, "checkpoint", None) is not None:
+        try:
+            result = evaluate_checkpoint(cfg, Path(args.checkpoint), task=task, prompts=prompts)
+        except ValueError as exc:
+            print(f"leeway eval: {exc}", flush=True)
+            return 2
+        print(json.dumps(result), flush=True)
+        return 0
     try:
         store = open_run_store(cfg, resolve_endpoints(cfg, nats=False))
     except EndpointError as exc:
@@ -109,6 +117,30 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
             shutil.rmtree(config_dir, ignore_errors=True)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def evaluate_checkpoint(
+    cfg: LeewayConfig, directory: Path, *, task: Any | None = None, prompts: list[Any] | None = None
+) -> dict[str, Any]:
+    """A local checkpoint directory (an SFT result) evaluated as `evaluate` evaluates a published version: the engine
+    built from it as a generator builds the run's model, its weights as they are (``version`` 0). Needs no servers."""
+    from actors.generator.runtime import build_engine
+    from actors.models import load_chat_template_for, load_tokenizer
+    from pipeline.tasks import task_for
+
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"--checkpoint {directory}: no config.json there (not a checkpoint directory)")
+    cfg = lenient(cfg)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(directory)})})
+    task = task_for(cfg) if task is None else task
+    prompts = task.eval_prompts() if prompts is None else prompts
+    if not prompts:
+        raise ValueError(f"task {cfg.task.name!r} has no eval prompts (Task.eval_prompts)")
+    tokenizer = load_tokenizer(cfg, task)
+    template = load_chat_template_for(cfg, tokenizer, task)
+    engine = build_engine(cfg, tokenizer, "eval")
+    result = asyncio.run(evaluate(cfg, engine, tokenizer, template, task, prompts, version=0))
+    return {"checkpoint": str(directory), **result}
 
 
 def follow(

@@ -142,7 +142,8 @@ class MetricsLog:
 
 def roll_back_metrics(path: Path, step: int) -> int:
     """On resume: move the records of steps after `step` (whose training was lost) to
-    `metrics.rolled_back.jsonl` next to `path`; a torn last line (killed mid-write) goes there too.
+    `<stem>.rolled_back.jsonl` next to `path` (`metrics.rolled_back.jsonl` for the trainer's log); a torn last line
+    (killed mid-write) goes there too.
     Returns how many lines moved."""
     if not path.exists():
         return 0
@@ -156,7 +157,7 @@ def roll_back_metrics(path: Path, step: int) -> int:
             keep = False
         (kept if keep else rolled_back).append(line)
     if rolled_back:
-        with open(path.with_name("metrics.rolled_back.jsonl"), "ab") as handle:
+        with open(path.with_name(f"{path.stem}.rolled_back.jsonl"), "ab") as handle:
             handle.write(b"".join(line + b"\n" for line in rolled_back))
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_bytes(b"".join(line + b"\n" for line in kept))

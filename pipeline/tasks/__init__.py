@@ -274,23 +274,32 @@ def load_prompts(path: str | Path, *, id_prefix: str | None = None) -> list[Prom
     ``<file stem>-<row index>``. A row without a string ``prompt`` raises ValueError naming file and row.
     """
     path = Path(path)
+    rows = read_rows(path, what="prompt file")
+    prefix = id_prefix or path.stem
+    return [_prompt_from_row(row, path, i, prefix) for i, row in enumerate(rows)]
+
+
+def read_rows(path: str | Path, *, what: str) -> list[Any]:
+    """The rows of a JSONL or Parquet file (prompts, SFT examples); ValueError naming `what`, the file and the line
+    for a missing file, another format or a line that is not JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path}: no such file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    elif path.suffix in (".jsonl", ".json"):
-        rows = []
-        with path.open() as f:
-            for line_no, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{path}:{line_no}: not valid JSON: {exc}") from exc
-    else:
-        raise ValueError(f"prompt file {path}: expected a .jsonl or .parquet file")
-    prefix = id_prefix or path.stem
-    return [_prompt_from_row(row, path, i, prefix) for i, row in enumerate(rows)]
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{what} {path}: expected a .jsonl or .parquet file")
+    rows = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON: {exc}") from exc
+    return rows
 
 
 def _prompt_from_row(row: Any, path: Path, index: int, prefix: str) -> Prompt:

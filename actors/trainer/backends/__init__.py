@@ -8,6 +8,8 @@ is re-exported from `pipeline/rl/batching.py`, which produces it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import PreTrainedModel
 
 from actors.trainer.backends.base import (
@@ -25,10 +27,11 @@ from pipeline.config import LeewayConfig
 from pipeline.rl.batching import TrainSequence
 
 
-def build_backend(config: LeewayConfig, model: PreTrainedModel) -> TrainingBackend:
-    """The backend named by ``config.trainer.backend``, wrapping ``model`` (from `actors.models.build_policy_model`)."""
+def build_backend(config: LeewayConfig, model: PreTrainedModel, **overrides: Any) -> TrainingBackend:
+    """The backend named by ``config.trainer.backend``, wrapping ``model`` (from `actors.models.build_policy_model`).
+    ``overrides`` replace options `backend_options` reads from the config (SFT: its own lr, clip, temperature 1)."""
     if config.trainer.backend == "torch":
-        return TorchBackend.from_config(config, model)
+        return TorchBackend.from_config(config, model, **overrides)
     if config.trainer.backend == "megatron":
         try:
             from actors.trainer.backends.megatron import MegatronBackend
@@ -36,7 +39,7 @@ def build_backend(config: LeewayConfig, model: PreTrainedModel) -> TrainingBacke
             raise ValueError(
                 f"trainer.backend='megatron' needs megatron-core: pip install -e '.[megatron]' ({exc})"
             ) from exc
-        return MegatronBackend.from_config(config, model)
+        return MegatronBackend.from_config(config, model, **overrides)
     raise ValueError(f"trainer.backend={config.trainer.backend!r} is not implemented (available: 'torch', 'megatron')")
 
 

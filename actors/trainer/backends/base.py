@@ -208,6 +208,14 @@ class TrainingBackend(ABC):
     def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:
         """Restore what `state_tensors` and `state_meta` returned; raises ValueError on a mismatch."""
 
+    optimizer: torch.optim.Optimizer
+    """The AdamW every backend trains with."""
+
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next updates (SFT's warm-up and decay; RL trains at ``trainer.lr``)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(lr)
+
     def close(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing to release)
         """Release what the backend holds beyond memory (a leader of several ranks tells the others to stop)."""
 

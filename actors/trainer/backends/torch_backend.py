@@ -136,13 +136,15 @@ class TorchBackend(TrainingBackend):
         )
 
     @classmethod
-    def from_config(cls, config: LeewayConfig, model: PreTrainedModel, *, autocast: bool | None = None) -> TorchBackend:
+    def from_config(
+        cls, config: LeewayConfig, model: PreTrainedModel, *, autocast: bool | None = None, **overrides: Any
+    ) -> TorchBackend:
         """The backend of a run: the options every backend reads (`backend_options`), then packing, liger
         kernels and the chunked LM head, which only this backend reads."""
         t = config.trainer
         return cls(
             model,
-            **backend_options(config),
+            **(backend_options(config) | overrides),
             autocast=autocast,
             packing=t.packing,
             fused_kernels=t.fused_kernels,

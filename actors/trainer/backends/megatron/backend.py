@@ -162,14 +162,14 @@ class MegatronBackend(TrainingBackend):
 
     @classmethod
     def from_config(
-        cls, config: LeewayConfig, model: PreTrainedModel, *, autocast: bool | None = None
+        cls, config: LeewayConfig, model: PreTrainedModel, *, autocast: bool | None = None, **overrides: Any
     ) -> MegatronBackend:
         """The backend of a run: the options every backend reads (`backend_options`), then the parallel sizes
         and layer spec from ``megatron``."""
         m = config.megatron
         return cls(
             model,
-            **backend_options(config),
+            **(backend_options(config) | overrides),
             tensor_parallel_size=m.tensor_parallel_size,
             pipeline_parallel_size=m.pipeline_parallel_size,
             use_transformer_engine=None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
