@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -m "not gpu"
 
-.PHONY: install install-dev demo test lint clean
+.PHONY: install install-dev install-envs demo reasoning test lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,8 +35,20 @@ install: $(VENV)/.installed
 
 install-dev: $(VENV)/.installed-dev
 
+# The ecosystem tasks (reasoning-gym, math-verify, skyrl-gym) without the test tools.
+$(VENV)/.installed-envs: pyproject.toml $(VENV)/.installed
+	$(BIN)/pip install -e ".[envs]"
+	touch $@
+
+install-envs: $(VENV)/.installed-envs
+
 demo: install
 	$(BIN)/leeway run configs/demo.yaml --fresh --discard-checkpoints
+
+# The reasoning recipe (README, "SFT, then RL"): SFT into runs/reasoning-sft, then asynchronous RL from it.
+reasoning: install-envs
+	$(BIN)/leeway sft configs/reasoning.yaml --fresh
+	$(BIN)/leeway run configs/reasoning.yaml --fresh --discard-checkpoints
 
 test: install-dev
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -398,6 +398,10 @@ def build_parser(*, bench_name: str | None = None) -> argparse.ArgumentParser:
         ("trainer", "the training backend vs a plain HF loop on the same batch: tokens/s, MFU (CPU: tiny defaults)"),
         ("agents", "multi-turn episodes through the endpoint vs driven directly on the engine: turns/s, latency"),
         ("sandbox", "bubblewrap sandboxes vs local and plain subprocesses: start, exec round trip, pool waves"),
+        (
+            "learning",
+            "the reasoning recipe from scratch, SFT then async and sync RL: held-out pass@1, time to accuracy",
+        ),
     ]:
         bench_parser = bench_sub.add_parser(name, help=text, description=text)
         bench_parser.add_argument("--json", action="store_true", help="one JSON line (default: indented JSON)")

@@ -39,6 +39,7 @@ COMMANDS = (
     ("bench", "trainer"),
     ("bench", "agents"),
     ("bench", "sandbox"),
+    ("bench", "learning"),
 )
 """Every leaf command of the parser (a test checks this list against `build_parser`)."""
 

@@ -24,6 +24,11 @@ Some datasets are traps as shipped (``game_of_life_halting`` scores any non-empt
 ones have no reference answer): the verifier self-check refuses them at start-up
 (`pipeline/tasks/self_check.py`).
 
+Question (``question_format``): the dataset's own ``question`` by default; a format string over the item makes
+another, e.g. ``"{metadata[expression]} ="`` gives ``15 - 43 =`` for ``chain_sum``: the same item and verifier
+without reasoning-gym's English preamble, which a model with the ``numeric`` alphabet cannot read (and which would
+make most of every sequence unknown tokens). Train/eval overlap is judged on the question as formatted.
+
 Tokenizer (the task's ``tokenizer``, unless ``model.tokenizer`` is set): ``text`` (printable ASCII) or
 ``numeric`` (digits and arithmetic signs), one token per character (`char_tokenizer.alphabet_tokenizer`).
 """
@@ -63,6 +68,7 @@ class ReasoningGymTask(Task):
         answer_format: str = "tags",
         tokenizer: str = "text",
         chat: bool = False,
+        question_format: str | None = None,
     ) -> None:
         try:
             import reasoning_gym
@@ -97,8 +103,11 @@ class ReasoningGymTask(Task):
             raise ValueError(
                 f"reasoning_gym: cannot build dataset {dataset!r} with task.args.config={args}: {exc}"
             ) from exc
-        seen = {self._train[i]["question"] for i in range(len(self._train))}
-        self._eval_index = [i for i in range(len(held_out)) if held_out[i]["question"] not in seen]
+        self.question_format = question_format
+        if question_format is not None:
+            self._question(self._train[0])  # a bad format fails here, named, not in the first generator
+        seen = {self._question(self._train[i]) for i in range(len(self._train))}
+        self._eval_index = [i for i in range(len(held_out)) if self._question(held_out[i]) not in seen]
         if eval_size and not self._eval_index:
             log.warning(
                 "reasoning_gym %s: every one of the %d eval items is also a train question: the eval split is empty "
@@ -138,11 +147,22 @@ class ReasoningGymTask(Task):
 
     def _content(self, entry: Mapping[str, Any]) -> dict[str, Any]:
         """The prompt's ``text``, or its ``messages`` with ``chat`` (the instructions as the system message)."""
-        question = str(entry["question"])
+        question = self._question(entry)
         if self.chat:
             system = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
             return {"messages": (*system, {"role": "user", "content": question})}
         return {"text": question if self.instructions is None else f"{self.instructions}\n\n{question}"}
+
+    def _question(self, entry: Mapping[str, Any]) -> str:
+        if self.question_format is None:
+            return str(entry["question"])
+        try:
+            return self.question_format.format(**entry)
+        except (KeyError, IndexError, AttributeError, ValueError) as exc:
+            raise ValueError(
+                f"reasoning_gym {self.dataset}: task.args.question_format={self.question_format!r} does not fit its "
+                f"items (keys {sorted(entry)}, metadata keys {sorted(entry.get('metadata') or {})}): {exc!r}"
+            ) from exc
 
     def _items(self, split: str) -> Any:
         return self._train if split == "train" else self._eval

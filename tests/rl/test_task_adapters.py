@@ -67,6 +67,22 @@ def test_the_eval_split_is_never_a_train_question_and_comes_from_another_seed() 
     assert _verify(task, held_out[0], f"  {held_out[0].answer} ").reward == 1.0
 
 
+def test_question_format_asks_the_same_item_without_the_preamble_and_a_bad_one_is_named() -> None:
+    config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    args = {"dataset": "chain_sum", "size": 60, "eval_size": 60, "seed": 0, "answer_format": "raw", "config": config}
+    plain = get_task("reasoning_gym", **args)
+    short = get_task("reasoning_gym", **args, question_format="{metadata[expression]} =")
+    first, first_short = next(iter(plain.prompts())), next(iter(short.prompts()))
+    assert first.text.startswith("State the final answer") and first.text.endswith(first_short.text)
+    assert first_short.text[0].isdigit() and first_short.text.endswith(" =")
+    assert first_short.answer == first.answer and _verify(short, first_short, first.answer).reward == 1.0
+    # overlap is judged on the formatted question: only 200 distinct 1-digit sums exist, so many eval items go
+    train = {p.text for p in itertools.islice(short.prompts(), 60)}
+    assert short.eval_prompts() and all(p.text not in train for p in short.eval_prompts())
+    with pytest.raises(ValueError, match=r"question_format='\{metadata\[nope\]\}'.*expression"):
+        get_task("reasoning_gym", **args, question_format="{metadata[nope]}")
+
+
 def test_a_scorer_that_raises_on_a_policy_answer_is_a_format_error_not_an_infra_error() -> None:
     task = get_task("reasoning_gym", dataset="prime_factorization", size=8, eval_size=0, seed=1)
     prompt = next(task.prompts())

@@ -32,8 +32,8 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _config() -> LeewayConfig:
-    return load_config(None, ["model.name_or_path=tiny-llama-1x32", "trainer.torch_threads=1"], environ={})
+def _config(*overrides: str) -> LeewayConfig:
+    return load_config(None, ["model.name_or_path=tiny-llama-1x32", "trainer.torch_threads=1", *overrides], environ={})
 
 
 def _examples(pairs: list[tuple[str, str]] = PAIRS) -> ExampleSet:
@@ -45,8 +45,8 @@ def _examples(pairs: list[tuple[str, str]] = PAIRS) -> ExampleSet:
     return ExampleSet(out, "test")
 
 
-def _backend(settings: SftConfig) -> TrainingBackend:
-    cfg = _config()
+def _backend(settings: SftConfig, *overrides: str) -> TrainingBackend:
+    cfg = _config(*overrides)
     model = build_policy_model(cfg, TOKENIZER)
     return build_backend(cfg, model, lr=settings.lr, grad_clip=settings.grad_clip, temperature=1.0)
 
@@ -151,6 +151,25 @@ def test_a_step_s_loss_is_the_mean_nll_of_the_assistant_tokens_of_its_examples(t
     assert record["step"] == 1 and record["loss_tokens"] == count
     assert record["loss"] == pytest.approx(nll / count, rel=1e-4)
     assert record["lr"] == pytest.approx(loop.schedule.lr_at(1))
+
+
+def test_packed_and_padded_sft_give_the_same_loss_and_the_same_update(tmp_path: Path) -> None:
+    """Examples of different lengths: packed into one row without padding, or padded to the longest; the loss and
+    the weights after the step agree (the padding and the other examples are masked out either way)."""
+    settings = SftConfig(max_steps=1, batch_examples=len(PAIRS), lr=1e-2, log_every=1)
+    runs = {}
+    for packing in (True, False):
+        out = tmp_path / str(packing)
+        out.mkdir()
+        backend = _backend(settings, f"trainer.packing={str(packing).lower()}")
+        assert backend.packing is packing
+        loop = SftLoop(settings, backend, _examples(), out, seed=0)
+        runs[packing] = (loop.train(), _weights(loop))
+    (packed, packed_weights), (padded, padded_weights) = runs[True], runs[False]
+    assert packed["loss_tokens"] == padded["loss_tokens"]
+    assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-5)
+    for name, tensor in packed_weights.items():
+        torch.testing.assert_close(tensor, padded_weights[name], atol=1e-5, rtol=0, msg=name)
 
 
 # ---- state ----------------------------------------------------------------------------------------------
