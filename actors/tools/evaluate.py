@@ -199,6 +199,11 @@ def follow(
                 return 0
             stop.wait(FOLLOW_POLL_S)
     finally:
+        # what is left is teardown: a stop request now (the launcher stops its evaluator as the run ends) has nothing
+        # to stop, and arriving once the interpreter has put the default handlers back it would turn a finished
+        # evaluator's exit status into -15
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         sinks.close()
 
 

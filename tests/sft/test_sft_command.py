@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.generator.runtime import build_engine
@@ -239,6 +240,54 @@ def test_resume_with_more_steps_continues_the_saved_state(sft_run: SftRun) -> No
     progress = json.loads((copy / "state" / f"step-{STEPS + 2:08d}" / "progress.json").read_text())
     assert progress["step"] == STEPS + 2
     assert (copy / "model.safetensors").read_bytes() != weights_before
+
+
+# ---- backends -------------------------------------------------------------------------------------------
+
+BACKEND_STEPS = 4
+BACKEND_TOLERANCE = 1e-5
+
+
+def _short_sft(sft_run: SftRun, name: str, *args: str) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    out = sft_run.root / name
+    proc = _leeway(
+        "sft",
+        str(sft_run.config),
+        "--no-eval",
+        "--set",
+        f"sft.output_dir={out}",
+        "--set",
+        f"sft.max_steps={BACKEND_STEPS}",
+        *args,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return load_file(out / "model.safetensors"), _records(out / "sft.jsonl")
+
+
+@pytest.fixture(scope="module")
+def one_torch_process(sft_run: SftRun) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    return _short_sft(sft_run, "one-torch-process")
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [("--nproc", "2"), ("--set", "trainer.backend=megatron")],
+    ids=["fsdp2-two-ranks", "megatron"],
+)
+def test_two_fsdp2_ranks_and_the_megatron_backend_take_the_steps_one_torch_process_takes(
+    sft_run: SftRun, one_torch_process: tuple[dict[str, torch.Tensor], list[dict]], variant: tuple[str, str]
+) -> None:
+    """The same examples per step, the same mean loss per assistant token, the same weights after the steps."""
+    base_weights, base_records = one_torch_process
+    weights, records = _short_sft(sft_run, f"variant-{variant[-1]}", *variant)
+    assert [r["step"] for r in records] == [r["step"] for r in base_records] == list(range(1, BACKEND_STEPS + 1))
+    assert base_records[-1]["loss"] < base_records[0]["loss"]  # the steps trained: agreeing means something
+    for got, want in zip(records, base_records, strict=True):
+        assert got["loss_tokens"] == want["loss_tokens"]
+        assert got["loss"] == pytest.approx(want["loss"], rel=BACKEND_TOLERANCE, abs=BACKEND_TOLERANCE)
+    assert weights.keys() == base_weights.keys()
+    for key, tensor in base_weights.items():
+        torch.testing.assert_close(weights[key], tensor, atol=BACKEND_TOLERANCE, rtol=0, msg=key)
 
 
 # ---- config ---------------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from actors.tools.bench.learning import eval_curve, seconds_to_accuracy, smoothed, summarize_learning
@@ -65,3 +67,14 @@ def test_without_a_sync_run_there_is_no_ratio_key() -> None:
     asynchronous = {"curve": eval_curve(_evals({0: 0.3, 10: 0.2}), _records(1.0, 10)), "seconds": 10.0}
     result = summarize_learning({"pass1": 0.3, "seconds": 5.0}, {**asynchronous, "mean_staleness": None}, None, None)
     assert result["gain"] == pytest.approx(-0.1) and "async_vs_sync_time_to_accuracy" not in result
+
+
+def test_the_plot_draws_both_curves_into_a_png(tmp_path: Path) -> None:
+    from actors.tools.bench.learning import plot_curves
+
+    run = {"curve": eval_curve(_evals({0: 0.3, 10: 0.4, 20: 0.5}), _records(1.0, 20)), "seconds": 20.0}
+    result = summarize_learning(
+        {"pass1": 0.3, "seconds": 5.0}, {**run, "mean_staleness": 1.0}, {**run, "mean_staleness": 0.0}, None
+    )
+    plot_curves(result, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,11 +9,14 @@ staleness cap differs. Their evaluator (`leeway eval --follow`, ``eval.every_ste
 checkpoint itself) and every ``eval.every_steps``-th version on the task's eval split, with the same sample seeds
 every time, so ``sft_eval_pass1`` and ``rl_eval_pass1`` are measured on the same held-out prompts and replies
 differ only by the weights. Version 0 of an RL run is the SFT checkpoint, so its pass@1 equals the one
-`leeway sft` wrote (``sft_eval_pass1`` is that, and the RL runs' version-0 results are reported next to it).
+`leeway sft` wrote (``sft_eval_pass1`` is the run's, ``sft_checkpoint_eval_pass1`` the one `leeway sft` wrote).
+``sft_seconds`` is the `leeway sft` command's wall time, ``rl_seconds`` the asynchronous trainer's (first step
+to last), ``rl_wall_seconds`` the whole run's (servers, start-up, the last evaluation) and ``recipe_seconds`` the
+sum of the two wall times: what a user of the recipe waits.
 
 Time to accuracy: the trainer's wall time at the first evaluated version where the held-out curve, smoothed by a
 running mean over ``SMOOTH`` evaluations (one evaluation's sampling noise, about 0.01 on the recipe's 476 prompts
-x 8 samples, is as large as the gain between two of them), reaches the target: the lower of the two runs' final
+x 4 samples, is as large as the gain between two of them), reaches the target: the lower of the two runs' final
 smoothed pass@1 unless ``--target`` is given, so both reach it. ``async_vs_sync_time_to_accuracy`` is the
 synchronous run's time over the asynchronous one's: the headline ratio, measured in this invocation;
 ``async_vs_sync_seconds_per_step`` is the same ratio per optimizer step, free of evaluation noise.
@@ -51,9 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_set_argument(parser, help="config override applied to every phase (repeatable)")
     parser.add_argument("--dir", default=None, help="keep the checkpoint and both runs here (default: a temp dir)")
     parser.add_argument(
+        "--plot", default=None, help="also draw both held-out curves against trainer time into this PNG"
+    )
+    parser.add_argument(
         "--sft-checkpoint",
         default=None,
-        help="start both RL runs from this SFT checkpoint (its eval.json gives sft_eval_pass1) instead of running SFT",
+        help="start both RL runs from this `leeway sft` result instead of running SFT (no sft_seconds then)",
     )
 
 
@@ -107,7 +113,8 @@ def summarize_learning(
         "gain": None if rl_pass1 is None or sft_pass1 is None else rl_pass1 - sft_pass1,
         "sft_seconds": sft["seconds"],
         "rl_seconds": asynchronous["seconds"],
-        "recipe_seconds": sft["seconds"] + asynchronous["seconds"],
+        "rl_wall_seconds": asynchronous.get("wall_seconds"),
+        "recipe_seconds": sft["seconds"] + asynchronous.get("wall_seconds", asynchronous["seconds"]),
         "mean_staleness": asynchronous["mean_staleness"],
         "sft_checkpoint_eval_pass1": sft["pass1"],
         "rl_final_version": curve[-1]["version"] if curve else None,
@@ -141,6 +148,33 @@ def summarize_learning(
         }
     )
     return result
+
+
+def plot_curves(result: dict[str, Any], path: Path) -> None:
+    """Held-out pass@1 of both RL runs against trainer seconds, the SFT checkpoint's as a line and the target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
+    for key, label in (("async_curve", "asynchronous (max_staleness 2)"), ("sync_curve", "synchronous (0)")):
+        curve = result.get(key) or []
+        if curve:
+            seconds = [p["seconds"] for p in curve]
+            ax.plot(seconds, [p["pass@1"] for p in curve], "o", alpha=0.35, color="C0" if key[0] == "a" else "C1")
+            ax.plot(seconds, smoothed(curve), "-", label=label, color="C0" if key[0] == "a" else "C1")
+    if result.get("sft_eval_pass1") is not None:
+        ax.axhline(result["sft_eval_pass1"], color="grey", linestyle="--", label="SFT checkpoint")
+    if result.get("target_pass1") is not None:
+        ax.axhline(result["target_pass1"], color="grey", linestyle=":", label="time-to-accuracy target")
+    ax.set_xlabel("trainer seconds")
+    ax.set_ylabel("held-out pass@1 (points; line: mean of 3)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 # ---- phases --------------------------------------------------------------------------------------------
@@ -217,19 +251,27 @@ def _rl(args: argparse.Namespace, root: Path, checkpoint: Path, label: str, stal
     if cfg.eval.every_steps < 1:
         raise SystemExit(f"bench learning: {args.config} must set eval.every_steps (the held-out curve)")
     print(f"bench learning: {label} RL run (max_staleness={cfg.staleness.max_staleness}) ...", file=sys.stderr)
+    started = time.perf_counter()
     outcome = run_pipeline(cfg, num_generators=1, fresh=True)
+    wall = time.perf_counter() - started
     if outcome.interrupted:
         raise SystemExit(f"bench learning: interrupted during the {label} run (its files are in {cfg.run.run_dir})")
-    if outcome.trainer_rc != 0 or outcome.error is not None or outcome.evaluator_rc not in (0, None):
+    logs = cfg.run.run_dir / "logs"
+    if outcome.trainer_rc != 0 or outcome.error is not None:
         raise RuntimeError(
-            f"bench learning: the {label} run failed (trainer exit {outcome.trainer_rc}, evaluator exit "
-            f"{outcome.evaluator_rc}{', ' + outcome.error if outcome.error else ''}); see {cfg.run.run_dir / 'logs'}"
+            f"bench learning: the {label} run failed (trainer exit {outcome.trainer_rc}"
+            f"{', ' + outcome.error if outcome.error else ''}); see {logs}"
         )
     evals = [json.loads(line) for line in (cfg.run.run_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
     curve = eval_curve(evals, outcome.records)
+    if not curve or curve[-1]["version"] != cfg.trainer.max_steps:
+        raise RuntimeError(
+            f"bench learning: the {label} run's evaluator (exit {outcome.evaluator_rc}) did not evaluate the last "
+            f"version {cfg.trainer.max_steps} (evaluated: {[p['version'] for p in curve]}); see {logs}"
+        )
     run = summarize_run(outcome.records, target=1.0)
     print(f"bench learning: {label}: {curve}", file=sys.stderr, flush=True)
-    return {"curve": curve, "seconds": run["seconds"], "mean_staleness": run["mean_staleness"]}
+    return {"curve": curve, "seconds": run["seconds"], "wall_seconds": wall, "mean_staleness": run["mean_staleness"]}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,4 +286,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sft.update(_greedy_checks(args, checkpoint))
         asynchronous = _rl(args, root, checkpoint, "async", None)
         sync = None if args.no_sync else _rl(args, root, checkpoint, "sync", 0)
-    return summarize_learning(sft, asynchronous, sync, args.target)
+    result = summarize_learning(sft, asynchronous, sync, args.target)
+    if args.plot:
+        plot_curves(result, Path(args.plot))
+    return result
