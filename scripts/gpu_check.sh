@@ -56,6 +56,16 @@ step "bench trainer" python3 -m actors.cli bench trainer --json --device cuda --
 step "bench trainer padded" python3 -m actors.cli bench trainer --json --device cuda --model llama-1.4b \
     --set trainer.packing=false
 
+# leeway sft on CUDA: the reasoning recipe's SFT (configs/reasoning.yaml) with the trainer's backend on the GPU,
+# its held-out evaluation at the end; needs reasoning_gym importable
+if python3 -c "import reasoning_gym" 2>/dev/null; then
+    SFT_WORK="$(mktemp -d)"
+    step "sft reasoning cuda" python3 -m actors.cli sft configs/reasoning.yaml --fresh --set trainer.device=cuda \
+        --set "sft.output_dir=${SFT_WORK}/sft"
+else
+    echo "gpu_check: sft reasoning cuda NOT RUN: reasoning_gym is missing" >&2
+fi
+
 # the GPU recipe (configs/gpu-qwen3.yaml: Qwen3-0.6B learning reasoning-gym's leg_counting, eval every 10
 # versions), shortened to 20 steps on a nats-server started here and a file store. It needs the checkpoint at the
 # config's pinned revision in the HF cache (this machine may have no network) and reasoning_gym importable.
