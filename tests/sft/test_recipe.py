@@ -11,6 +11,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -30,6 +31,7 @@ SFT_TIMEOUT_S = 600
 """Generous bound on the reduced SFT (about 30 s on 2 cores, with its evaluation); it ends when it is done."""
 
 
+@pytest.mark.timeout(SFT_TIMEOUT_S + DEMO_DEADLINE_S + 60)  # about 125 s on 2 cores; the default 300 s is tight
 def test_the_recipe_s_sft_checkpoint_is_what_the_run_trains_and_rl_raises_its_held_out_pass1(
     tmp_path: Path, stack: StackState, cleanup: list[subprocess.Popen[bytes]]
 ) -> None:
