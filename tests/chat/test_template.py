@@ -5,11 +5,10 @@ load, and the Hermes tool-call parser reads what Qwen-style models write."""
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from pipeline.chat.template import ChatTemplate, ChatTemplateError, load_chat_template, normalized
 from pipeline.chat.tool_parsers import get_tool_parser, hermes
@@ -22,6 +21,7 @@ from pipeline.tasks.chat_tokenizer import (
     load_chat_template_text,
     load_chat_tokenizer,
 )
+from tests.support.tokenizers import chatml_tokenizer as support_chatml_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
@@ -37,13 +37,7 @@ STRIPPING = (  # like Qwen3's template: earlier assistant turns lose what preced
 
 
 def chatml_tokenizer() -> Tokenizer:
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "</think>"]
-    vocab = {t: i for i, t in enumerate([*specials, *string.printable])}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(specials)
-    return tokenizer
+    return support_chatml_tokenizer("<tool_call>", "</tool_call>", "</think>")
 
 
 def test_the_shipped_chat_tokenizers_are_what_the_builder_writes(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ from tests.support.runs import (
     queued_prompt_ids,
     recorded_groups,
     run_records,
+    run_to_end,
     shared_stack_config,
     unconsumed_from,
 )
@@ -387,17 +388,7 @@ def test_short_demo_learns_within_the_cap(
     run_dir = cfg.run.run_dir
     config_path = tmp_path / "demo.yaml"
     config_path.write_text(cfg.to_yaml())
-    proc = subprocess.Popen(
-        leeway_argv("run", str(config_path), "--no-live", "--fresh"),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    cleanup.append(proc)
-    out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text + log_tails(run_dir)
+    text = run_to_end(config_path, run_dir, cleanup)
     assert f"step {DEMO_STEPS}/{DEMO_STEPS} reward" in text
 
     # the report

@@ -14,7 +14,7 @@ import numpy as np
 
 from infra.stack import StackState
 from pipeline.config import load_config
-from tests.support.runs import COMMON, DEMO_DEADLINE_S, REPO, leeway_argv, log_tails, run_records
+from tests.support.runs import COMMON, REPO, leeway_argv, run_records, run_to_end
 
 STEPS, EVERY = 6, 3
 
@@ -39,17 +39,7 @@ def test_a_run_evaluates_every_n_versions_on_held_out_prompts_at_exactly_those_v
     config_path = tmp_path / "config.yaml"
     config_path.write_text(cfg.to_yaml())
     run_dir = cfg.run.run_dir
-    proc = subprocess.Popen(
-        leeway_argv("run", str(config_path), "--no-live", "--fresh"),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    cleanup.append(proc)
-    out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text + log_tails(run_dir)
+    text = run_to_end(config_path, run_dir, cleanup)
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == list(range(0, STEPS + 1, EVERY)), evals
     for record in evals:

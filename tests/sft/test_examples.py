@@ -6,7 +6,6 @@ are one epoch of its train split that its own verifier scores full marks; `withi
 from __future__ import annotations
 
 import json
-import string
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from actors.sft.examples import (
     ExampleError,
@@ -30,6 +29,7 @@ from pipeline.chat.template import ChatTemplate
 from pipeline.rl.rollout import prompt_token_ids
 from pipeline.tasks import Prompt, get_task
 from pipeline.tasks.char_tokenizer import BOS_ID, EOS_ID, alphabet_tokenizer, load_char_tokenizer
+from tests.support.tokenizers import chatml_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n{% endfor %}"
@@ -44,19 +44,8 @@ CHAT = [
 ]
 
 
-def _chatml_tokenizer() -> Tokenizer:
-    """One token per printable character after the ChatML special tokens."""
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate([*specials, *string.printable])}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(specials)
-    return tokenizer
-
-
 def _chat_renderer() -> Renderer:
-    tokenizer = _chatml_tokenizer()
+    tokenizer = chatml_tokenizer()
     return Renderer(tokenizer, ChatTemplate(tokenizer, CHATML, eos_token="<|im_end|>"))
 
 
@@ -189,7 +178,7 @@ def test_a_row_without_a_completion_is_refused_naming_the_file_and_row(tmp_path:
 def test_messages_without_a_chat_template_are_refused(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT}])
     with pytest.raises(ExampleError, match=r"chats\.jsonl: row 0: a chat \(messages\) needs a chat template"):
-        examples_from_file(path, Renderer(_chatml_tokenizer(), None))
+        examples_from_file(path, Renderer(chatml_tokenizer(), None))
 
 
 def test_messages_and_a_prompt_in_one_row_are_refused(tmp_path: Path) -> None:

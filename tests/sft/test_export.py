@@ -5,34 +5,23 @@ written is left behind, other files there are kept, and weights of another model
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.models import build_model, stop_token_ids
 from actors.sft.export import write_checkpoint
 from pipeline.chat.template import ChatTemplate
 from pipeline.tasks.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, load_char_tokenizer
+from tests.support.tokenizers import chatml_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CHAT = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]
-
-
-def _chatml_tokenizer() -> Tokenizer:
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate([*specials, *string.printable])}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(specials)
-    return tokenizer
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -46,7 +35,7 @@ def _assert_same_weights(directory: Path, weights: dict[str, torch.Tensor]) -> N
 
 
 def test_a_chat_checkpoint_loads_in_transformers_with_its_template_and_stops(tmp_path: Path) -> None:
-    tokenizer = _chatml_tokenizer()
+    tokenizer = chatml_tokenizer()
     template = ChatTemplate(tokenizer, CHATML, eos_token="<|im_end|>")
     model = build_model("tiny-llama-1x32", vocab_size=tokenizer.get_vocab_size(), seed=3)
     weights = _weights(model)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from infra.stack import StackState
 from pipeline.config import load_config
 from storage.subscriber import WeightSubscriber
-from tests.support.runs import COMMON, DEMO_DEADLINE_S, REPO, leeway_argv, log_tails, run_records
+from tests.support.runs import COMMON, DEMO_DEADLINE_S, REPO, leeway_argv, run_records, run_to_end
 from tests.support.stores import s3_store
 
 RECIPE = REPO / "configs" / "reasoning.yaml"
@@ -62,17 +62,8 @@ def test_the_recipe_s_sft_checkpoint_is_what_the_run_trains_and_rl_raises_its_he
     assert summary["steps"] == SFT_STEPS and summary["eval"]["prompts"] > 100
     sft_eval = json.loads((checkpoint / "eval.json").read_text())
 
-    proc = subprocess.Popen(
-        leeway_argv("run", str(config_path), "--no-live", "--fresh"),
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    cleanup.append(proc)
-    out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
     run_dir = cfg.run.run_dir
-    assert proc.returncode == 0, out.decode(errors="replace") + log_tails(run_dir)
+    run_to_end(config_path, run_dir, cleanup)
     assert [r["step"] for r in run_records(run_dir) if "step" in r][-1] == RL_STEPS
 
     # version 0 of the run is the checkpoint, bit for bit, as plain transformers loads it

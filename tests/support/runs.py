@@ -151,6 +151,23 @@ def best_window_mean(records: list[dict[str, Any]], window: int) -> float:
     return max((statistics.mean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)), default=0.0)
 
 
+def run_to_end(config_path: Path, run_dir: Path, procs: list[subprocess.Popen[bytes]]) -> str:
+    """`leeway run CONFIG --no-live --fresh` until it ends by itself (its own session, in `procs` so a test that
+    fails kills its group); asserts exit 0, showing the output and every role's log tail otherwise; the output."""
+    proc = subprocess.Popen(
+        leeway_argv("run", str(config_path), "--no-live", "--fresh"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    procs.append(proc)
+    out, _ = proc.communicate(timeout=DEMO_DEADLINE_S)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text + log_tails(run_dir)
+    return text
+
+
 def run_demo_to_target(
     cfg: LeewayConfig, tmp_path: Path, procs: list[subprocess.Popen[bytes]], target: float, window: int
 ) -> list[dict[str, Any]]:
