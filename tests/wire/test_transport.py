@@ -95,6 +95,36 @@ def test_publish_dedupes_by_group_id_and_consumer_acks_when_told(stack):
     asyncio.run(main())
 
 
+def test_a_fetch_never_returns_more_groups_than_asked_even_when_earlier_pulls_were_answered_late(stack):
+    """A pull request the server answers after its fetch gave up leaves messages in the subscription, and nats-py's
+    next fetch hands all of them over: the consumer keeps what goes beyond `max_groups` for the next fetches."""
+
+    async def main() -> None:
+        names, stream = _names(), _stream()
+        nc, js = await _setup(stack.nats_url, names, stream)
+        try:
+            await TrajectoryPublisher(js, names, stream).publish_many([wire_group(f"g{i}") for i in range(6)])
+            consumer = await TrajectoryConsumer.bind(js, names, stream)
+            sub = consumer._sub
+            # a late-answered pull request: 5 messages delivered to the subscription's inbox outside any fetch
+            await nc.publish(sub._nms, b'{"batch": 5, "no_wait": true}', reply=sub._deliver)
+            deadline = time.monotonic() + 20
+            while sub._sub._pending_queue.qsize() < 5:
+                assert time.monotonic() < deadline, "the pull request was not answered"
+                await asyncio.sleep(0.01)
+            got = []
+            for want in (2, 2, 2):
+                batch = await consumer.fetch(max_groups=want)
+                assert 1 <= len(batch) <= want, [d.group.group_id for d in batch]
+                got += [d.group.group_id for d in batch]
+            got += await _drain(consumer, 6 - len(got))
+            assert sorted(got) == [f"g{i}" for i in range(6)] and len(set(got)) == 6
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+
+
 def test_large_group_travels_by_claim_check(stack, tmp_path):
     async def main() -> None:
         names = _names()
