@@ -145,8 +145,6 @@ class TrajectoryConsumer:
         self._stream = stream
         self._store = store
         self._held: dict[int, Msg] = {}
-        self._surplus: list[Msg] = []
-        """Messages a pull brought beyond what the fetch asked for: the next fetches take them first."""
         self.acked_claims: list[tuple[int, str]] = []
         """(stream seq, claim object key) of claim-checked groups acked since the owner last took them
         (`take_acked_claims`): the trainer deletes those objects once replay can no longer reach them."""
@@ -172,24 +170,13 @@ class TrajectoryConsumer:
         return sorted(self._held)
 
     async def fetch(self, max_groups: int | None = None, timeout_s: float = FETCH_TIMEOUT_S) -> list[Delivery]:
-        """Up to one fetch worth of good groups, never more than `max_groups`; [] when nothing arrived in `timeout_s`.
-
-        nats-py's fetch first hands over every message already delivered to the subscription, for earlier pull
-        requests that timed out here but were still answered by the server, however many that is: a trainer that
-        waited through several empty fetches got more groups than its step asks for. What goes beyond
-        `max_groups` is kept, unhandled, for the next fetches (a message not acked in time comes back anyway)."""
-        if self._surplus:
-            take = len(self._surplus) if max_groups is None else max_groups
-            msgs, self._surplus = self._surplus[:take], self._surplus[take:]
-        else:
-            try:
-                msgs = await pull(self._sub, fetch_batch_size(self._stream, max_groups), timeout_s)
-            except DISCONNECTED_ERRORS as exc:  # server away: the caller's loop simply fetches again
-                log.debug("fetch while disconnected: %s", exc)
-                await asyncio.sleep(min(timeout_s, PUBLISH_BACKOFF_MAX_S))
-                return []
-            if max_groups is not None and len(msgs) > max_groups:
-                msgs, self._surplus = msgs[:max_groups], msgs[max_groups:]
+        """Up to one fetch worth of good groups; [] when nothing arrived within `timeout_s`."""
+        try:
+            msgs = await pull(self._sub, fetch_batch_size(self._stream, max_groups), timeout_s)
+        except DISCONNECTED_ERRORS as exc:  # server away: the caller's loop simply fetches again
+            log.debug("fetch while disconnected: %s", exc)
+            await asyncio.sleep(min(timeout_s, PUBLISH_BACKOFF_MAX_S))
+            return []
         out = []
         for msg in msgs:
             delivery = await self._handle(msg)

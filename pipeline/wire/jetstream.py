@@ -268,6 +268,8 @@ class DeadLetterError(Exception):
 
 _UNAVAILABLE: weakref.WeakSet[JetStreamContext.PullSubscription] = weakref.WeakSet()
 """Subscriptions whose last fetch met JetStream unavailable: logged once when it starts and once when it ends."""
+_SURPLUS: weakref.WeakKeyDictionary[JetStreamContext.PullSubscription, list[Msg]] = weakref.WeakKeyDictionary()
+"""Messages a fetch brought beyond the batch asked for, per subscription: the next pulls hand them over first."""
 
 
 async def pull(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:
@@ -276,7 +278,17 @@ async def pull(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: fl
     JetStream "service unavailable" (503: nats-server disabled JetStream, e.g. its store's disk is full, or the
     consumer's leader is away) is transient: it is logged once per outage, the call waits a little (bounded by
     `timeout_s`) and returns [], so every fetch loop rides it out as it rides out a disconnect.
+
+    Never more than `batch`: nats-py's fetch first hands over every message already delivered to the subscription,
+    for earlier pull requests that timed out here but were still answered by the server, however many that is (a
+    trainer that waited through empty fetches got more groups than its step asks for). What goes beyond `batch` is
+    kept, unhandled, for the next pulls of that subscription (a message not acked in time comes back anyway).
     """
+    waiting = _SURPLUS.pop(sub, None)
+    if waiting:
+        if len(waiting) > batch:
+            _SURPLUS[sub] = waiting[batch:]
+        return waiting[:batch]
     try:
         msgs = await sub.fetch(batch, timeout=timeout_s)
     except asyncio.TimeoutError:  # nats-py raises both its own and the plain asyncio one
@@ -290,7 +302,9 @@ async def pull(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: fl
     if sub in _UNAVAILABLE:
         _UNAVAILABLE.discard(sub)
         log.info("JetStream available again for fetches")
-    return msgs
+    if len(msgs) > batch:
+        _SURPLUS[sub] = msgs[batch:]
+    return msgs[:batch]
 
 
 async def receive(

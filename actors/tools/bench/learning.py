@@ -82,7 +82,8 @@ def eval_curve(evals: list[dict[str, Any]], records: list[dict[str, Any]]) -> li
 def smoothed(curve: list[dict[str, Any]], window: int = SMOOTH) -> list[float]:
     """The running mean of pass@1 over the last ``window`` evaluations (fewer at the start)."""
     values = [point["pass@1"] for point in curve]
-    return [sum(values[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)) for i in range(len(values))]
+    windows = [values[max(0, i + 1 - window) : i + 1] for i in range(len(values))]
+    return [sum(w) / len(w) for w in windows]
 
 
 def seconds_to_accuracy(curve: list[dict[str, Any]], target: float, window: int = SMOOTH) -> float | None:
@@ -158,12 +159,13 @@ def plot_curves(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
-    for key, label in (("async_curve", "asynchronous (max_staleness 2)"), ("sync_curve", "synchronous (0)")):
+    runs = (("async_curve", "asynchronous", "C0"), ("sync_curve", "synchronous (max_staleness 0)", "C1"))
+    for key, label, color in runs:
         curve = result.get(key) or []
         if curve:
             seconds = [p["seconds"] for p in curve]
-            ax.plot(seconds, [p["pass@1"] for p in curve], "o", alpha=0.35, color="C0" if key[0] == "a" else "C1")
-            ax.plot(seconds, smoothed(curve), "-", label=label, color="C0" if key[0] == "a" else "C1")
+            ax.plot(seconds, [p["pass@1"] for p in curve], "o", alpha=0.35, color=color)
+            ax.plot(seconds, smoothed(curve), "-", label=label, color=color)
     if result.get("sft_eval_pass1") is not None:
         ax.axhline(result["sft_eval_pass1"], color="grey", linestyle="--", label="SFT checkpoint")
     if result.get("target_pass1") is not None:
@@ -195,7 +197,7 @@ def _sft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     pass1 = (summary.get("eval") or {}).get("pass@1")
     print(f"bench learning: SFT done in {seconds:.0f} s, held-out pass@1 {pass1}", file=sys.stderr, flush=True)
-    return {"pass1": pass1, "seconds": seconds, "summary": summary}
+    return {"pass1": pass1, "seconds": seconds}
 
 
 def _greedy_checks(args: argparse.Namespace, checkpoint: Path) -> dict[str, float]:
@@ -228,7 +230,7 @@ def _existing_sft(checkpoint: Path) -> dict[str, Any]:
     path = checkpoint / EVAL_FILE
     if not path.is_file():
         raise SystemExit(f"bench learning: --sft-checkpoint {checkpoint}: no {EVAL_FILE} (not a `leeway sft` result)")
-    return {"pass1": json.loads(path.read_text()).get("pass@1"), "seconds": 0.0, "summary": None}
+    return {"pass1": json.loads(path.read_text()).get("pass@1"), "seconds": 0.0}
 
 
 def _rl(args: argparse.Namespace, root: Path, checkpoint: Path, label: str, staleness: int | None) -> dict[str, Any]:
