@@ -27,7 +27,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from actors.endpoints import open_run_store, resolve_endpoints
+from actors.servers import open_run_store, resolve_servers
 from actors.trainer.checkpoints import load_latest_checkpoint
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
@@ -337,7 +337,7 @@ def _admission_index(group_id: str) -> int:
 
 async def _dead_letters(cfg: LeewayConfig) -> list[tuple[str | None, str]]:
     names = RunNames.for_run(cfg.run.name)
-    nc = await connect(resolve_endpoints(cfg).nats_url, name="chaos-dlq")
+    nc = await connect(resolve_servers(cfg).nats_url, name="chaos-dlq")
     try:
         out: list[tuple[str | None, str]] = []
         seq = 0

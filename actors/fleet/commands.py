@@ -200,7 +200,7 @@ def _ensure_stack(cfg: LeewayConfig, run_dir: Path) -> str | None:
     """Use a healthy stack at nats.stack_dir, or start one in `<run.dir>/stack` (returned: `down` stops it)."""
     import ray
 
-    from actors.endpoints import running_stack_healthy, stack_bucket
+    from actors.servers import running_stack_healthy, stack_bucket
     from infra.stack import start_stack
 
     nodes = [str(n["NodeManagerAddress"]) for n in ray.nodes() if n.get("Alive")]

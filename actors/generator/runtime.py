@@ -3,7 +3,7 @@
 ```
   leeway generator CONFIG ─► main (logging, torch threads, SIGINT/SIGTERM -> stop)
       └─► serve ─► GeneratorRuntime.open: object store, task + tokenizer, engine, verifier pool, NATS (one connect,
-                   `actors.endpoints.connect_nats`), trajectory streams + prompt queue, WeightSync
+                   `actors.servers.connect_nats`), trajectory streams + prompt queue, WeightSync
                    │   background: WeightSync.run (KV watch + LATEST poll, pulls)
                    │   background: report_metrics (a JSON report every REPORT_INTERVAL_S)
                    └─► Generator.run until stop ─► close: loops cancelled, queue unsubscribed, NATS drained,
@@ -34,7 +34,6 @@ from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 from tokenizers import Tokenizer
 
-from actors.endpoints import connect_nats, open_run_store, resolve_endpoints, stop_needs_endpoints
 from actors.generator.agents import AgentRunner
 from actors.generator.engines.base import Engine, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
@@ -44,6 +43,7 @@ from actors.generator.serve import Endpoint, EndpointService, build_app, read_ap
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
 from actors.model_files import fetch_model_files, local_config, needs_model_files
 from actors.models import build_policy_model, load_chat_template_for, load_tokenizer, pad_token_id, stop_token_ids
+from actors.servers import connect_nats, open_run_store, resolve_servers, watch_servers
 from infra.role_logs import configure_role_logging
 from pipeline.chat.tool_parsers import get_tool_parser
 from pipeline.config import LeewayConfig
@@ -121,9 +121,9 @@ class GeneratorRuntime:
         """Open everything in order; on leaving (or a failure half-way) close what was opened, newest first."""
         generator_id = generator_id or default_generator_id(cfg)
         names = RunNames.for_run(cfg.run.name)
-        endpoints = resolve_endpoints(cfg)
+        servers = resolve_servers(cfg)
         async with contextlib.AsyncExitStack() as opened:
-            store = open_run_store(cfg, endpoints)
+            store = open_run_store(cfg, servers)
             opened.push_async_callback(_close_logged, "the object store", lambda: asyncio.to_thread(store.close))
             config_dir = None
             if engine is None and needs_model_files(cfg):  # the checkpoint is not here: the run's files are
@@ -146,7 +146,7 @@ class GeneratorRuntime:
             opened.push_async_callback(
                 _close_logged, "the weight subscriber", lambda: asyncio.to_thread(subscriber.close)
             )
-            nc = await connect_nats(cfg, endpoints, name=f"leeway-generator-{generator_id}")
+            nc = await connect_nats(cfg, servers, name=f"leeway-generator-{generator_id}")
             opened.push_async_callback(_close_logged, "the NATS connection", nc.drain)
             js = nc.jetstream()
             await ensure_trajectory_streams(js, names, cfg.stream)
@@ -360,7 +360,7 @@ def main(cfg: LeewayConfig) -> int:
         backups=cfg.logging.role_log_backups,
     )
     torch.set_num_threads(cfg.engine.torch_threads)
-    stop_needs_endpoints(cfg)  # orphaned with its servers gone: no naks to retry (infra/process.py)
+    watch_servers(cfg)  # orphaned with its servers gone: no naks to retry (infra/process.py)
 
     async def run() -> None:
         stop = asyncio.Event()

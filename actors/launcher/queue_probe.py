@@ -13,7 +13,7 @@ import contextlib
 import threading
 from typing import Any
 
-from actors.endpoints import connect_nats
+from actors.servers import connect_nats
 from pipeline.config import LeewayConfig
 from pipeline.wire.names import RunNames
 

@@ -51,11 +51,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from actors.endpoints import private_stack_dir, stack_bucket
 from actors.launcher.live_view import LiveView
 from actors.launcher.queue_probe import QueueProbe
 from actors.launcher.report import read_evals, write_report
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
+from actors.servers import private_stack_dir, stack_bucket
 from infra.files import write_private
 from infra.process import StackError, log_tail, spawn_child, stop_groups, tied_to_this_process
 from infra.role_logs import LOG_FILE_ENV

@@ -47,10 +47,10 @@ EVAL_SEED = 7_000_000_007
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     import torch
 
-    from actors.endpoints import EndpointError, open_run_store, resolve_endpoints
     from actors.generator.runtime import build_engine
     from actors.model_files import fetch_model_files, local_config, needs_model_files
     from actors.models import load_chat_template_for, load_tokenizer
+    from actors.servers import ServerError, open_run_store, resolve_servers
     from pipeline.tasks import task_for
     from storage.manifest import ManifestError
     from storage.subscriber import WeightSubscriber
@@ -87,8 +87,8 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
         print(json.dumps(result), flush=True)
         return 0
     try:
-        store = open_run_store(cfg, resolve_endpoints(cfg, nats=False))
-    except EndpointError as exc:
+        store = open_run_store(cfg, resolve_servers(cfg, nats=False))
+    except ServerError as exc:
         print(f"leeway eval: {exc}", flush=True)
         return 2
     config_dir: Path | None = None

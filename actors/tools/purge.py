@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import nats.js.errors
 
-from actors.endpoints import EndpointError, Endpoints, connect_nats, open_run_store, resolve_endpoints
+from actors.servers import ServerError, Servers, connect_nats, open_run_store, resolve_servers
 from pipeline.config import LeewayConfig
 from pipeline.wire.announce import version_bucket
 from pipeline.wire.lease import lease_bucket
@@ -48,11 +48,11 @@ class PurgePlan:
     def empty(self) -> bool:
         return not self.streams and not self.kv_buckets and not self.object_keys
 
-    def describe(self, endpoints: Endpoints) -> list[str]:
-        lines = [f"stream {name} ({count} messages) on {endpoints.nats_url}" for name, count in self.streams.items()]
-        lines += [f"KV bucket {bucket} on {endpoints.nats_url}" for bucket in self.kv_buckets]
+    def describe(self, servers: Servers) -> list[str]:
+        lines = [f"stream {name} ({count} messages) on {servers.nats_url}" for name, count in self.streams.items()]
+        lines += [f"KV bucket {bucket} on {servers.nats_url}" for bucket in self.kv_buckets]
         if self.object_keys:
-            lines.append(f"{len(self.object_keys)} objects under {self.run}/ in {endpoints.store_url}")
+            lines.append(f"{len(self.object_keys)} objects under {self.run}/ in {servers.store_url}")
         return lines
 
 
@@ -99,9 +99,9 @@ async def execute_purge(js: nats.js.JetStreamContext, store: ObjectStore, plan: 
 async def purge(cfg: LeewayConfig, *, yes: bool) -> int:
     """Print the plan; delete it with `yes`. Exit code: 0 done or nothing to do, 1 when `yes` is missing."""
     names = RunNames.for_run(cfg.run.name)
-    endpoints = resolve_endpoints(cfg)
-    store = open_run_store(cfg, endpoints)
-    nc = await connect_nats(cfg, endpoints, name="leeway-purge")
+    servers = resolve_servers(cfg)
+    store = open_run_store(cfg, servers)
+    nc = await connect_nats(cfg, servers, name="leeway-purge")
     try:
         js = nc.jetstream()
         plan = await plan_purge(js, store, names)
@@ -110,7 +110,7 @@ async def purge(cfg: LeewayConfig, *, yes: bool) -> int:
             return 0
         verb = "deleting" if yes else "would delete"
         print(f"leeway purge: {verb} run {names.run!r}:")
-        for line in plan.describe(endpoints):
+        for line in plan.describe(servers):
             print(f"  {line}")
         if not yes:
             print("leeway purge: nothing deleted; pass --yes to delete the above", file=sys.stderr)
@@ -126,6 +126,6 @@ async def purge(cfg: LeewayConfig, *, yes: bool) -> int:
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     try:
         return asyncio.run(purge(cfg, yes=bool(args.yes)))
-    except EndpointError as exc:
+    except ServerError as exc:
         print(f"leeway purge: {exc}", file=sys.stderr)
         return 2

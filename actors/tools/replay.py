@@ -71,19 +71,19 @@ def main(cfg: Any, args: argparse.Namespace) -> int:
 
 
 async def replay(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
+    from actors.servers import connect_nats, open_run_store, resolve_servers
     from pipeline.wire.codec import write_parquet
     from pipeline.wire.names import RunNames
     from pipeline.wire.replay import ReplayReader
 
     selection = selection_from_args(args)
     names = RunNames.for_run(cfg.run.name)
-    endpoints = resolve_endpoints(cfg)
-    store = open_run_store(cfg, endpoints)
+    servers = resolve_servers(cfg)
+    store = open_run_store(cfg, servers)
     out_dir = Path(args.to_parquet) if args.to_parquet else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-    nc = await connect_nats(cfg, endpoints, name="leeway-replay")
+    nc = await connect_nats(cfg, servers, name="leeway-replay")
     files: list[str] = []
     seqs: list[int] = []
     try:

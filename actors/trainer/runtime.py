@@ -26,9 +26,9 @@ import signal
 import torch
 from tokenizers import Tokenizer
 
-from actors.endpoints import open_run_store, resolve_endpoints, stop_needs_endpoints
 from actors.model_files import publish_model_files
 from actors.models import build_policy_model, load_tokenizer
+from actors.servers import open_run_store, resolve_servers, watch_servers
 from actors.trainer.backends import build_backend
 from actors.trainer.backends.data_parallel import is_data_parallel
 from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
@@ -126,7 +126,7 @@ def _follow(cfg: LeewayConfig) -> int:
     task = task_for(cfg)
     model = build_policy_model(cfg, load_tokenizer(cfg, task))
     backend = build_backend(cfg, model)
-    store = open_run_store(cfg, resolve_endpoints(cfg))
+    store = open_run_store(cfg, resolve_servers(cfg))
     publisher = build_weight_publisher(cfg, store, model)
     try:
         return follow(RankGroup(cfg, backend, store, publisher))
@@ -147,7 +147,7 @@ def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | N
     )
     torch.set_num_threads(cfg.trainer.torch_threads)
     torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
-    stop_needs_endpoints(cfg)  # orphaned with its servers gone: no final checkpoint to retry (infra/process.py)
+    watch_servers(cfg)  # orphaned with its servers gone: no final checkpoint to retry (infra/process.py)
     if rank_env.distributed:
         timeout_s = cfg.trainer.dist_timeout_s + cfg.trainer.queue_wait_timeout_s  # rank 0 may wait for groups
         join_rank_group(rank_env, cfg.trainer.device, timeout_s)

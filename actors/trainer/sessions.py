@@ -51,8 +51,8 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from transformers import PreTrainedModel
 
-from actors.endpoints import connect_nats, open_run_store, resolve_endpoints
 from actors.models import load_chat_template_for, load_tokenizer
+from actors.servers import connect_nats, open_run_store, resolve_servers
 from actors.trainer.admission import admission_count, count_lost_to_retention
 from actors.trainer.backends import TrainingBackend
 from actors.trainer.checkpoints import (
@@ -107,7 +107,7 @@ class RunLink:
 
     @classmethod
     async def open(cls, cfg: LeewayConfig) -> RunLink:
-        endpoints = resolve_endpoints(cfg)
+        endpoints = resolve_servers(cfg)
         store = open_run_store(cfg, endpoints)
         nc = await connect_nats(cfg, endpoints, name="leeway-trainer")
         return cls(RunNames.for_run(cfg.run.name), nc, nc.jetstream(), store)

@@ -19,7 +19,7 @@ import nats
 import pytest
 from nats.js.api import StreamConfig
 
-from actors.endpoints import resolve_endpoints
+from actors.servers import resolve_servers
 from infra.process import ProcessInfo, is_running
 from infra.stack import (
     CREDENTIALS_FILE,
@@ -203,7 +203,7 @@ def test_roles_resolve_the_token_from_the_stack_and_never_print_it(stack: StackS
     from pipeline.config import LeewayConfig
 
     cfg = LeewayConfig(nats={"stack_dir": stack.dir}, store={"url": f"s3://{stack.bucket}/t"})
-    endpoints = resolve_endpoints(cfg)
+    endpoints = resolve_servers(cfg)
     assert endpoints.nats_url == stack.nats_url
     asyncio.run(_connect_once(endpoints.nats_url))
     assert load_nats_token(stack.dir) not in repr(endpoints) and "***@127.0.0.1" in repr(endpoints)

@@ -22,8 +22,8 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
-from actors.endpoints import open_run_store, resolve_endpoints
 from actors.models import build_policy_model, load_tokenizer
+from actors.servers import open_run_store, resolve_servers
 from actors.trainer.backends import TrainingBackend, build_backend
 from actors.trainer.loop import Trainer
 from actors.trainer.runtime import open_trainer
@@ -122,7 +122,7 @@ async def publish_groups(cfg: LeewayConfig, groups: Sequence[TrajectoryGroup]) -
     """Publish `groups` to the run's trajectory stream, one by one: stream order is the order given. Groups over
     `stream.max_inline_bytes` go to the run's object store (claim checks), as a generator sends them."""
     names = RunNames.for_run(cfg.run.name)
-    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-publisher")
+    nc = await connect(resolve_servers(cfg).nats_url, name="test-publisher")
     store = open_run_store(cfg)
     try:
         js = nc.jetstream()

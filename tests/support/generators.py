@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from actors.endpoints import connect_nats, open_run_store
 from actors.generator.runtime import GeneratorRuntime
 from actors.models import build_model
+from actors.servers import connect_nats, open_run_store
 from pipeline.config import LeewayConfig, load_config
 from pipeline.tasks.char_tokenizer import load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask

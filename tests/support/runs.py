@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.endpoints import open_run_store, resolve_endpoints
 from actors.launcher.run import read_metrics
+from actors.servers import open_run_store, resolve_servers
 from actors.trainer.checkpoints import load_latest_checkpoint
 from infra.process import start_ticks
 from infra.stack import StackState
@@ -81,7 +81,7 @@ def processes_mentioning(text: str) -> list[str]:
 
 async def recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> list[Any]:
     """Every group in the run's trajectory stream (from `from_seq`), read back through a replay."""
-    endpoints = resolve_endpoints(cfg)
+    endpoints = resolve_servers(cfg)
     nc = await connect(endpoints.nats_url, name="test-run-replay")
     try:
         js = nc.jetstream()
@@ -104,7 +104,7 @@ async def recorded_groups(cfg: LeewayConfig, from_seq: int | None = None) -> lis
 async def queued_prompt_ids(cfg: LeewayConfig) -> tuple[int, set[str]]:
     """(prompts ever admitted, ids still in the prompt work queue) of the run."""
     names = RunNames.for_run(cfg.run.name)
-    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-run-prompts")
+    nc = await connect(resolve_servers(cfg).nats_url, name="test-run-prompts")
     try:
         js = nc.jetstream()
         info = await js.stream_info(names.prompt_stream)

@@ -13,7 +13,7 @@ import nats.js.errors
 import pytest
 
 from actors.cli import main
-from actors.endpoints import connect_nats, open_run_store
+from actors.servers import connect_nats, open_run_store
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
 from pipeline.wire.announce import announce_version, version_bucket, version_kv

@@ -17,8 +17,8 @@ import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from actors.endpoints import open_run_store, resolve_endpoints
 from actors.models import build_model
+from actors.servers import open_run_store, resolve_servers
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend, build_backend
 from actors.trainer.checkpoints import RecentIds, TrainerState, complete_checkpoints
 from actors.trainer.loop import Trainer
@@ -101,7 +101,7 @@ def test_groups_are_trained_stale_ones_dropped_and_versions_published(stack: Sta
 
     async def scenario() -> tuple[list[str], list[int], dict[int, int], Any]:
         await publish_groups(cfg, groups)
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-watch")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-watch")
         kv = await version_kv(nc.jetstream(), names)
         announced: list[int] = []
         acks: dict[int, int] = {}
@@ -206,7 +206,7 @@ def test_stop_request_gives_groups_back_and_writes_a_final_checkpoint(stack: Sta
     metrics_path = cfg.run.run_dir / "metrics.jsonl"
 
     async def scenario() -> list[PromptLease]:
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-prompts")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-prompts")
         js = nc.jetstream()
         trainer = await open_trainer(cfg)
         session = trainer.session

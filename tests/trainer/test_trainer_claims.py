@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from actors.endpoints import open_run_store, resolve_endpoints
+from actors.servers import open_run_store, resolve_servers
 from actors.trainer.checkpoints import load_latest_checkpoint
 from actors.trainer.runtime import open_trainer
 from infra.stack import StackState
@@ -55,7 +55,7 @@ def test_after_retention_objects_stay_while_replay_can_reach_them_and_go_after_a
     assert loaded is not None and sorted(seq for seq, _ in loaded[0].claim_objects) == [1, 2, 3, 4]
 
     async def retention_removes_the_first_four() -> None:
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-retention")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-retention")
         await nc.jetstream().purge_stream(names.trajectory_stream, seq=5)
         await nc.drain()
 

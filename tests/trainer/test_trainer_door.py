@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actors.endpoints import resolve_endpoints
+from actors.servers import resolve_servers
 from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession
 from actors.trainer.slots import DeadLetterEntry, slots_to_return
@@ -46,7 +46,7 @@ def _bad_group(group_id: str, tokens: list[int]) -> TrajectoryGroup:
 
 async def _dead_letters(cfg: LeewayConfig) -> list[dict[str, str]]:
     names = RunNames.for_run(cfg.run.name)
-    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-dlq")
+    nc = await connect(resolve_servers(cfg).nats_url, name="test-dlq")
     try:
         js = nc.jetstream()
         info = await js.stream_info(names.dead_letter_stream)
@@ -100,7 +100,7 @@ def test_a_prompt_dead_lettered_at_max_deliver_gives_its_admission_slot_back(sta
         trainer = await open_trainer(cfg)
         assert isinstance(trainer.session, LiveSession)
         task = asyncio.create_task(trainer.run())
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-generator")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-generator")
         queue = PromptQueue(nc.jetstream(), names, cfg.stream)
         leases: list[PromptLease] = []
         deadline = time.monotonic() + EVENT_DEADLINE_S

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from actors.endpoints import open_run_store
+from actors.servers import open_run_store
 from actors.trainer.loop import DROP_INVALID
 from infra.stack import StackState
 from pipeline.config import LeewayConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.endpoints import open_run_store, resolve_endpoints
+from actors.servers import open_run_store, resolve_servers
 from actors.trainer.checkpoints import complete_checkpoints
 from actors.trainer.run_lease import LeaseKeeper
 from actors.trainer.runtime import open_trainer
@@ -58,7 +58,7 @@ def test_a_trainer_whose_lease_was_taken_over_stops_and_writes_nothing_more(stac
         while not (cfg.run.run_dir / "metrics.jsonl").exists():  # step 1 committed: the trainer holds the run
             assert asyncio.get_running_loop().time() < deadline and not running.done()
             await asyncio.sleep(0.05)
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-usurper")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-usurper")
         kv = await lease_kv(nc.jetstream(), names)
         usurper = LeaseRecord("usurper", "elsewhere", 4242, 0.0)
         await kv.put(LEASE_KEY, usurper.to_bytes())  # what a takeover after a long freeze looks like

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.endpoints import open_run_store
+from actors.servers import open_run_store
 from actors.trainer.checkpoints import (
     MANIFEST_FILE,
     TrainerState,

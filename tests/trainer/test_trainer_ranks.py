@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 import pytest
 
-from actors.endpoints import open_run_store
+from actors.servers import open_run_store
 from actors.trainer.checkpoints import (
     MANIFEST_FILE,
     checkpoint_files,

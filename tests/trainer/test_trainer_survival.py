@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from actors.endpoints import open_run_store, resolve_endpoints
+from actors.servers import open_run_store, resolve_servers
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
 from actors.trainer.checkpoints import TrainerState, complete_checkpoints, load_latest_checkpoint
 from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, parse_report
@@ -81,7 +81,7 @@ def test_a_malformed_generator_report_is_ignored_and_the_trainer_goes_on(stack: 
         trainer = await open_trainer(cfg)
         assert isinstance(trainer.session, LiveSession)
         reports = trainer.session.generator_reports
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-reporter")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-reporter")
         subject = generator_metrics_subject(names)
         for bad in (_report("evil", tokens_per_s="fast"), b"[]", _report("huge", x=None) + b" " * 100_000):
             await nc.publish(subject, bad)
@@ -228,7 +228,7 @@ def test_resume_says_how_many_groups_retention_removed(
     asyncio.run(publish_groups(cfg, [make_group(g) for g in "cdef"]))  # seqs 3..6
 
     async def purge_below(seq: int) -> None:  # what max_age / max_bytes retention does to the oldest
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-retention")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-retention")
         await nc.jetstream().purge_stream(names.trajectory_stream, seq=seq)
         await nc.drain()
 
@@ -292,7 +292,7 @@ def test_a_group_that_kills_every_resume_is_dead_lettered_and_later_groups_train
     assert trainer.state.dead_lettered_groups == 2 and {poison, mate} <= set(trainer.handled.to_list())  # slots back
 
     async def dead_letters() -> list[tuple[str | None, str]]:
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-dlq")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-dlq")
         entries, _ = await read_dead_letters(nc.jetstream(), names, after_seq=0, limit=10)
         await nc.drain()
         return [(e.original_id, e.reason) for e in entries]
@@ -355,7 +355,7 @@ def _latest_state(cfg: LeewayConfig) -> TrainerState:
 
 async def _purge_below(cfg: LeewayConfig, names: RunNames, seq: int) -> None:
     """What max_age / max_bytes retention does to the oldest groups of the trajectory stream."""
-    nc = await connect(resolve_endpoints(cfg).nats_url, name="test-retention")
+    nc = await connect(resolve_servers(cfg).nats_url, name="test-retention")
     await nc.jetstream().purge_stream(names.trajectory_stream, seq=seq)
     await nc.drain()
 
@@ -371,7 +371,7 @@ def test_forged_dead_letters_are_counted_and_cancel_nothing(stack: StackState, t
         trainer = await open_trainer(cfg)
         assert isinstance(trainer.session, LiveSession)
         running = asyncio.create_task(trainer.run())
-        nc = await connect(resolve_endpoints(cfg).nats_url, name="test-forger")
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-forger")
         js = nc.jetstream()
         deadline = asyncio.get_running_loop().time() + EVENT_DEADLINE_S
         while trainer.state.admitted < 2:  # both prompts of step 1 are queued (no generator takes them)

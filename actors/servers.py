@@ -1,10 +1,10 @@
-"""Where a role finds its servers: the config's URLs, or the embedded stack's state file.
+"""Where a role finds its servers (NATS and the object store): the config's URLs, or the embedded stack's state file.
 
-Every process of a run resolves endpoints the same way, so `leeway run`, `leeway trainer` and
+Every process of a run resolves its servers the same way, so `leeway run`, `leeway trainer` and
 `leeway generator` launched by hand in separate terminals meet on the same servers. Credentials come
 from the environment (AWS_*), the embedded stack's 0600 credentials file (its S3 key, and its NATS
-token, carried in `Endpoints.nats_url` as `nats://TOKEN@host:port`), or `nats.creds_file`; none of
-them is ever logged or written into a config (`Endpoints.__repr__` masks the token).
+token, carried in `Servers.nats_url` as `nats://TOKEN@host:port`), or `nats.creds_file`; none of
+them is ever logged or written into a config (`Servers.__repr__` masks the token).
 """
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ NATS_DEFAULT_PORT = 4222
 """The port a NATS URL without one means."""
 
 
-class EndpointError(RuntimeError):
+class ServerError(RuntimeError):
     """No server to talk to: the message says which one and how to start it."""
 
 
 @dataclass(frozen=True)
-class Endpoints:
+class Servers:
     nats_url: str
     store_url: str
     store_options: dict[str, Any]
 
     def __repr__(self) -> str:  # never print the S3 secret or the NATS token
-        return f"Endpoints(nats_url={redact_url(self.nats_url)!r}, store_url={self.store_url!r})"
+        return f"Servers(nats_url={redact_url(self.nats_url)!r}, store_url={self.store_url!r})"
 
-    def servers(self) -> list[tuple[str, int]]:
-        """(host, port) of every server these endpoints name: each NATS URL (comma-separated), and the S3
+    def addresses(self) -> list[tuple[str, int]]:
+        """(host, port) of every server these servers name: each NATS URL (comma-separated), and the S3
         endpoint (none for a `file://` store). What an orphaned role probes (`infra.process.stop_needs_servers`)."""
         out: list[tuple[str, int]] = []
         for url in self.nats_url.split(","):
@@ -58,17 +58,17 @@ class Endpoints:
 
 
 def _embedded_state(cfg: LeewayConfig) -> StackState:
-    """The stack recorded in `nats.stack_dir`; none running is an `EndpointError` that says how to start one."""
+    """The stack recorded in `nats.stack_dir`; none running is an `ServerError` that says how to start one."""
     state = load_state(cfg.nats.stack_dir)
     if state is None or not state.processes:
-        raise EndpointError(
+        raise ServerError(
             f"no embedded stack is running in {cfg.nats.stack_dir}: start one with "
             f"`leeway stack up --dir {cfg.nats.stack_dir}`, or set nats.url and store.endpoint"
         )
     return state
 
 
-def resolve_endpoints(cfg: LeewayConfig, *, nats: bool = True) -> Endpoints:
+def resolve_servers(cfg: LeewayConfig, *, nats: bool = True) -> Servers:
     """NATS URL and store URL/options for this config (embedded stack where the config names none). With
     ``nats=False`` (a tool that reads only the store) no NATS URL is looked for: a file store then needs no
     stack at all."""
@@ -102,32 +102,32 @@ def resolve_endpoints(cfg: LeewayConfig, *, nats: bool = True) -> Endpoints:
                 access_key_id=credentials.access_key_id,
                 secret_access_key=credentials.secret_access_key,
             )
-    return Endpoints(nats_url=nats_url, store_url=store_url, store_options=options)
+    return Servers(nats_url=nats_url, store_url=store_url, store_options=options)
 
 
-def stop_needs_endpoints(cfg: LeewayConfig) -> None:
+def watch_servers(cfg: LeewayConfig) -> None:
     """Name this role's servers to its orphan watchdog (`infra.process.stop_needs_servers`), so a role whose
     `leeway run` died together with its private stack exits at once instead of retrying the dead servers.
     A config whose servers cannot be resolved registers none (the role fails on them later, saying why)."""
     try:
-        servers = resolve_endpoints(cfg).servers()
-    except EndpointError:
+        servers = resolve_servers(cfg).addresses()
+    except ServerError:
         return
     stop_needs_servers(servers)
 
 
-def open_run_store(cfg: LeewayConfig, endpoints: Endpoints | None = None) -> ObjectStore:
-    """The run's object store (S3 or local files) at the resolved endpoints, opened the same way by every role."""
-    endpoints = endpoints or resolve_endpoints(cfg)
-    return open_store(endpoints.store_url, **endpoints.store_options)
+def open_run_store(cfg: LeewayConfig, servers: Servers | None = None) -> ObjectStore:
+    """The run's object store (S3 or local files) at the resolved servers, opened the same way by every role."""
+    servers = servers or resolve_servers(cfg)
+    return open_store(servers.store_url, **servers.store_options)
 
 
-async def connect_nats(cfg: LeewayConfig, endpoints: Endpoints | None = None, *, name: str) -> NatsClient:
+async def connect_nats(cfg: LeewayConfig, servers: Servers | None = None, *, name: str) -> NatsClient:
     """`pipeline.wire.jetstream.connect` (the one connect: reconnect forever, 64 MiB buffer, logged state) to
     this config's server, with its credentials file and connect timeout."""
-    endpoints = endpoints or resolve_endpoints(cfg)
+    servers = servers or resolve_servers(cfg)
     return await connect(
-        endpoints.nats_url, creds_file=cfg.nats.creds_file, connect_timeout_s=cfg.nats.connect_timeout_s, name=name
+        servers.nats_url, creds_file=cfg.nats.creds_file, connect_timeout_s=cfg.nats.connect_timeout_s, name=name
     )
 
 
