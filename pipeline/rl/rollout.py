@@ -160,9 +160,8 @@ EnvironmentFactory = Callable[[Prompt], Environment]
 
 
 def environment_factory(task: Task) -> EnvironmentFactory | None:
-    """A multi-turn task exposes ``environment(prompt) -> Environment``; single-turn tasks have none."""
-    factory = getattr(task, "environment", None)
-    return factory if callable(factory) else None
+    """A `multi_turn` task's ``environment(prompt) -> Environment``; a single-turn task has none."""
+    return task.environment if task.multi_turn else None
 
 
 @dataclass
@@ -469,14 +468,10 @@ async def _run_episode(
     try:
         return await _episode_turns(generate, scorer, index, prompt_ids, environment, limits, template)
     finally:
-        close = getattr(environment, "aclose", None)
-        if callable(close):
-            try:
-                await asyncio.wait_for(close(), timeout=limits.env_timeout_s)
-            except Exception:  # the sample is already decided; a failed close only costs the environment's slot
-                logger.warning(
-                    "closing the environment of trajectory %s-%d failed", scorer.group_id, index, exc_info=True
-                )
+        try:
+            await asyncio.wait_for(environment.aclose(), timeout=limits.env_timeout_s)
+        except Exception:  # the sample is already decided; a failed close only costs the environment's slot
+            logger.warning("closing the environment of trajectory %s-%d failed", scorer.group_id, index, exc_info=True)
 
 
 async def _episode_turns(
@@ -491,14 +486,12 @@ async def _episode_turns(
     turns = [Turn.context("prompt", prompt_ids)]
     pending: list[int] = []
     gen_s = 0.0
-    opening = getattr(environment, "opening", None)
-    if callable(opening):
-        try:
-            first = await asyncio.wait_for(opening(), timeout=limits.env_timeout_s)
-            pending = step_ids(first, scorer.tokenizer, template, None)
-        except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
-            logger.exception("environment failed to open trajectory %s-%d", scorer.group_id, index)
-            return scorer.environment_failed(index, turns, 0.0, f"{type(exc).__name__}: {exc}", reason=_reason(exc))
+    try:
+        first = await asyncio.wait_for(environment.opening(), timeout=limits.env_timeout_s)
+        pending = [] if first is None else step_ids(first, scorer.tokenizer, template, None)
+    except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
+        logger.exception("environment failed to open trajectory %s-%d", scorer.group_id, index)
+        return scorer.environment_failed(index, turns, 0.0, f"{type(exc).__name__}: {exc}", reason=_reason(exc))
     for _ in range(limits.max_turns):
         context_ids = np.concatenate([t.token_ids for t in turns] + [np.asarray(pending, np.int32)])
         budget = scorer.sampling.max_new_tokens
@@ -548,13 +541,14 @@ async def _cut(
 ) -> Sample:
     """An episode cut by a limit (a reply's length, the turns, the tokens): ``truncated``, scored by the
     environment's own ``final()`` when it has one (a sandbox's tests), else by the task's verifier."""
-    final = getattr(environment, "final", None)
-    if not callable(final) or turns[-1].finish_reason in ("abort", "prompt_too_long"):
+    if turns[-1].finish_reason in ("abort", "prompt_too_long"):
         return await scorer.finish(index, turns, gen_s, truncated=True)
     try:
-        step = await asyncio.wait_for(final(), timeout=limits.env_timeout_s)
+        step = await asyncio.wait_for(environment.final(), timeout=limits.env_timeout_s)
     except Exception as exc:  # a boundary we own, as for step()
         return scorer.environment_failed(index, turns, gen_s, f"{type(exc).__name__}: {exc}", reason=_reason(exc))
+    if step is None:
+        return await scorer.finish(index, turns, gen_s, truncated=True)
     reward = 0.0 if step.status == "format_error" else float(step.reward or 0.0)
     return scorer.sample(index, turns, reward=reward, status="truncated", gen_s=gen_s, info=dict(step.info))
 

@@ -36,7 +36,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pipeline.wire.prompts import Prompt, PromptError
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from pipeline.config import LeewayConfig
+    from pipeline.tasks.agents import AgentFunction
+    from pipeline.tasks.environment import Environment
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,21 @@ class Task(ABC):
     """Where the verifier's rewards must lie, or None for any finite reward; a reward outside is refused for its
     sample (``infra_error``, reason ``reward_out_of_range``), never trained on."""
 
+    multi_turn: bool = False
+    """True for a task whose samples are episodes against an `Environment` (`environment`); False: one reply per
+    sample, scored by `verify`."""
+    agent: AgentFunction | None = None
+    """The task's own agent function (`pipeline/tasks/agents.py`), run against the generator's endpoint when
+    `task.agent` does not name one; None: no agent."""
+    sandboxed_agents: bool = False
+    """True when an agent function's run happens inside one of this task's episodes (`environment`, a sandbox in
+    ``ctx.sandbox``) and the episode's own verdict, not the agent's, is its reward."""
+    tokenizer: Tokenizer | None = None
+    """The tokenizer the task's prompts and rewards assume (a task with its own alphabet), used when `model.tokenizer`
+    names none; None: the model's."""
+    chat_template: str | None = None
+    """A Jinja chat template the task's chat prompts assume, used when the model has none; None: the model's."""
+
     @abstractmethod
     def prompts(self) -> Iterator[Prompt]:
         """The prompts, in a deterministic order (built-in tasks: infinite, from their seed)."""
@@ -122,6 +141,14 @@ class Task(ABC):
     @abstractmethod
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
         """Score one completion (the reply text with its final stop token removed, and the reply's ids)."""
+
+    def environment(self, prompt: Prompt) -> Environment:
+        """A fresh environment for one sample of `prompt`; only called on a `multi_turn` task."""
+        raise NotImplementedError(f"task {self.name!r} is single-turn: it has no environment")
+
+    async def aclose(self) -> None:
+        """Release what the task holds for the process's lifetime (a sandbox pool); called once when it stops."""
+        return None
 
 
 def task_for(cfg: LeewayConfig) -> Task:

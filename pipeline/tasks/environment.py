@@ -1,11 +1,12 @@
-"""What a multi-turn task's environment answers: `EnvStep`, and the `Environment` protocol the rollout drives
+"""What a multi-turn task's environment answers: `EnvStep`, and the `Environment` base class the rollout drives
 (`pipeline/rl/rollout.py`). Here, below the RL logic, so that a task (a floor under it) can build environments."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 
@@ -28,12 +29,27 @@ class EnvStep:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class Environment(Protocol):
-    """One episode's counterpart in a multi-turn rollout (tool, user simulator, game). Optional hooks the rollout
-    calls when they exist: ``opening()`` (its first message, after the prompt), ``final()`` (its verdict on an
-    episode cut by a limit before it said done: the reward of a truncated sample) and ``aclose()`` (however the
-    episode ended). An exception with a ``reason`` (a sandbox's failure) names the sample's infra_error."""
+class Environment(ABC):
+    """One episode's counterpart in a multi-turn rollout (tool, user simulator, game, sandbox); a task makes a fresh
+    one per sample (`Task.environment`). The rollout calls, in order: `opening` once, then `step` after each policy
+    reply until a step is ``done`` or a limit cuts the episode (then `final`), and `aclose` however the episode ended.
+    A hook raising an `pipeline.failures.InfraFailure` names the sample's ``infra_error`` by its ``reason``; any
+    other exception is an ``environment_error``, a hook past the rollout's timeout an ``environment_timeout``."""
 
+    @abstractmethod
     async def step(self, reply_text: str, reply_ids: np.ndarray) -> EnvStep:
         """React to the policy's reply (text with a final stop token removed; ids as sampled)."""
-        ...
+
+    async def opening(self) -> EnvStep | None:
+        """The environment's first message, placed after the prompt before the first reply (a sandbox's welcome,
+        a game's first observation), or None: the prompt alone opens the episode."""
+        return None
+
+    async def final(self) -> EnvStep | None:
+        """The verdict on an episode cut by a limit before a step said ``done`` (a sandbox's tests: the reward of
+        a truncated sample), or None: the task's verifier scores the completion."""
+        return None
+
+    async def aclose(self) -> None:
+        """Release what the episode held (a sandbox, a server session); called once, however the episode ended."""
+        return None

@@ -44,7 +44,7 @@ from pipeline.sandbox import SandboxError, SandboxLimits, SandboxSpec
 from pipeline.sandbox.pool import PoolSettings, SandboxPool
 from pipeline.tasks import Task, VerifierResult, shuffled_epochs
 from pipeline.tasks.chat_tokenizer import load_chat_template_text, load_chat_tokenizer
-from pipeline.tasks.environment import EnvStep
+from pipeline.tasks.environment import Environment, EnvStep
 from pipeline.wire.prompts import Prompt
 
 if TYPE_CHECKING:
@@ -149,6 +149,7 @@ class HarborTask(Task):
     """Harbor task directories played by the shell agent in sandboxes; see the module docstring."""
 
     name = "harbor"
+    multi_turn = True
     self_check = False
     """Rewards come from each task's own tests in a sandbox: `leeway tasks check DIR` is this task's self-check."""
     sandboxed_agents = True
@@ -217,7 +218,7 @@ class HarborTask(Task):
             await pool.close()
 
 
-class HarborEpisode:
+class HarborEpisode(Environment):
     """One attempt at one task: its sandbox lives from `opening` to `aclose`."""
 
     def __init__(self, task: HarborTask, task_dir: HarborTaskDir) -> None:

@@ -34,7 +34,7 @@ import orjson
 
 from pipeline.tasks import Prompt, Task, VerifierResult
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
-from pipeline.tasks.environment import EnvStep
+from pipeline.tasks.environment import Environment, EnvStep
 
 EVAL_SEED_OFFSET = 1_000_003
 DEFAULT_INSTRUCTIONS = "Act in the environment. Reply with your action only."
@@ -45,6 +45,7 @@ class OpenEnvTask(Task):
     """Episodes of one OpenEnv server; see the module docstring."""
 
     name = "openenv"
+    multi_turn = True
     self_check = False
 
     def __init__(
@@ -153,7 +154,7 @@ class OpenEnvTask(Task):
         return EnvStep(messages=[{"role": "user", "content": text}]) if self.chat else EnvStep(message=text)
 
 
-class OpenEnvEpisode:
+class OpenEnvEpisode(Environment):
     """One sample's session on the server (`pipeline.tasks.environment.Environment`, with an opening and a close)."""
 
     def __init__(self, task: OpenEnvTask, seed: int) -> None:

@@ -29,13 +29,14 @@ import numpy as np
 
 from pipeline.tasks import Prompt, Task, VerifierResult, load_prompts, shuffled_epochs
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
-from pipeline.tasks.environment import EnvStep
+from pipeline.tasks.environment import Environment, EnvStep
 
 
 class SkyRLGymTask(Task):
     """One skyrl-gym environment over a prompts file; see the module docstring."""
 
     name = "skyrl_gym"
+    multi_turn = True
 
     def __init__(
         self,
@@ -108,7 +109,7 @@ class SkyRLGymTask(Task):
         return env
 
 
-class SkyRLEpisode:
+class SkyRLEpisode(Environment):
     """One sample's environment, as Leeway's rollout drives it (`pipeline.rl.rollout.Environment`)."""
 
     def __init__(self, env: Any) -> None:

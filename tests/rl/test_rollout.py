@@ -23,7 +23,7 @@ from pipeline.rl.rollout import (
 )
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
-from pipeline.tasks.environment import EnvStep
+from pipeline.tasks.environment import Environment, EnvStep
 from pipeline.tasks.reverse import ReverseDigitsTask
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
 
@@ -69,7 +69,7 @@ class _TranscriptTask(Task):
         return VerifierResult(0.5)
 
 
-class _Env:
+class _Env(Environment):
     def __init__(self, steps: Sequence[EnvStep | Exception]) -> None:
         self.steps = list(steps)
         self.seen: list[str] = []
@@ -189,7 +189,7 @@ def test_environment_failure_is_an_infra_error_without_reward() -> None:
 
 
 def test_environment_timeout_is_an_infra_error() -> None:
-    class _Hangs:
+    class _Hangs(Environment):
         async def step(self, reply_text: str, reply_ids: np.ndarray) -> EnvStep:
             await asyncio.sleep(10)
             return EnvStep(done=True, reward=1.0)
