@@ -50,12 +50,12 @@ from botocore.client import BaseClient
 
 from infra import nats_server, seaweed
 from infra.files import write_private
+from infra.ports import free_ports
 from infra.process import (
     POLL_INTERVAL_S,
     ProcessInfo,
     StackError,
     describe_failure,
-    free_ports,
     is_running,
     spawn,
     stop_processes,
@@ -116,7 +116,7 @@ class StackPorts:
 
     @classmethod
     def free(cls) -> StackPorts:
-        """Ports the OS reports free on 127.0.0.1, all distinct (`infra.process.free_ports`)."""
+        """Ports the OS reports free on 127.0.0.1, all distinct (`infra.ports.free_ports`)."""
         return cls(*free_ports(1 + len(seaweed.PORT_NAMES)))
 
     def seaweed(self) -> dict[str, int]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from infra import nats_server
-from infra.process import free_port
+from infra.ports import free_port
 from pipeline.config import load_config
 from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.tools.bench.transport import LocalNats, local_nats
-from infra.process import free_port
+from infra.ports import free_port
 from infra.stack import load_credentials
 from pipeline.config import StreamConfig
 from pipeline.wire.claim_check import CLAIM_CHECK_MAX_BYTES

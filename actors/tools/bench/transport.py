@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from infra.process import free_port
+from infra.ports import free_port
 from pipeline.wire.codec import decode_group, encode_group
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
 
