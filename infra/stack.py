@@ -102,7 +102,13 @@ _PORT_IN_USE = "address already in use"
 
 @dataclass(frozen=True)
 class StackPorts:
-    """Every TCP port the stack listens on. Chosen free by default; explicit only in tests."""
+    """Every TCP port the stack listens on. Chosen free by default; explicit only in tests.
+
+    nats-server's too, although it could bind port 0 and report the port it got (`nats_server.run` does):
+    it reports it only once JetStream has recovered its store, and the stack records every server it
+    started, with its endpoint, before it waits on any (so `down` stops a start that was interrupted).
+    A port taken between the pick and the bind costs one retry (`start_stack`).
+    """
 
     nats: int
     master: int
