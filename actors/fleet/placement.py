@@ -9,11 +9,11 @@ its `generator.id`, so the ids recorded on trajectories name the actor that prod
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from infra.ports import is_loopback
 from pipeline.config import LeewayConfig
 
 TRAINER_PREFIX = "trainer-"
@@ -125,13 +125,6 @@ def rank_env(rank: int, world_size: int, master_addr: str, master_port: int | st
     }
 
 
-def _is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
 def embedded_stack_refusal(cfg: LeewayConfig, node_addresses: Sequence[str]) -> str | None:
     """Why this fleet cannot use the embedded stack, or None when it can (or needs none).
 
@@ -140,7 +133,7 @@ def embedded_stack_refusal(cfg: LeewayConfig, node_addresses: Sequence[str]) -> 
     """
     if not cfg.uses_embedded_stack:
         return None
-    remote = sorted({a for a in node_addresses if not _is_loopback(a)})
+    remote = sorted({a for a in node_addresses if not is_loopback(a)})
     if not remote or len(set(node_addresses)) == 1:
         return None
     return (

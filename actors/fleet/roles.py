@@ -15,7 +15,7 @@ role talks to the others through NATS and S3 exactly as when started by hand.
 Invariants:
 - The role process dies with its actor: the keeper thread that spawned it lives until it exits, so
   the parent-death signal (SIGTERM, Linux) fires only when the actor process dies; the role also
-  watches the actor's pid itself (`LEEWAY_PARENT_PID`, `infra.process.watch_parent`). SIGTERM is the
+  watches the actor's pid itself (`LEEWAY_PARENT_PID`, `infra.orphans.watch_parent`). SIGTERM is the
   roles' clean stop: a generator finishes or aborts its rollouts and naks their prompts, so a killed
   or drained generator loses no prompt; the trainer finishes or abandons its step and checkpoints.
 - `stop` sends SIGTERM to the role's process group and SIGKILL after `timeout_s`; nothing the role
@@ -42,9 +42,9 @@ from typing import Any
 
 from actors.fleet.placement import generator_index
 from infra.files import write_private
+from infra.ports import free_port
 from infra.process import (
     ProcessInfo,
-    free_port,
     is_running,
     spawn_child,
     start_ticks,

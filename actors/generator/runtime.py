@@ -360,7 +360,7 @@ def main(cfg: LeewayConfig) -> int:
         backups=cfg.logging.role_log_backups,
     )
     torch.set_num_threads(cfg.engine.torch_threads)
-    watch_servers(cfg)  # orphaned with its servers gone: no naks to retry (infra/process.py)
+    watch_servers(cfg)  # orphaned with its servers gone: no naks to retry (infra/orphans.py)
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -22,9 +22,9 @@ Invariants:
   or at once on a second Ctrl-C, SIGKILL to its whole group.
 - Nothing outlives this process, even when it is SIGKILLed: the roles get SIGTERM from the kernel when
   it dies (Linux parent-death signal) and also watch its pid themselves (`LEEWAY_PARENT_PID`,
-  `infra.process.watch_parent`: SIGTERM, then SIGKILL after the same grace, or an immediate exit
+  `infra.orphans.watch_parent`: SIGTERM, then SIGKILL after the same grace, or an immediate exit
   saying what it abandons once the servers its clean stop needs are all gone); the servers of a
-  private stack get SIGKILL (`infra.process.tied_to_this_process`). Roles and the private stack are
+  private stack get SIGKILL (`infra.orphans.tied_to_this_process`). Roles and the private stack are
   spawned from the main thread, which lives until everything is stopped.
 - A stack started here is stopped here; a stack found running is left running.
 - `run.dir` gets a marker file (`RUN_MARKER`) when `leeway run` creates it; `--fresh` deletes only a
@@ -57,7 +57,8 @@ from actors.launcher.report import read_evals, write_report
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
 from actors.servers import private_stack_dir, stack_bucket
 from infra.files import write_private
-from infra.process import StackError, log_tail, spawn_child, stop_groups, tied_to_this_process
+from infra.orphans import tied_to_this_process
+from infra.process import StackError, log_tail, spawn_child, stop_groups
 from infra.role_logs import LOG_FILE_ENV
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig

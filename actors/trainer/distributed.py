@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import ipaddress
 import logging
 import os
 import signal
@@ -42,7 +41,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from infra.process import LOOPBACK, free_port, spawn_child, stop_groups
+from infra.ports import LOOPBACK, free_port, is_loopback
+from infra.process import spawn_child, stop_groups
 from infra.role_logs import LOG_FILE_ENV
 
 log = logging.getLogger(__name__)
@@ -122,16 +122,6 @@ def join_rank_group(rank_env: RankEnv, device: str, timeout_s: float) -> torch.d
         )
     log.info("rank %d of %d joined (%s, %s)", rank_env.rank, rank_env.world_size, dist.get_backend(), target)
     return target
-
-
-def is_loopback(host: str) -> bool:
-    """True for an address (or `localhost`) that only this machine can reach."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def loopback_store(rank_env: RankEnv, timeout: datetime.timedelta) -> dist.TCPStore | None:

@@ -147,7 +147,7 @@ def main(cfg: LeewayConfig, *, resume: bool = False, replay: ReplaySelection | N
     )
     torch.set_num_threads(cfg.trainer.torch_threads)
     torch.manual_seed(cfg.run.seed)  # every rank builds the same initial weights
-    watch_servers(cfg)  # orphaned with its servers gone: no final checkpoint to retry (infra/process.py)
+    watch_servers(cfg)  # orphaned with its servers gone: no final checkpoint to retry (infra/orphans.py)
     if rank_env.distributed:
         timeout_s = cfg.trainer.dist_timeout_s + cfg.trainer.queue_wait_timeout_s  # rank 0 may wait for groups
         join_rank_group(rank_env, cfg.trainer.device, timeout_s)

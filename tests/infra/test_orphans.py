@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.process import ORPHAN_GRACE_S, PARENT_GRACE_ENV, PARENT_PID_ENV, is_running, spawn_child, start_ticks
+from infra.orphans import ORPHAN_GRACE_S, PARENT_GRACE_ENV, PARENT_PID_ENV
+from infra.process import is_running, spawn_child, start_ticks
 from infra.stack import StackState, load_state, stack_status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +112,8 @@ def test_tied_server_dies_with_its_parent_and_an_untied_one_survives(
     """`spawn` inside `tied_to_this_process()` (the private stack of `leeway run`) vs outside (`stack up`)."""
     body = (
         "from pathlib import Path\n"
-        "from infra.process import spawn, tied_to_this_process\n"
+        "from infra.orphans import tied_to_this_process\n"
+        "from infra.process import spawn\n"
         f"with tied_to_this_process():\n"
         f"    tied, _ = spawn('tied', {SLEEPER}, Path({str(tmp_path)!r}) / 'tied.log', ports={{}})\n"
         f"free, _ = spawn('free', {SLEEPER}, Path({str(tmp_path)!r}) / 'free.log', ports={{}})\n"
@@ -133,7 +135,7 @@ def test_a_role_watching_its_parent_stops_when_the_parent_is_killed(
     """The portable guard (no parent-death signal): SIGTERM to itself, SIGKILL after the grace period."""
     role = (
         "import os, signal, sys, time\n"
-        "from infra.process import watch_parent\n"
+        "from infra.orphans import watch_parent\n"
         f"if {ignores_sigterm}:\n"
         "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "watch_parent(int(sys.argv[1]), grace_s=0.5, poll_s=0.05)\n"
@@ -153,7 +155,7 @@ def test_a_role_watching_its_parent_stops_when_the_parent_is_killed(
 
 
 ABANDONED = "abandoning the clean stop"
-"""What an orphan whose servers are all gone logs (`infra.process.watch_parent`)."""
+"""What an orphan whose servers are all gone logs (`infra.orphans.watch_parent`)."""
 
 
 @pytest.mark.parametrize("servers", ["die-with-the-parent", "outlive-the-parent"])
@@ -166,7 +168,7 @@ def test_an_orphan_whose_servers_died_with_its_parent_abandons_its_stop_at_once(
     shared = socket.create_server(("127.0.0.1", 0))
     role = (
         "import logging, os, signal, sys, time\n"
-        "from infra.process import stop_needs_servers, watch_parent\n"
+        "from infra.orphans import stop_needs_servers, watch_parent\n"
         "logging.basicConfig(level=logging.INFO)\n"
         "def clean_stop(signum, frame):\n"
         "    print('clean stop', file=sys.stderr, flush=True)\n"

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.trainer.distributed import RankEnv, free_port, rank_environ
+from actors.trainer.distributed import RankEnv, rank_environ
+from infra.ports import free_port
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import TrainSequence
 from storage.filestore import FileStore

@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 
 from actors.tools import replay as replay_cmd
-from infra.process import free_port
+from infra.ports import free_port
 from infra.stack import load_credentials
 from pipeline.config import LeewayConfig, StreamConfig
 from pipeline.wire.codec import read_parquet

@@ -1,21 +1,18 @@
 """Stream set-up on a server whose JetStream store is small: a role restarting while the store is nearly full
 (a `max_file_store` limit, a filling disk) still starts, and a changed setting is still applied.
 
-A nats-server of this test's own (a store limit the session stack does not have), on 127.0.0.1 and a free port.
+A nats-server of this test's own (a store limit the session stack does not have), on 127.0.0.1 and a port the OS picks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from infra import nats_server
-from infra.process import free_port
 from pipeline.config import load_config
 from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
@@ -28,25 +25,8 @@ START_DEADLINE_S = 60.0
 
 @pytest.fixture
 def small_store_url(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    conf = tmp_path / "nats.conf"
-    store = tmp_path / "js"
-    conf.write_text(
-        f'listen: 127.0.0.1:{port}\njetstream {{\n  store_dir: "{store}"\n  max_file_store: {STORE_LIMIT}\n}}\n'
-    )
-    proc = subprocess.Popen(
-        nats_server.argv(nats_server.binary_path(), conf), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-    )
-    url = nats_server.url(port)
-    try:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while nats_server.probe(url) is not None:
-            assert proc.poll() is None and time.monotonic() < deadline, "nats-server did not start"
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait()
+    with nats_server.run(tmp_path, max_file_store_bytes=STORE_LIMIT, timeout_s=START_DEADLINE_S) as server:
+        yield server.url
 
 
 def test_a_restart_on_a_nearly_full_store_finds_its_streams_without_asking_for_room_again(

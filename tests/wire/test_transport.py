@@ -22,8 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.tools.bench.transport import LocalNats, local_nats
-from infra.process import free_port
+from infra import nats_server
 from infra.stack import load_credentials
 from pipeline.config import StreamConfig
 from pipeline.wire.claim_check import CLAIM_CHECK_MAX_BYTES
@@ -187,13 +186,14 @@ class _CuttableProxy:
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.port = free_port()
+        self.port = 0  # the port the OS gave it, once started
         self.accepting = True
         self._writers: list[asyncio.StreamWriter] = []
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self.accepting:
@@ -228,8 +228,8 @@ class _CuttableProxy:
 
 
 @pytest.fixture
-def own_nats(tmp_path: Path) -> Iterator[LocalNats]:
-    with local_nats(tmp_path / "nats") as server:
+def own_nats(tmp_path: Path) -> Iterator[nats_server.LocalServer]:
+    with nats_server.run(tmp_path / "nats") as server:
         yield server
 
 

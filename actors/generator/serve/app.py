@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import os
 import socket
@@ -34,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.generator.serve.protocol import ChatRequest, CompletionRequest, EndpointError, TokensRequest, parse_body
 from actors.generator.serve.service import EndpointService
+from infra.ports import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +124,6 @@ async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield b"data: " + orjson.dumps(chunk) + b"\n\n"
     yield b"data: [DONE]\n\n"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_api_key(*, env_name: str, file: str | None, host: str) -> str | None:

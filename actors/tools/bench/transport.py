@@ -16,26 +16,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import statistics
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import orjson
 
-from infra.process import free_port
+from infra import nats_server
 from pipeline.wire.codec import decode_group, encode_group
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
 
 VOCAB_SIZE = 151_936
 RAW_BYTES_PER_TOKEN = 13
 CONFIDENT_FRACTION = 0.7
-NATS_START_TIMEOUT_S = 20.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,76 +152,6 @@ def _orjson_to_numpy(data: bytes) -> None:
         np.asarray(s["logprobs"], np.float32), np.asarray(s["versions"], np.int32)
 
 
-# --- a local nats-server (bench and tests) -----------------------------------------------------------------------
-
-
-def _new_nats_token() -> str:
-    from infra import nats_server
-
-    return nats_server.new_token()
-
-
-@dataclass
-class LocalNats:
-    """A nats-server (JetStream, file store under `root`) we started; restartable on the same port and store."""
-
-    root: Path
-    port: int
-    info: object = None
-    proc: object = None
-    token: str = field(default_factory=lambda: _new_nats_token())
-    """Required by the server like the embedded stack's (loopback is shared); clients carry it in `url`."""
-
-    @property
-    def url(self) -> str:
-        from infra import nats_server
-
-        return nats_server.url_with_token(nats_server.url(self.port), self.token)
-
-    def start(self) -> None:
-        from infra import nats_server, process
-
-        self.root.mkdir(parents=True, exist_ok=True)
-        conf = self.root / "nats.conf"
-        conf.write_text(
-            nats_server.render_config(
-                port=self.port, store_dir=self.root / "store", sync_interval="2m", token=self.token
-            )
-        )
-        conf.chmod(0o600)
-        self.proc, self.info = process.spawn(
-            "nats",
-            nats_server.argv(nats_server.binary_path(), conf),
-            self.root / "nats.log",
-            ports={"client": self.port},
-        )
-        deadline = time.monotonic() + NATS_START_TIMEOUT_S
-        while (reason := nats_server.probe(self.url)) is not None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise process.StackError(process.describe_failure(self.info, f"not ready: {reason}"))
-            time.sleep(0.05)
-
-    def stop(self, timeout_s: float = 2.0) -> None:
-        """SIGTERM (SIGKILL after `timeout_s`) exactly the process we started."""
-        from infra import process
-
-        if self.info is not None:
-            process.stop_processes([self.info], timeout_s)
-            self.info = self.proc = None
-
-
-@contextlib.contextmanager
-def local_nats(root: str | Path | None = None) -> Iterator[LocalNats]:
-    """Start nats-server on a free loopback port for the duration of the block."""
-    with contextlib.ExitStack() as stack:
-        path = Path(root) if root else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="leeway-nats-")))
-        server = LocalNats(path, free_port())
-        server.start()
-        stack.callback(server.stop)
-        yield server
-
-
 # --- JetStream end to end ------------------------------------------------------------------------------------------
 
 
@@ -293,7 +217,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.nats_url:
         result.update(asyncio.run(jetstream_stats(args.nats_url, groups, args.jetstream_groups)))
     else:
-        with local_nats() as server:
+        with nats_server.run() as server:
             result.update(asyncio.run(jetstream_stats(server.url, groups, args.jetstream_groups)))
     result["targets"] = {
         "decode_speedup_vs_orjson>=20": result["decode_speedup_vs_orjson"] >= 20,
