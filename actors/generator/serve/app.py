@@ -32,7 +32,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from actors.generator.serve.protocol import ChatRequest, CompletionRequest, EndpointError, TokensRequest, parse_body
+from actors.generator.serve.protocol import (
+    ChatCompletionStreamResponse,
+    ChatRequest,
+    CompletionRequest,
+    EndpointError,
+    TokensRequest,
+    parse_body,
+)
 from actors.generator.serve.service import EndpointService
 
 log = logging.getLogger(__name__)
@@ -86,25 +93,25 @@ def build_app(service: EndpointService, *, api_key: str | None, max_body_bytes: 
     async def chat(request: Request, session_id: str | None = None) -> Response:
         data = await body_of(request)
         req = parse_body(ChatRequest, data)
-        body, chunks = await service.chat(req, session_of(request, session_id, data))
-        if chunks is None:
-            return JSONResponse(body)
-        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        reply = await service.chat(req, session_of(request, session_id, data))
+        if isinstance(reply, list):
+            return StreamingResponse(_sse(reply), media_type="text/event-stream")
+        return JSONResponse(reply.model_dump())
 
     async def completions(request: Request, session_id: str | None = None) -> Response:
         data = await body_of(request)
         req = parse_body(CompletionRequest, data)
-        return JSONResponse(await service.completions(req, session_of(request, session_id, data)))
+        return JSONResponse((await service.completions(req, session_of(request, session_id, data))).model_dump())
 
     async def tokens(request: Request, session_id: str | None = None) -> Response:
         data = await body_of(request)
         req = parse_body(TokensRequest, data)
-        return JSONResponse(await service.tokens(req, session_of(request, session_id, data)))
+        return JSONResponse((await service.tokens(req, session_of(request, session_id, data))).model_dump())
 
     async def models(request: Request, session_id: str | None = None) -> Response:
         if api_key is not None:
             await body_of(request)
-        return JSONResponse(service.models())
+        return JSONResponse(service.models().model_dump())
 
     async def health() -> Response:
         ready = service.engine.version >= 0 and not service.stopping
@@ -120,9 +127,9 @@ def build_app(service: EndpointService, *, api_key: str | None, max_body_bytes: 
     return app
 
 
-async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+async def _sse(chunks: list[ChatCompletionStreamResponse]) -> AsyncIterator[bytes]:
     for chunk in chunks:
-        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        yield b"data: " + orjson.dumps(chunk.model_dump()) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 

@@ -27,16 +27,19 @@ from tokenizers import Tokenizer
 
 from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.serve.conversations import Conversation, Conversations
-from actors.generator.serve.protocol import ChatRequest, CompletionRequest, EndpointError, TokensRequest
-from actors.generator.serve.replies import (
-    Reply,
-    chat_body,
-    chat_chunks,
-    completion_body,
-    make_reply,
-    new_id,
-    tokens_body,
+from actors.generator.serve.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatRequest,
+    CompletionRequest,
+    CompletionResponse,
+    EndpointError,
+    GenerateResponse,
+    ModelCard,
+    ModelList,
+    TokensRequest,
 )
+from actors.generator.serve.replies import Answer, Reply, make_reply
 from pipeline.chat.template import ChatTemplate, ChatTemplateError, normalized
 from pipeline.chat.tool_parsers import ToolParser
 
@@ -105,8 +108,8 @@ class EndpointService:
 
     async def chat(
         self, req: ChatRequest, session_id: str | None
-    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
-        """(body, None), or (None-like body, chunks) for a streamed request."""
+    ) -> ChatCompletionResponse | list[ChatCompletionStreamResponse]:
+        """The reply, or its chunks for a streamed request (sent once the reply is complete: same ids)."""
         self._check_model(req.model)
         template = self._template()
         messages = [dict(m) for m in req.messages]
@@ -114,52 +117,29 @@ class EndpointService:
         tools_key = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""
         keys = [normalized(m) for m in messages]
         conversation = self.conversations.get(session_id)
-        try:
-            prompt_ids = self._bridged(conversation, template, messages, keys, tools, tools_key)
-            if prompt_ids is None:
-                prompt_ids = template.render(messages, tools=tools)
-                self.metrics.turns_fresh += 1
-            else:
-                self.metrics.turns_bridged += 1
-        except ChatTemplateError as exc:
-            raise EndpointError(400, str(exc), param="messages") from None
+        prompt_ids = self._chat_prompt(conversation, template, messages, keys, tools, tools_key)
         results = await self._generate(conversation, prompt_ids, req, req.token_limit())
         replies = [self._reply(r, req.stops()) for r in results]
         for reply in replies:
             self.metrics.tool_calls += len(reply.parsed.tool_calls)
             self.metrics.tool_calls_unparseable += reply.parsed.unparseable
-        answers = [
+        said = [
             normalized({"role": "assistant", "content": r.parsed.content, "tool_calls": r.parsed.tool_calls})
             for r in replies
         ]
         async with conversation.lock:
             conversation.record(
-                prompt_ids, [r.result for r in replies], messages=keys, replies=answers, tools_key=tools_key
+                prompt_ids, [r.result for r in replies], messages=keys, replies=said, tools_key=tools_key
             )
-        want_logprobs = bool(req.logprobs) or bool(req.top_logprobs)
-        if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
-            chunks = chat_chunks(
-                self.tokenizer,
-                self.model,
-                prompt_ids,
-                replies,
-                logprobs=want_logprobs,
-                return_token_ids=req.return_token_ids,
-                include_usage=include_usage,
-            )
-            return {}, list(chunks)
-        body = chat_body(
-            self.tokenizer,
-            self.model,
-            prompt_ids,
-            replies,
-            logprobs=want_logprobs,
-            return_token_ids=req.return_token_ids,
+        logprobs = bool(req.logprobs) or bool(req.top_logprobs)
+        answer = Answer(
+            self.tokenizer, self.model, prompt_ids, replies, logprobs=logprobs, return_token_ids=req.return_token_ids
         )
-        return body, None
+        if req.stream:
+            return answer.chat_chunks(include_usage=bool((req.stream_options or {}).get("include_usage")))
+        return answer.chat()
 
-    async def completions(self, req: CompletionRequest, session_id: str | None) -> dict[str, Any]:
+    async def completions(self, req: CompletionRequest, session_id: str | None) -> CompletionResponse:
         self._check_model(req.model)
         if req.stream:
             raise EndpointError(
@@ -176,7 +156,7 @@ class EndpointService:
         replies = [self._reply(r, req.stops()) for r in results]
         async with conversation.lock:
             conversation.record(prompt_ids, [r.result for r in replies])
-        return completion_body(
+        answer = Answer(
             self.tokenizer,
             self.model,
             prompt_ids,
@@ -184,8 +164,9 @@ class EndpointService:
             logprobs=bool(req.logprobs),
             return_token_ids=req.return_token_ids,
         )
+        return answer.completion()
 
-    async def tokens(self, req: TokensRequest, session_id: str | None) -> dict[str, Any]:
+    async def tokens(self, req: TokensRequest, session_id: str | None) -> GenerateResponse:
         self._check_model(req.model)
         params = req.sampling_params
         conversation = self.conversations.get(session_id or req.session_id)
@@ -200,57 +181,27 @@ class EndpointService:
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
         )
-        results = await self._generate(conversation, list(req.token_ids), body, params.max_tokens)
+        prompt_ids = list(req.token_ids)
+        results = await self._generate(conversation, prompt_ids, body, params.max_tokens)
         replies = [self._reply(r, ()) for r in results]
         async with conversation.lock:
-            conversation.record(list(req.token_ids), [r.result for r in replies])
-        return tokens_body(self.tokenizer, list(req.token_ids), replies, req.request_id or new_id("gen"))
+            conversation.record(prompt_ids, [r.result for r in replies])
+        return Answer(self.tokenizer, self.model, prompt_ids, replies).generate(req.request_id)
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> ModelList:
         max_len = self.engine.max_context_tokens
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "owned_by": "leeway", "max_model_len": max_len}
-                for name in self.model_names
-            ],
-        }
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in self.model_names])
 
     # ---- the engine ----------------------------------------------------------------------------
 
     async def _generate(
         self, conversation: Conversation, prompt_ids: list[int], req: ChatRequest | CompletionRequest, limit: int | None
     ) -> list[GenerateResult]:
-        if self.stopping:
-            raise EndpointError(503, "the generator is stopping", kind="service_unavailable", retry_after_s=5)
-        if self.engine.version < 0:
-            raise EndpointError(
-                503,
-                "the generator holds no policy weights yet (waiting for version 0)",
-                kind="service_unavailable",
-                retry_after_s=2,
-            )
-        room = self.engine.max_context_tokens
-        if room is not None and len(prompt_ids) >= room:
-            raise EndpointError(
-                400,
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {room} tokens and leaves no room for a reply",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        if self.inflight + req.n > self.max_inflight:
-            raise EndpointError(
-                429,
-                f"over capacity: {self.inflight} requests in the engine (generator.serve.max_inflight = {self.max_inflight})",
-                kind="rate_limit_error",
-                retry_after_s=1,
-            )
+        self._refuse_unservable(prompt_ids, req.n)
         params = self._params(conversation, req, limit)
         seeds = [None if req.seed is None else req.seed + k for k in range(req.n)]
         stem = f"serve-{uuid.uuid4().hex[:12]}"
-        keep = bool(
-            conversation.session_id
-        )  # a conversation's next turn extends this one: the engine keeps its KV cache
+        keep = bool(conversation.session_id)  # its next turn extends this one: the engine keeps the KV cache
         requests = [
             GenerateRequest(prompt_ids, seed=s, request_id=f"{stem}-{k}", keep_prefix=keep) for k, s in enumerate(seeds)
         ]
@@ -268,6 +219,34 @@ class EndpointService:
             self.inflight -= req.n
         self.metrics.completion_tokens += sum(len(r.token_ids) for r in results)
         return results
+
+    def _refuse_unservable(self, prompt_ids: list[int], n: int) -> None:
+        """A request the engine cannot take now is answered at once (503, 400 or 429), never queued: a client
+        that retries later is better served than one whose request waits behind the generator's rollouts."""
+        if self.stopping:
+            raise EndpointError(503, "the generator is stopping", kind="service_unavailable", retry_after_s=5)
+        if self.engine.version < 0:
+            raise EndpointError(
+                503,
+                "the generator holds no policy weights yet (waiting for version 0)",
+                kind="service_unavailable",
+                retry_after_s=2,
+            )
+        room = self.engine.max_context_tokens
+        if room is not None and len(prompt_ids) >= room:
+            raise EndpointError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {room} tokens and leaves no room for a reply",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if self.inflight + n > self.max_inflight:
+            raise EndpointError(
+                429,
+                f"over capacity: {self.inflight} requests in the engine (generator.serve.max_inflight = {self.max_inflight})",
+                kind="rate_limit_error",
+                retry_after_s=1,
+            )
 
     def _params(
         self, conversation: Conversation, req: ChatRequest | CompletionRequest, limit: int | None
@@ -291,6 +270,28 @@ class EndpointService:
 
     # ---- helpers -------------------------------------------------------------------------------
 
+    def _chat_prompt(
+        self,
+        conversation: Conversation,
+        template: ChatTemplate,
+        messages: list[dict[str, Any]],
+        keys: list[tuple[Any, ...]],
+        tools: list[dict[str, Any]] | None,
+        tools_key: str,
+    ) -> list[int]:
+        """The prompt's ids: bridged from the branch the messages continue, so earlier sampled ids are kept
+        exactly, else the whole conversation rendered fresh."""
+        try:
+            prompt_ids = self._bridged(conversation, template, messages, keys, tools, tools_key)
+            if prompt_ids is None:
+                prompt_ids = template.render(messages, tools=tools)
+                self.metrics.turns_fresh += 1
+            else:
+                self.metrics.turns_bridged += 1
+        except ChatTemplateError as exc:
+            raise EndpointError(400, str(exc), param="messages") from None
+        return prompt_ids
+
     def _bridged(
         self,
         conversation: Conversation,
@@ -300,7 +301,8 @@ class EndpointService:
         tools: list[dict[str, Any]] | None,
         tools_key: str,
     ) -> list[int] | None:
-        """The branch's ids + the new messages' bridge, when the request continues one of the conversation's branches."""
+        """The branch's ids + the new messages' bridge, when the request continues one of the conversation's
+        branches."""
         found = conversation.find_chat_branch(keys, tools_key)
         if found is None:
             return None
