@@ -17,6 +17,7 @@ An unexpected error is a 500 with the same shape, logged; the generator goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import logging
@@ -235,7 +236,7 @@ class Endpoint:
 
 
 class _QuietServer(uvicorn.Server):
-    def capture_signals(self):  # type: ignore[no-untyped-def]
-        import contextlib
+    """uvicorn without its signal handlers: the generator process owns SIGINT and SIGTERM."""
 
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

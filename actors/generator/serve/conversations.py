@@ -50,11 +50,6 @@ class Branch:
         """Its last reply ran out of length: nothing after it is trained on."""
         return bool(self.turns) and self.turns[-1].kind == "policy" and self.turns[-1].finish_reason == "length"
 
-    @property
-    def ended_with_eos(self) -> bool:
-        last = self.turns[-1] if self.turns else None
-        return last is not None and last.kind == "policy" and last.finish_reason == "stop"
-
 
 @dataclass
 class BranchSample:

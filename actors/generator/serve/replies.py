@@ -121,6 +121,7 @@ class Answer:
 
     @property
     def shown_prompt_ids(self) -> list[int] | None:
+        """The prompt's ids when the client asked for them (``return_token_ids``); None leaves the key out."""
         return self.prompt_ids if self.return_token_ids else None
 
     def chat(self) -> ChatCompletionResponse:
@@ -219,7 +220,8 @@ class Answer:
 
 
 def _text_pieces(tokenizer: Tokenizer, reply: Reply, logprobs: bool) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    """The reply's text split at token boundaries (the text of the first k tokens, minus that of k - 1)."""
+    """The reply's text split at token boundaries (the text of the first k tokens, minus that of k - 1), so the
+    pieces add up to exactly the unstreamed content, cut where a stop string cut it."""
     entries = logprobs_content(tokenizer, reply.result) if logprobs else None
     said = ""
     ids = reply.result.token_ids.tolist()

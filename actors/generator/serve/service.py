@@ -6,8 +6,8 @@ batches both continuously. A request never disturbs the generator: a bad one is 
 OpenAI-shaped 4xx), and over ``generator.serve.max_inflight`` engine requests the endpoint answers 429 with
 ``Retry-After``; before the generator holds version 0 it answers 503.
 
-Sampling: a conversation an agent run trains on (`Conversations.open`) samples with the run's temperature, top-p
-and top-k whatever the request says, because the trainer's importance correction assumes them; other
+Sampling: a conversation an agent run trains on (`Conversations.open`) samples with the run's temperature,
+top-p and top-k whatever the request says, because the trainer's importance correction assumes them; other
 requests (evaluation, debugging) sample as they ask. ``max_tokens`` defaults to the run's
 ``engine.sampling.max_new_tokens`` and is cut to the room left in the engine's context.
 """
@@ -96,12 +96,14 @@ class EndpointService:
         self.model_names = tuple(model_names)
         self.max_inflight = max_inflight
         self.conversations = Conversations(max_sessions)
+        """Each session's conversation, kept to bridge its next turn and, for an agent run, to train on."""
         self.metrics = EndpointMetrics()
         self.inflight = 0
         self.stopping = False
 
     @property
     def model(self) -> str:
+        """The name every reply carries, whichever of `model_names` the request named."""
         return self.model_names[0]
 
     # ---- routes --------------------------------------------------------------------------------
