@@ -1,5 +1,5 @@
 """The endpoint's response bodies without a server: the keys a client reads are there, ``null`` where OpenAI
-sends ``null``, and the extras that do not apply are absent (`protocol._Reply.omit_when_none`)."""
+sends ``null``, and the extras that do not apply are absent (`protocol._ResponseBody.omit_when_none`)."""
 
 from __future__ import annotations
 

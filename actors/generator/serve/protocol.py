@@ -11,8 +11,8 @@ accepted; a penalty or logit bias other than the neutral value is refused, never
 Responses carry, beside OpenAI's keys, the extras agent trainers read: each choice's ``token_ids`` (the
 sampled ids, exactly) and ``policy_versions`` (the policy version of each), and the body's
 ``prompt_token_ids`` when the request asked ``return_token_ids``. A key OpenAI sends as ``null`` is sent as
-``null``; an extra that does not apply is left out (`_Reply.omit_when_none`), so clients see the same keys
-as from OpenAI or vLLM.
+``null``; an extra that does not apply is left out (`_ResponseBody.omit_when_none`), so clients see the same
+keys as from OpenAI or vLLM.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def _now_s() -> int:
     return int(time.time())
 
 
-class _Reply(BaseModel):
+class _ResponseBody(BaseModel):
     """A response body: keys in field order. OpenAI sends some absent keys as ``null`` (a choice's
     ``logprobs``) and leaves others out (a message's ``tool_calls``); the fields named in ``omit_when_none``
     are the ones left out when None, so a body has exactly the keys it always had."""
@@ -208,27 +208,27 @@ class _Reply(BaseModel):
         return data
 
 
-class Usage(_Reply):
+class Usage(_ResponseBody):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class ChatLogprobs(_Reply):
+class ChatLogprobs(_ResponseBody):
     """A chat choice's ``logprobs`` (and the token-in route's): one entry per sampled token, as built by
     `replies.logprobs_content` (``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
 
     content: list[dict[str, Any]]
 
 
-class CompletionLogprobs(_Reply):
+class CompletionLogprobs(_ResponseBody):
     """A completion choice's ``logprobs`` (OpenAI's legacy form): the tokens' texts and log-probs."""
 
     tokens: list[str]
     token_logprobs: list[float]
 
 
-class ChatMessage(_Reply):
+class ChatMessage(_ResponseBody):
     omit_when_none = frozenset({"tool_calls"})
 
     role: Literal["assistant"] = "assistant"
@@ -236,7 +236,7 @@ class ChatMessage(_Reply):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatCompletionChoice(_Reply):
+class ChatCompletionChoice(_ResponseBody):
     index: int
     message: ChatMessage
     finish_reason: str
@@ -245,7 +245,7 @@ class ChatCompletionChoice(_Reply):
     policy_versions: list[int]
 
 
-class CompletionChoice(_Reply):
+class CompletionChoice(_ResponseBody):
     index: int
     text: str
     finish_reason: str
@@ -254,7 +254,7 @@ class CompletionChoice(_Reply):
     policy_versions: list[int]
 
 
-class ChatDelta(_Reply):
+class ChatDelta(_ResponseBody):
     """A chunk's ``delta``: only the keys given are sent (vLLM sends deltas with ``exclude_unset``), so the last
     chunk's delta is ``{}`` while a tool-call delta sends ``content: null``."""
 
@@ -267,7 +267,7 @@ class ChatDelta(_Reply):
         return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
 
 
-class ChatStreamChoice(_Reply):
+class ChatStreamChoice(_ResponseBody):
     """A chunk's choice: the ids and versions come once, in the chunk that holds the finish reason."""
 
     omit_when_none = frozenset({"logprobs", "token_ids", "policy_versions"})
@@ -283,7 +283,7 @@ class ChatStreamChoice(_Reply):
 ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
 
 
-class _Envelope(_Reply, Generic[ChoiceT]):
+class _Envelope(_ResponseBody, Generic[ChoiceT]):
     """What every completion body holds around its choices, in this order. ``usage`` is absent only from the
     stream chunks before the last; ``prompt_token_ids`` is present only when the request asked
     ``return_token_ids``."""
@@ -318,7 +318,7 @@ class CompletionResponse(_Envelope[CompletionChoice]):
     usage: Usage
 
 
-class GenerateChoice(_Reply):
+class GenerateChoice(_ResponseBody):
     index: int
     token_ids: list[int]
     finish_reason: str
@@ -326,7 +326,7 @@ class GenerateChoice(_Reply):
     policy_versions: list[int]
 
 
-class GenerateResponse(_Reply):
+class GenerateResponse(_ResponseBody):
     """``/inference/v1/generate``'s answer (vLLM's token-in, token-out shape)."""
 
     request_id: str
@@ -334,7 +334,7 @@ class GenerateResponse(_Reply):
     choices: list[GenerateChoice]
 
 
-class ModelCard(_Reply):
+class ModelCard(_ResponseBody):
     id: str
     object: Literal["model"] = "model"
     owned_by: str = "leeway"
@@ -342,6 +342,6 @@ class ModelCard(_Reply):
     """The engine's context in tokens (None: unbounded), so a harness can size its prompts."""
 
 
-class ModelList(_Reply):
+class ModelList(_ResponseBody):
     object: Literal["list"] = "list"
     data: list[ModelCard]
