@@ -1,8 +1,8 @@
 """Agent episodes: a group's samples from agent-function runs against the generator's own endpoint.
 
 For each prompt the generator runs ``group_size`` agent runs side by side, each with an
-`openai.AsyncOpenAI` client pointed at a fresh, trained session (`SessionStore.open`) of its endpoint.
-When a run ends, its session's branches become samples (`Session.samples`: loss on sampled tokens only,
+`openai.AsyncOpenAI` client pointed at a fresh, trained session (`Conversations.open`) of its endpoint.
+When a run ends, its conversation's branches become samples (`Conversation.samples`: loss on sampled tokens only,
 shared tokens trained once) that all carry the run's reward, the episode id (the session id) and the
 branch index. A run that raised, timed out (``task.agent_timeout_s``) or returned no reward is one
 ``infra_error`` sample (reward None: masked from loss and baseline); a run that made no request at all
@@ -23,8 +23,8 @@ import httpx2
 import numpy as np
 import openai
 
+from actors.generator.serve.conversations import BranchSample
 from actors.generator.serve.service import EndpointService
-from actors.generator.serve.sessions import BranchSample
 from pipeline.tasks import reward_problem
 from pipeline.tasks.agents import AgentContext, AgentFunction, AgentOutcome
 from pipeline.wire.prompts import Prompt
@@ -81,7 +81,7 @@ class AgentRunner:
 
     async def episode(self, prompt: Prompt, index: int) -> list[Sample]:
         session_id = f"{prompt.prompt_id}-{index}-{uuid.uuid4().hex[:8]}"
-        session = self.service.sessions.open(session_id)
+        session = self.service.conversations.open(session_id)
         base_url = f"{self.base_url}/sessions/{session_id}/v1"
         ctx = AgentContext(session_id, base_url, self.api_key, self.service.model, self.max_tokens, index)
         client = openai.AsyncOpenAI(
@@ -119,7 +119,7 @@ class AgentRunner:
             log.warning("agent run %s raised", session_id, exc_info=reason is None)
             error = f"{reason}: {exc}" if reason else f"agent raised {type(exc).__name__}: {exc}"
         finally:
-            self.service.sessions.close(session_id)
+            self.service.conversations.close(session_id)
             if sandboxed is not None:
                 await sandboxed.aclose()
         elapsed = time.perf_counter() - start

@@ -275,7 +275,7 @@ def _endpoint_fields(endpoint: Endpoint, service: EndpointService | None) -> dic
             "endpoint_errors": sum(m.errors.values()),
             "endpoint_turns_bridged": m.turns_bridged,
             "endpoint_tool_calls_unparseable": m.tool_calls_unparseable,
-            "endpoint_sessions": len(service.sessions),
+            "endpoint_sessions": len(service.conversations),
         }
     return fields
 

@@ -58,7 +58,7 @@ def test_an_agent_run_s_session_becomes_samples_with_its_reward_and_episode_id()
                 assert sample.status == "ok" and sample.reward_source == "verifier"
                 assert sample.tokens[sample.loss_mask == 1].tolist() == sample.info["ids"]
                 assert sample.episode_id.startswith(PROMPT.prompt_id) and sample.branch == 0
-            assert len(s.service.sessions) == 0  # closed with their runs
+            assert len(s.service.conversations) == 0  # closed with their runs
 
     asyncio.run(main())
 

@@ -53,7 +53,7 @@ def test_a_tool_calling_episode_trains_on_exactly_the_sampled_ids_and_the_bridge
                 sampled.append(choice.model_extra["token_ids"])
                 assert choice.model_extra["policy_versions"] == [0] * len(sampled[-1])
                 messages.append(_assistant(choice.message))
-            session = s.service.sessions.get("episode-1")
+            session = s.service.conversations.get("episode-1")
             (branch,) = session.samples()
             # each turn's prompt is the previous prompt + its sampled ids (never re-tokenized) + the bridge
             for k in range(1, 3):
@@ -111,7 +111,7 @@ def test_a_rewritten_history_starts_a_branch_and_shared_tokens_are_trained_once(
             await client.chat.completions.create(
                 model=RUN, messages=rewritten, tools=TOOLS, seed=3, extra_body=ONE_TOKEN
             )
-            session = s.service.sessions.get("episode-2")
+            session = s.service.conversations.get("episode-2")
             assert len(session.branches) == 2
             one, two = session.samples()
             assert (one.branch, two.branch) == (0, 1)
@@ -136,7 +136,7 @@ def test_a_turn_cut_by_length_drops_the_turns_after_it() -> None:
             more = [*START, _assistant(first.choices[0].message), {"role": "user", "content": "1>"}]
             second = await client.chat.completions.create(model=RUN, messages=more, seed=5)
             assert second.choices[0].model_extra["token_ids"]  # served, but never trained on
-            (only,) = s.service.sessions.get("episode-3").samples()
+            (only,) = s.service.conversations.get("episode-3").samples()
             assert only.num_turns == 1 and only.loss_mask.sum() == 1
 
     asyncio.run(main())
@@ -155,7 +155,7 @@ def test_a_weight_update_mid_episode_shows_in_policy_versions() -> None:
             second = await client.chat.completions.create(model=RUN, messages=more, seed=7, extra_body=ONE_TOKEN)
             assert set(first.choices[0].model_extra["policy_versions"]) == {0}
             assert set(second.choices[0].model_extra["policy_versions"]) == {1}
-            samples = s.service.sessions.get("episode-4").samples()
+            samples = s.service.conversations.get("episode-4").samples()
             trained = np.concatenate([b.versions[b.loss_mask == 1] for b in samples])
             assert set(trained.tolist()) >= {1}
 

@@ -1,6 +1,7 @@
-"""The generator's OpenAI-compatible, token-exact endpoint: routes (`app.py`), request bodies (`protocol.py`),
-the work behind them (`service.py`), response bodies (`replies.py`) and sessions of exact turns
-(`sessions.py`). `open_endpoint` builds and starts it for a generator process."""
+"""The generator's OpenAI-compatible, token-exact endpoint: routes (`app.py`), request and response bodies
+(`protocol.py`), the work behind them (`service.py`), engine results made into response bodies (`replies.py`)
+and each session's conversation of exact turns (`conversations.py`). A generator process builds and starts it
+in `actors.generator.runtime.open_endpoint`."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ An unexpected error is a 500 with the same shape, logged; the generator goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -28,101 +29,148 @@ from typing import Any
 
 import orjson
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from actors.generator.serve.protocol import ChatRequest, CompletionRequest, EndpointError, TokensRequest, parse_body
+from actors.generator.serve.protocol import (
+    ChatCompletionStreamResponse,
+    ChatRequest,
+    CompletionRequest,
+    EndpointError,
+    TokensRequest,
+    parse_body,
+)
 from actors.generator.serve.service import EndpointService
 from infra.ports import is_loopback
 
 log = logging.getLogger(__name__)
 
 
+router = APIRouter()
+"""The endpoint's routes (vLLM's ``api_router.py``): plain functions that find the `EndpointService` and its
+settings on ``request.app.state`` (set by `build_app`), so a route reads on its own, not as a closure."""
+
+SESSION_PREFIX = "/sessions/{session_id}"
+
+
 def build_app(service: EndpointService, *, api_key: str | None, max_body_bytes: int) -> FastAPI:
+    """The app over ``service``; ``api_key`` None: no key asked (`read_api_key` allows that on loopback only)."""
     app = FastAPI(title="Leeway generator", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.exception_handler(EndpointError)
-    async def _endpoint_error(_: Request, exc: EndpointError) -> Response:
-        service.metrics.errors[exc.status] = service.metrics.errors.get(exc.status, 0) + 1
-        headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("endpoint: unexpected error")
-        service.metrics.errors[500] = service.metrics.errors.get(500, 0) + 1
-        error = EndpointError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_error")
-        return JSONResponse(error.body(), status_code=500)
-
-    async def body_of(request: Request) -> Any:
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                raise EndpointError(
-                    401, "missing or wrong API key (Authorization: Bearer <key>)", kind="authentication_error"
-                )
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise EndpointError(413, f"the body is over {max_body_bytes} bytes (generator.serve.max_body_bytes)")
-        data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > max_body_bytes:
-                raise EndpointError(413, f"the body is over {max_body_bytes} bytes (generator.serve.max_body_bytes)")
-        service.metrics.requests += 1
-        try:
-            return orjson.loads(bytes(data))
-        except orjson.JSONDecodeError as exc:
-            raise EndpointError(400, f"the body is not valid JSON: {exc}") from None
-
-    def session_of(request: Request, path_session: str | None, body: Any) -> str | None:
-        if path_session is not None:
-            return path_session
-        if isinstance(body, dict) and isinstance(body.get("session_id"), str):
-            return body["session_id"]
-        return request.headers.get("x-session-id")
-
-    async def chat(request: Request, session_id: str | None = None) -> Response:
-        data = await body_of(request)
-        req = parse_body(ChatRequest, data)
-        body, chunks = await service.chat(req, session_of(request, session_id, data))
-        if chunks is None:
-            return JSONResponse(body)
-        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-
-    async def completions(request: Request, session_id: str | None = None) -> Response:
-        data = await body_of(request)
-        req = parse_body(CompletionRequest, data)
-        return JSONResponse(await service.completions(req, session_of(request, session_id, data)))
-
-    async def tokens(request: Request, session_id: str | None = None) -> Response:
-        data = await body_of(request)
-        req = parse_body(TokensRequest, data)
-        return JSONResponse(await service.tokens(req, session_of(request, session_id, data)))
-
-    async def models(request: Request, session_id: str | None = None) -> Response:
-        if api_key is not None:
-            await body_of(request)
-        return JSONResponse(service.models())
-
-    async def health() -> Response:
-        ready = service.engine.version >= 0 and not service.stopping
-        body = {"status": "ok" if ready else "starting", "policy_version": service.engine.version}
-        return JSONResponse(body, status_code=200 if ready else 503)
-
-    app.add_api_route("/health", health, methods=["GET"])
-    for prefix in ("", "/sessions/{session_id}"):
-        app.add_api_route(prefix + "/v1/models", models, methods=["GET"])
-        app.add_api_route(prefix + "/v1/chat/completions", chat, methods=["POST"])
-        app.add_api_route(prefix + "/v1/completions", completions, methods=["POST"])
-        app.add_api_route(prefix + "/inference/v1/generate", tokens, methods=["POST"])
+    app.state.service = service
+    app.state.api_key = api_key
+    app.state.max_body_bytes = max_body_bytes
+    app.add_exception_handler(EndpointError, _endpoint_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.include_router(router)
     return app
 
 
-async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+def _service(request: Request) -> EndpointService:
+    service: EndpointService = request.app.state.service
+    return service
+
+
+async def _endpoint_error(request: Request, exc: EndpointError) -> Response:
+    metrics = _service(request).metrics
+    metrics.errors[exc.status] = metrics.errors.get(exc.status, 0) + 1
+    headers = {} if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug answers 500 in OpenAI's shape and is logged with its traceback; the generator goes on."""
+    log.exception("endpoint: unexpected error")
+    metrics = _service(request).metrics
+    metrics.errors[500] = metrics.errors.get(500, 0) + 1
+    error = EndpointError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_error")
+    return JSONResponse(error.body(), status_code=500)
+
+
+async def _body_of(request: Request) -> Any:
+    """The request's JSON, once its key is checked and its size is within bounds. The body is read by hand,
+    never by FastAPI's validation, so every error keeps OpenAI's shape; its size is counted while reading,
+    since a client can leave out or understate ``Content-Length``."""
+    api_key: str | None = request.app.state.api_key
+    max_body_bytes: int = request.app.state.max_body_bytes
+    if api_key is not None:
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise EndpointError(
+                401, "missing or wrong API key (Authorization: Bearer <key>)", kind="authentication_error"
+            )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise EndpointError(413, f"the body is over {max_body_bytes} bytes (generator.serve.max_body_bytes)")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > max_body_bytes:
+            raise EndpointError(413, f"the body is over {max_body_bytes} bytes (generator.serve.max_body_bytes)")
+    _service(request).metrics.requests += 1
+    try:
+        return orjson.loads(bytes(data))
+    except orjson.JSONDecodeError as exc:
+        raise EndpointError(400, f"the body is not valid JSON: {exc}") from None
+
+
+def _session_of(request: Request, path_session: str | None, body: Any) -> str | None:
+    if path_session is not None:
+        return path_session
+    if isinstance(body, dict) and isinstance(body.get("session_id"), str):
+        return body["session_id"]
+    return request.headers.get("x-session-id")
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 once the generator holds policy weights, 503 before (and while stopping), for load balancers."""
+    service = _service(request)
+    ready = service.engine.version >= 0 and not service.stopping
+    body = {"status": "ok" if ready else "starting", "policy_version": service.engine.version}
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/v1/models")
+@router.get(SESSION_PREFIX + "/v1/models")
+async def models(request: Request, session_id: str | None = None) -> Response:
+    if request.app.state.api_key is not None:
+        await _body_of(request)
+    return JSONResponse(_service(request).models().model_dump())
+
+
+@router.post("/v1/chat/completions")
+@router.post(SESSION_PREFIX + "/v1/chat/completions")
+async def chat(request: Request, session_id: str | None = None) -> Response:
+    data = await _body_of(request)
+    req = parse_body(ChatRequest, data)
+    reply = await _service(request).chat(req, _session_of(request, session_id, data))
+    if isinstance(reply, list):
+        return StreamingResponse(_sse(reply), media_type="text/event-stream")
+    return JSONResponse(reply.model_dump())
+
+
+@router.post("/v1/completions")
+@router.post(SESSION_PREFIX + "/v1/completions")
+async def completions(request: Request, session_id: str | None = None) -> Response:
+    data = await _body_of(request)
+    req = parse_body(CompletionRequest, data)
+    reply = await _service(request).completions(req, _session_of(request, session_id, data))
+    return JSONResponse(reply.model_dump())
+
+
+@router.post("/inference/v1/generate")
+@router.post(SESSION_PREFIX + "/inference/v1/generate")
+async def tokens(request: Request, session_id: str | None = None) -> Response:
+    data = await _body_of(request)
+    req = parse_body(TokensRequest, data)
+    reply = await _service(request).tokens(req, _session_of(request, session_id, data))
+    return JSONResponse(reply.model_dump())
+
+
+async def _sse(chunks: list[ChatCompletionStreamResponse]) -> AsyncIterator[bytes]:
     for chunk in chunks:
-        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        yield b"data: " + orjson.dumps(chunk.model_dump()) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 
@@ -179,7 +227,7 @@ class Endpoint:
 
 
 class _QuietServer(uvicorn.Server):
-    def capture_signals(self):  # type: ignore[no-untyped-def]
-        import contextlib
+    """uvicorn without its signal handlers: the generator process owns SIGINT and SIGTERM."""
 
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()

@@ -1,4 +1,5 @@
-"""The endpoint's request bodies (pydantic, unknown fields refused) and its OpenAI-shaped errors.
+"""The endpoint's request bodies (pydantic, unknown fields refused), its response bodies, and its OpenAI-shaped
+errors (vLLM's ``protocol.py``: the wire format in one module, the work in `service.py`).
 
 Field names follow OpenAI and vLLM, which agent harnesses already speak: ``max_tokens`` or
 ``max_completion_tokens``, ``stop`` (a string or a list), ``seed``, ``logprobs``/``top_logprobs``, ``tools``,
@@ -6,13 +7,29 @@ and the extras ``return_token_ids``, ``session_id``, ``stop_token_ids``, ``ignor
 tokens do not end the reply; not on a trained session, whose sampling is the run's). Fields a harness sends by habit and
 that change nothing here (``user``, ``stream_options``, ``parallel_tool_calls``, ``metadata``, ``store``) are
 accepted; a penalty or logit bias other than the neutral value is refused, never silently ignored.
+
+Responses carry, beside OpenAI's keys, the extras agent trainers read: each choice's ``token_ids`` (the
+sampled ids, exactly) and ``policy_versions`` (the policy version of each), and the body's
+``prompt_token_ids`` when the request asked ``return_token_ids``. A key OpenAI sends as ``null`` is sent as
+``null``; an extra that does not apply is left out (`_ResponseBody.omit_when_none`), so clients see the same
+keys as from OpenAI or vLLM.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import time
+import uuid
+from typing import Any, ClassVar, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 
 class EndpointError(Exception):
@@ -161,3 +178,170 @@ def parse_body(model: type[BaseModel], data: object) -> Any:
         if first["type"] == "extra_forbidden":
             message = f"unknown field {where!r}"
         raise EndpointError(400, f"{where}: {message}" if where else message, param=where) from None
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    """A response id in OpenAI's form (``chatcmpl-<hex>``), unique without coordination between generators."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now_s() -> int:
+    return int(time.time())
+
+
+class _ResponseBody(BaseModel):
+    """A response body: keys in field order. OpenAI sends some absent keys as ``null`` (a choice's
+    ``logprobs``) and leaves others out (a message's ``tool_calls``); the fields named in ``omit_when_none``
+    are the ones left out when None, so a body has exactly the keys it always had."""
+
+    omit_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in self.omit_when_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+class Usage(_ResponseBody):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatLogprobs(_ResponseBody):
+    """A chat choice's ``logprobs`` (and the token-in route's): one entry per sampled token, as built by
+    `replies.logprobs_content` (``token``, ``logprob``, ``bytes``, ``top_logprobs``)."""
+
+    content: list[dict[str, Any]]
+
+
+class CompletionLogprobs(_ResponseBody):
+    """A completion choice's ``logprobs`` (OpenAI's legacy form): the tokens' texts and log-probs."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+
+
+class ChatMessage(_ResponseBody):
+    omit_when_none = frozenset({"tool_calls"})
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatCompletionChoice(_ResponseBody):
+    index: int
+    message: ChatMessage
+    finish_reason: str
+    logprobs: ChatLogprobs | None = None
+    token_ids: list[int]
+    policy_versions: list[int]
+
+
+class CompletionChoice(_ResponseBody):
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int]
+    policy_versions: list[int]
+
+
+class ChatDelta(_ResponseBody):
+    """A chunk's ``delta``: only the keys given are sent (vLLM sends deltas with ``exclude_unset``), so the last
+    chunk's delta is ``{}`` while a tool-call delta sends ``content: null``."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+class ChatStreamChoice(_ResponseBody):
+    """A chunk's choice: the ids and versions come once, in the chunk that holds the finish reason."""
+
+    omit_when_none = frozenset({"logprobs", "token_ids", "policy_versions"})
+
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None
+    policy_versions: list[int] | None = None
+
+
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class _Envelope(_ResponseBody, Generic[ChoiceT]):
+    """What every completion body holds around its choices, in this order. ``usage`` is absent only from the
+    stream chunks before the last; ``prompt_token_ids`` is present only when the request asked
+    ``return_token_ids``."""
+
+    omit_when_none = frozenset({"usage", "prompt_token_ids"})
+
+    id: str
+    object: str
+    created: int = Field(default_factory=_now_s)
+    model: str
+    choices: list[ChoiceT]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Envelope[ChatCompletionChoice]):
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    usage: Usage
+
+
+class ChatCompletionStreamResponse(_Envelope[ChatStreamChoice]):
+    """One ``data:`` chunk; every chunk of a response has the same ``id`` and ``created``."""
+
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionResponse(_Envelope[CompletionChoice]):
+    id: str = Field(default_factory=lambda: new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage
+
+
+class GenerateChoice(_ResponseBody):
+    index: int
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: ChatLogprobs
+    policy_versions: list[int]
+
+
+class GenerateResponse(_ResponseBody):
+    """``/inference/v1/generate``'s answer (vLLM's token-in, token-out shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    choices: list[GenerateChoice]
+
+
+class ModelCard(_ResponseBody):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "leeway"
+    max_model_len: int | None
+    """The engine's context in tokens (None: unbounded), so a harness can size its prompts."""
+
+
+class ModelList(_ResponseBody):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,21 +1,36 @@
-"""From engine results to OpenAI response bodies: stop strings, text, tool calls, log-probs, the id extras.
+"""From engine results to the response models of `protocol.py`: stop strings, text, tool calls, log-probs and
+the id extras (``token_ids``, ``policy_versions``, ``prompt_token_ids``).
 
-Every choice carries the extras agent trainers read: ``token_ids`` (the sampled ids, exactly) and
-``policy_versions`` (the policy version of each of them); the response carries ``prompt_token_ids`` when
-the request asked ``return_token_ids``. A streamed response holds the same ids in its last chunk.
+A reply's ids are never decoded and encoded again: the text is derived from the sampled ids, and the ids go
+out as sampled (cut only after a stop string), so what a client sees is what the trainer trains on. A
+streamed response holds the same ids as an unstreamed one, in the chunk that ends each choice.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from actors.generator.serve.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    GenerateChoice,
+    GenerateResponse,
+    Usage,
+    new_id,
+)
 from pipeline.chat.tool_parsers import ParsedReply, ToolParser
 from pipeline.rl.rollout import GenerateResult
 
@@ -85,95 +100,128 @@ def logprobs_content(tokenizer: Tokenizer, result: GenerateResult, *, as_ids: bo
     return out
 
 
-def usage(prompt_len: int, replies: Sequence[Reply]) -> dict[str, int]:
-    completion = sum(len(r.result.token_ids) for r in replies)
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion}
+@dataclass(frozen=True)
+class Answer:
+    """One request's replies and what its client asked to see of them; each method is one route's body, so
+    the prompt, the replies and the options are given once whichever form goes out."""
 
+    tokenizer: Tokenizer
+    model: str
+    prompt_ids: list[int]
+    replies: Sequence[Reply]
+    _: KW_ONLY
+    logprobs: bool = False
+    return_token_ids: bool = False
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    @property
+    def usage(self) -> Usage:
+        completion = sum(len(r.result.token_ids) for r in self.replies)
+        prompt = len(self.prompt_ids)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
+    @property
+    def shown_prompt_ids(self) -> list[int] | None:
+        """The prompt's ids when the client asked for them (``return_token_ids``); None leaves the key out."""
+        return self.prompt_ids if self.return_token_ids else None
 
-def chat_body(
-    tokenizer: Tokenizer,
-    model: str,
-    prompt_ids: list[int],
-    replies: Sequence[Reply],
-    *,
-    logprobs: bool,
-    return_token_ids: bool,
-) -> dict[str, Any]:
-    choices = []
-    for index, reply in enumerate(replies):
-        message: dict[str, Any] = {"role": "assistant", "content": reply.parsed.content}
-        if reply.parsed.tool_calls:
-            message["tool_calls"] = reply.parsed.tool_calls
-        choices.append(
-            {
-                "index": index,
-                "message": message,
-                "finish_reason": reply.finish_reason,
-                "logprobs": {"content": logprobs_content(tokenizer, reply.result)} if logprobs else None,
-                "token_ids": reply.result.token_ids.tolist(),
-                "policy_versions": reply.result.versions.tolist(),
-            }
+    def chat(self) -> ChatCompletionResponse:
+        choices = [
+            ChatCompletionChoice(
+                index=index,
+                message=ChatMessage(content=reply.parsed.content, tool_calls=reply.parsed.tool_calls or None),
+                finish_reason=reply.finish_reason,
+                logprobs=self._chat_logprobs(reply),
+                token_ids=reply.result.token_ids.tolist(),
+                policy_versions=reply.result.versions.tolist(),
+            )
+            for index, reply in enumerate(self.replies)
+        ]
+        return ChatCompletionResponse(
+            model=self.model, choices=choices, usage=self.usage, prompt_token_ids=self.shown_prompt_ids
         )
-    body: dict[str, Any] = {
-        "id": new_id("chatcmpl"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(len(prompt_ids), replies),
-    }
-    if return_token_ids:
-        body["prompt_token_ids"] = prompt_ids
-    return body
 
+    def chat_chunks(self, *, include_usage: bool) -> list[ChatCompletionStreamResponse]:
+        """The streamed form of `chat`: per choice a role chunk, content deltas token by token (or one delta
+        with the tool calls), then a chunk with the finish reason and the id extras; the usage last, if asked."""
+        head = ChatCompletionStreamResponse(model=self.model, choices=[])
 
-def chat_chunks(
-    tokenizer: Tokenizer,
-    model: str,
-    prompt_ids: list[int],
-    replies: Sequence[Reply],
-    *,
-    logprobs: bool,
-    return_token_ids: bool,
-    include_usage: bool,
-) -> Iterator[dict[str, Any]]:
-    """The streamed form of `chat_body`: a role chunk, content deltas token by token (or one delta with the
-    tool calls), then a chunk with the finish reason and the id extras."""
-    common = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-    for index, reply in enumerate(replies):
-        first: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        if return_token_ids and index == 0:
-            yield {**common, "choices": [first], "prompt_token_ids": prompt_ids}
-        else:
-            yield {**common, "choices": [first]}
+        def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> ChatCompletionStreamResponse:
+            return ChatCompletionStreamResponse(
+                id=head.id, created=head.created, model=self.model, choices=[choice], prompt_token_ids=prompt_token_ids
+            )
+
+        chunks = []
+        for index, reply in enumerate(self.replies):
+            first = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+            chunks.append(chunk(first, self.shown_prompt_ids if index == 0 else None))
+            chunks += [chunk(choice) for choice in self._deltas(index, reply)]
+            last = ChatStreamChoice(
+                index=index,
+                delta=ChatDelta(),
+                finish_reason=reply.finish_reason,
+                token_ids=reply.result.token_ids.tolist(),
+                policy_versions=reply.result.versions.tolist(),
+            )
+            chunks.append(chunk(last))
+        if include_usage:
+            chunks.append(head.model_copy(update={"usage": self.usage}))
+        return chunks
+
+    def completion(self) -> CompletionResponse:
+        choices = []
+        for index, reply in enumerate(self.replies):
+            logprobs = None
+            if self.logprobs:
+                content = logprobs_content(self.tokenizer, reply.result)
+                logprobs = CompletionLogprobs(
+                    tokens=[c["token"] for c in content], token_logprobs=[c["logprob"] for c in content]
+                )
+            choice = CompletionChoice(
+                index=index,
+                text=reply.text,
+                finish_reason=reply.finish_reason,
+                logprobs=logprobs,
+                token_ids=reply.result.token_ids.tolist(),
+                policy_versions=reply.result.versions.tolist(),
+            )
+            choices.append(choice)
+        return CompletionResponse(
+            model=self.model, choices=choices, usage=self.usage, prompt_token_ids=self.shown_prompt_ids
+        )
+
+    def generate(self, request_id: str | None) -> GenerateResponse:
+        """``/inference/v1/generate``'s body: always the ids and log-probs, tokens named by id (vLLM's form)."""
+        choices = [
+            GenerateChoice(
+                index=index,
+                token_ids=reply.result.token_ids.tolist(),
+                finish_reason=reply.finish_reason,
+                logprobs=ChatLogprobs(content=logprobs_content(self.tokenizer, reply.result, as_ids=True)),
+                policy_versions=reply.result.versions.tolist(),
+            )
+            for index, reply in enumerate(self.replies)
+        ]
+        return GenerateResponse(
+            request_id=request_id or new_id("gen"), prompt_token_ids=self.prompt_ids, choices=choices
+        )
+
+    def _chat_logprobs(self, reply: Reply) -> ChatLogprobs | None:
+        return ChatLogprobs(content=logprobs_content(self.tokenizer, reply.result)) if self.logprobs else None
+
+    def _deltas(self, index: int, reply: Reply) -> Iterator[ChatStreamChoice]:
+        """The content between a choice's role chunk and its last chunk."""
         if reply.parsed.tool_calls:
             calls = [{"index": k, **call} for k, call in enumerate(reply.parsed.tool_calls)]
-            delta: dict[str, Any] = {"content": reply.parsed.content, "tool_calls": calls}
-            yield {**common, "choices": [{"index": index, "delta": delta, "finish_reason": None}]}
-        else:
-            for piece, entry in _text_pieces(tokenizer, reply, logprobs):
-                choice = {"index": index, "delta": {"content": piece}, "finish_reason": None}
-                if entry is not None:
-                    choice["logprobs"] = {"content": [entry]}
-                yield {**common, "choices": [choice]}
-        last = {
-            "index": index,
-            "delta": {},
-            "finish_reason": reply.finish_reason,
-            "token_ids": reply.result.token_ids.tolist(),
-            "policy_versions": reply.result.versions.tolist(),
-        }
-        yield {**common, "choices": [last]}
-    if include_usage:
-        yield {**common, "choices": [], "usage": usage(len(prompt_ids), replies)}
+            yield ChatStreamChoice(index=index, delta=ChatDelta(content=reply.parsed.content, tool_calls=calls))
+            return
+        for piece, entry in _text_pieces(self.tokenizer, reply, self.logprobs):
+            logprobs = None if entry is None else ChatLogprobs(content=[entry])
+            yield ChatStreamChoice(index=index, delta=ChatDelta(content=piece), logprobs=logprobs)
 
 
 def _text_pieces(tokenizer: Tokenizer, reply: Reply, logprobs: bool) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    """The reply's text split at token boundaries (the text of the first k tokens, minus that of k - 1)."""
+    """The reply's text split at token boundaries (the text of the first k tokens, minus that of k - 1), so the
+    pieces add up to exactly the unstreamed content, cut where a stop string cut it."""
     entries = logprobs_content(tokenizer, reply.result) if logprobs else None
     said = ""
     ids = reply.result.token_ids.tolist()
@@ -183,61 +231,3 @@ def _text_pieces(tokenizer: Tokenizer, reply: Reply, logprobs: bool) -> Iterator
         piece, said = text[len(said) :], text
         if piece or entries is not None:
             yield piece, None if entries is None else entries[k - 1]
-
-
-def completion_body(
-    tokenizer: Tokenizer,
-    model: str,
-    prompt_ids: list[int],
-    replies: Sequence[Reply],
-    *,
-    logprobs: bool,
-    return_token_ids: bool,
-) -> dict[str, Any]:
-    choices = []
-    for index, reply in enumerate(replies):
-        lp = None
-        if logprobs:
-            content = logprobs_content(tokenizer, reply.result)
-            lp = {"tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content]}
-        choices.append(
-            {
-                "index": index,
-                "text": reply.text,
-                "finish_reason": reply.finish_reason,
-                "logprobs": lp,
-                "token_ids": reply.result.token_ids.tolist(),
-                "policy_versions": reply.result.versions.tolist(),
-            }
-        )
-    body: dict[str, Any] = {
-        "id": new_id("cmpl"),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(len(prompt_ids), replies),
-    }
-    if return_token_ids:
-        body["prompt_token_ids"] = prompt_ids
-    return body
-
-
-def tokens_body(
-    tokenizer: Tokenizer, prompt_ids: list[int], replies: Sequence[Reply], request_id: str
-) -> dict[str, Any]:
-    """``/inference/v1/generate``'s answer (vLLM's token-in, token-out shape)."""
-    return {
-        "request_id": request_id,
-        "prompt_token_ids": prompt_ids,
-        "choices": [
-            {
-                "index": index,
-                "token_ids": reply.result.token_ids.tolist(),
-                "finish_reason": reply.finish_reason,
-                "logprobs": {"content": logprobs_content(tokenizer, reply.result, as_ids=True)},
-                "policy_versions": reply.result.versions.tolist(),
-            }
-            for index, reply in enumerate(replies)
-        ],
-    }

@@ -1,13 +1,13 @@
 """What the endpoint's routes do: render or bridge the prompt, run it on the generator's engine, record the
-turn in its session, and build the reply. HTTP lives in `actors/generator/serve/app.py`.
+turn in its conversation, and build the reply. HTTP lives in `actors/generator/serve/app.py`.
 
 Requests go into the same engine queue as the generator's own rollouts (`Engine.submit`), so one engine
 batches both continuously. A request never disturbs the generator: a bad one is an `EndpointError` (an
 OpenAI-shaped 4xx), and over ``generator.serve.max_inflight`` engine requests the endpoint answers 429 with
 ``Retry-After``; before the generator holds version 0 it answers 503.
 
-Sampling: a session an agent run trains on (`SessionStore.open`) samples with the run's temperature, top-p
-and top-k whatever the request says, because the trainer's importance correction assumes them; other
+Sampling: a conversation an agent run trains on (`Conversations.open`) samples with the run's temperature,
+top-p and top-k whatever the request says, because the trainer's importance correction assumes them; other
 requests (evaluation, debugging) sample as they ask. ``max_tokens`` defaults to the run's
 ``engine.sampling.max_new_tokens`` and is cut to the room left in the engine's context.
 """
@@ -26,17 +26,20 @@ import orjson
 from tokenizers import Tokenizer
 
 from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from actors.generator.serve.protocol import ChatRequest, CompletionRequest, EndpointError, TokensRequest
-from actors.generator.serve.replies import (
-    Reply,
-    chat_body,
-    chat_chunks,
-    completion_body,
-    make_reply,
-    new_id,
-    tokens_body,
+from actors.generator.serve.conversations import Conversation, Conversations
+from actors.generator.serve.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatRequest,
+    CompletionRequest,
+    CompletionResponse,
+    EndpointError,
+    GenerateResponse,
+    ModelCard,
+    ModelList,
+    TokensRequest,
 )
-from actors.generator.serve.sessions import Session, SessionStore
+from actors.generator.serve.replies import Answer, Reply, make_reply
 from pipeline.chat.template import ChatTemplate, ChatTemplateError, normalized
 from pipeline.chat.tool_parsers import ToolParser
 
@@ -92,72 +95,53 @@ class EndpointService:
         self.sampling = sampling
         self.model_names = tuple(model_names)
         self.max_inflight = max_inflight
-        self.sessions = SessionStore(max_sessions)
+        self.conversations = Conversations(max_sessions)
+        """Each session's conversation, kept to bridge its next turn and, for an agent run, to train on."""
         self.metrics = EndpointMetrics()
         self.inflight = 0
         self.stopping = False
 
     @property
     def model(self) -> str:
+        """The name every reply carries, whichever of `model_names` the request named."""
         return self.model_names[0]
 
     # ---- routes --------------------------------------------------------------------------------
 
     async def chat(
         self, req: ChatRequest, session_id: str | None
-    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
-        """(body, None), or (None-like body, chunks) for a streamed request."""
+    ) -> ChatCompletionResponse | list[ChatCompletionStreamResponse]:
+        """The reply, or its chunks for a streamed request (sent once the reply is complete: same ids)."""
         self._check_model(req.model)
         template = self._template()
         messages = [dict(m) for m in req.messages]
         tools = req.tools or None
         tools_key = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""
         keys = [normalized(m) for m in messages]
-        session = self.sessions.get(session_id)
-        try:
-            prompt_ids = self._bridged(session, template, messages, keys, tools, tools_key)
-            if prompt_ids is None:
-                prompt_ids = template.render(messages, tools=tools)
-                self.metrics.turns_fresh += 1
-            else:
-                self.metrics.turns_bridged += 1
-        except ChatTemplateError as exc:
-            raise EndpointError(400, str(exc), param="messages") from None
-        results = await self._generate(session, prompt_ids, req, req.token_limit())
+        conversation = self.conversations.get(session_id)
+        prompt_ids = self._chat_prompt(conversation, template, messages, keys, tools, tools_key)
+        results = await self._generate(conversation, prompt_ids, req, req.token_limit())
         replies = [self._reply(r, req.stops()) for r in results]
         for reply in replies:
             self.metrics.tool_calls += len(reply.parsed.tool_calls)
             self.metrics.tool_calls_unparseable += reply.parsed.unparseable
-        answers = [
+        said = [
             normalized({"role": "assistant", "content": r.parsed.content, "tool_calls": r.parsed.tool_calls})
             for r in replies
         ]
-        async with session.lock:
-            session.record(prompt_ids, [r.result for r in replies], messages=keys, replies=answers, tools_key=tools_key)
-        want_logprobs = bool(req.logprobs) or bool(req.top_logprobs)
-        if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
-            chunks = chat_chunks(
-                self.tokenizer,
-                self.model,
-                prompt_ids,
-                replies,
-                logprobs=want_logprobs,
-                return_token_ids=req.return_token_ids,
-                include_usage=include_usage,
+        async with conversation.lock:
+            conversation.record(
+                prompt_ids, [r.result for r in replies], messages=keys, replies=said, tools_key=tools_key
             )
-            return {}, list(chunks)
-        body = chat_body(
-            self.tokenizer,
-            self.model,
-            prompt_ids,
-            replies,
-            logprobs=want_logprobs,
-            return_token_ids=req.return_token_ids,
+        logprobs = bool(req.logprobs) or bool(req.top_logprobs)
+        answer = Answer(
+            self.tokenizer, self.model, prompt_ids, replies, logprobs=logprobs, return_token_ids=req.return_token_ids
         )
-        return body, None
+        if req.stream:
+            return answer.chat_chunks(include_usage=bool((req.stream_options or {}).get("include_usage")))
+        return answer.chat()
 
-    async def completions(self, req: CompletionRequest, session_id: str | None) -> dict[str, Any]:
+    async def completions(self, req: CompletionRequest, session_id: str | None) -> CompletionResponse:
         self._check_model(req.model)
         if req.stream:
             raise EndpointError(
@@ -169,12 +153,12 @@ class EndpointService:
             prompt_ids = [int(t) for t in req.prompt]
         if not prompt_ids:
             raise EndpointError(400, "the prompt has no tokens", param="prompt")
-        session = self.sessions.get(session_id)
-        results = await self._generate(session, prompt_ids, req, req.token_limit())
+        conversation = self.conversations.get(session_id)
+        results = await self._generate(conversation, prompt_ids, req, req.token_limit())
         replies = [self._reply(r, req.stops()) for r in results]
-        async with session.lock:
-            session.record(prompt_ids, [r.result for r in replies])
-        return completion_body(
+        async with conversation.lock:
+            conversation.record(prompt_ids, [r.result for r in replies])
+        answer = Answer(
             self.tokenizer,
             self.model,
             prompt_ids,
@@ -182,11 +166,12 @@ class EndpointService:
             logprobs=bool(req.logprobs),
             return_token_ids=req.return_token_ids,
         )
+        return answer.completion()
 
-    async def tokens(self, req: TokensRequest, session_id: str | None) -> dict[str, Any]:
+    async def tokens(self, req: TokensRequest, session_id: str | None) -> GenerateResponse:
         self._check_model(req.model)
         params = req.sampling_params
-        session = self.sessions.get(session_id or req.session_id)
+        conversation = self.conversations.get(session_id or req.session_id)
         body = CompletionRequest(
             prompt=req.token_ids,
             max_tokens=params.max_tokens,
@@ -198,55 +183,27 @@ class EndpointService:
             stop_token_ids=params.stop_token_ids,
             ignore_eos=params.ignore_eos,
         )
-        results = await self._generate(session, list(req.token_ids), body, params.max_tokens)
+        prompt_ids = list(req.token_ids)
+        results = await self._generate(conversation, prompt_ids, body, params.max_tokens)
         replies = [self._reply(r, ()) for r in results]
-        async with session.lock:
-            session.record(list(req.token_ids), [r.result for r in replies])
-        return tokens_body(self.tokenizer, list(req.token_ids), replies, req.request_id or new_id("gen"))
+        async with conversation.lock:
+            conversation.record(prompt_ids, [r.result for r in replies])
+        return Answer(self.tokenizer, self.model, prompt_ids, replies).generate(req.request_id)
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> ModelList:
         max_len = self.engine.max_context_tokens
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "owned_by": "leeway", "max_model_len": max_len}
-                for name in self.model_names
-            ],
-        }
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_len) for name in self.model_names])
 
     # ---- the engine ----------------------------------------------------------------------------
 
     async def _generate(
-        self, session: Session, prompt_ids: list[int], req: ChatRequest | CompletionRequest, limit: int | None
+        self, conversation: Conversation, prompt_ids: list[int], req: ChatRequest | CompletionRequest, limit: int | None
     ) -> list[GenerateResult]:
-        if self.stopping:
-            raise EndpointError(503, "the generator is stopping", kind="service_unavailable", retry_after_s=5)
-        if self.engine.version < 0:
-            raise EndpointError(
-                503,
-                "the generator holds no policy weights yet (waiting for version 0)",
-                kind="service_unavailable",
-                retry_after_s=2,
-            )
-        room = self.engine.max_context_tokens
-        if room is not None and len(prompt_ids) >= room:
-            raise EndpointError(
-                400,
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {room} tokens and leaves no room for a reply",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        if self.inflight + req.n > self.max_inflight:
-            raise EndpointError(
-                429,
-                f"over capacity: {self.inflight} requests in the engine (generator.serve.max_inflight = {self.max_inflight})",
-                kind="rate_limit_error",
-                retry_after_s=1,
-            )
-        params = self._params(session, req, limit)
+        self._refuse_unservable(prompt_ids, req.n)
+        params = self._params(conversation, req, limit)
         seeds = [None if req.seed is None else req.seed + k for k in range(req.n)]
         stem = f"serve-{uuid.uuid4().hex[:12]}"
-        keep = bool(session.session_id)  # a session's next turn extends this one: the engine keeps its KV cache
+        keep = bool(conversation.session_id)  # its next turn extends this one: the engine keeps the KV cache
         requests = [
             GenerateRequest(prompt_ids, seed=s, request_id=f"{stem}-{k}", keep_prefix=keep) for k, s in enumerate(seeds)
         ]
@@ -265,11 +222,41 @@ class EndpointService:
         self.metrics.completion_tokens += sum(len(r.token_ids) for r in results)
         return results
 
-    def _params(self, session: Session, req: ChatRequest | CompletionRequest, limit: int | None) -> SamplingParams:
+    def _refuse_unservable(self, prompt_ids: list[int], n: int) -> None:
+        """A request the engine cannot take now is answered at once (503, 400 or 429), never queued: a client
+        that retries later is better served than one whose request waits behind the generator's rollouts."""
+        if self.stopping:
+            raise EndpointError(503, "the generator is stopping", kind="service_unavailable", retry_after_s=5)
+        if self.engine.version < 0:
+            raise EndpointError(
+                503,
+                "the generator holds no policy weights yet (waiting for version 0)",
+                kind="service_unavailable",
+                retry_after_s=2,
+            )
+        room = self.engine.max_context_tokens
+        if room is not None and len(prompt_ids) >= room:
+            raise EndpointError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {room} tokens and leaves no room for a reply",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if self.inflight + n > self.max_inflight:
+            raise EndpointError(
+                429,
+                f"over capacity: {self.inflight} requests in the engine (generator.serve.max_inflight = {self.max_inflight})",
+                kind="rate_limit_error",
+                retry_after_s=1,
+            )
+
+    def _params(
+        self, conversation: Conversation, req: ChatRequest | CompletionRequest, limit: int | None
+    ) -> SamplingParams:
         run = self.sampling
-        run_stops = () if req.ignore_eos and not session.trained else tuple(run.stop_token_ids)
+        run_stops = () if req.ignore_eos and not conversation.trained else tuple(run.stop_token_ids)
         stop_ids = run_stops + tuple(req.stop_token_ids or ())
-        if session.trained:
+        if conversation.trained:
             temperature, top_p, top_k = run.temperature, run.top_p, run.top_k
         else:
             temperature = run.temperature if req.temperature is None else req.temperature
@@ -285,21 +272,44 @@ class EndpointService:
 
     # ---- helpers -------------------------------------------------------------------------------
 
+    def _chat_prompt(
+        self,
+        conversation: Conversation,
+        template: ChatTemplate,
+        messages: list[dict[str, Any]],
+        keys: list[tuple[Any, ...]],
+        tools: list[dict[str, Any]] | None,
+        tools_key: str,
+    ) -> list[int]:
+        """The prompt's ids: bridged from the branch the messages continue, so earlier sampled ids are kept
+        exactly, else the whole conversation rendered fresh."""
+        try:
+            prompt_ids = self._bridged(conversation, template, messages, keys, tools, tools_key)
+            if prompt_ids is None:
+                prompt_ids = template.render(messages, tools=tools)
+                self.metrics.turns_fresh += 1
+            else:
+                self.metrics.turns_bridged += 1
+        except ChatTemplateError as exc:
+            raise EndpointError(400, str(exc), param="messages") from None
+        return prompt_ids
+
     def _bridged(
         self,
-        session: Session,
+        conversation: Conversation,
         template: ChatTemplate,
         messages: list[dict[str, Any]],
         keys: list[tuple[Any, ...]],
         tools: list[dict[str, Any]] | None,
         tools_key: str,
     ) -> list[int] | None:
-        """The branch's ids + the new messages' bridge, when the request continues one of the session's branches."""
-        found = session.find_chat_branch(keys, tools_key)
+        """The branch's ids + the new messages' bridge, when the request continues one of the conversation's
+        branches."""
+        found = conversation.find_chat_branch(keys, tools_key)
         if found is None:
             return None
         index, covered = found
-        ids = session.branches[index].ids
+        ids = conversation.branches[index].ids
         ended_with_eos = len(ids) > 0 and int(ids[-1]) == template.eos_id
         bridge = template.bridge(messages[covered:], tools=tools, ended_with_eos=ended_with_eos)
         return None if bridge is None else [int(t) for t in ids] + bridge

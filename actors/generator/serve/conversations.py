@@ -1,19 +1,21 @@
-"""Sessions: every turn's exact ids, log-probs and versions, kept per session as branches of one episode.
+"""Conversations: every turn's exact ids, log-probs and versions, kept per HTTP session as branches of one
+episode.
 
-A session is one episode. Each request on it is recorded as a turn: its prompt ids and the engine's
-result. A turn whose prompt ids *start with* a branch's ids (that branch's prompt, sampled replies and
-bridged context, in order) extends that branch: the branch gains the new context tokens (mask 0, version
--1) and the sampled reply. Any other turn starts a new branch (a rewritten history: compaction, stripped
-reasoning, a sub-agent). Matching on ids, not on messages, means a chat turn that was bridged, a token-in
-turn (``/inference/v1/generate``) and a completion whose prompt holds the earlier ids all attach alike.
+A conversation is one episode, kept under the session id a request names (``/sessions/<id>``, ``session_id``
+or ``X-Session-ID``). Each request on it is recorded as a turn: its prompt ids and the engine's result. A turn
+whose prompt ids *start with* a branch's ids (that branch's prompt, sampled replies and bridged context, in
+order) extends that branch: the branch gains the new context tokens (mask 0, version -1) and the sampled
+reply. Any other turn starts a new branch (a rewritten history: compaction, stripped reasoning, a
+sub-agent). Matching on ids, not on messages, means a chat turn that was bridged, a token-in turn
+(``/inference/v1/generate``) and a completion whose prompt holds the earlier ids all attach alike.
 
 A branch whose last reply ended by length is closed: a later turn on it still gets served, but lands in a
-branch marked ``after_length``, which is never trained on.
+branch marked ``after_length``, which is never trained on (the policy did not choose to stop there).
 
-`Session.samples` turns the branches into training samples: loss mask 1 on sampled tokens only, and a
+`Conversation.samples` turns the branches into training samples: loss mask 1 on sampled tokens only, and a
 token that several branches share (the same ids at the same positions, sampled in an earlier branch) is
-trained in its first branch only. The chat layer keeps each branch's messages too (`Branch.messages`), to
-find the branch a chat request continues and bridge from it.
+trained in its first branch only, so a shared prefix is not counted twice. The chat layer keeps each
+branch's messages too (`Branch.messages`), to find the branch a chat request continues and bridge from it.
 """
 
 from __future__ import annotations
@@ -48,11 +50,6 @@ class Branch:
         """Its last reply ran out of length: nothing after it is trained on."""
         return bool(self.turns) and self.turns[-1].kind == "policy" and self.turns[-1].finish_reason == "length"
 
-    @property
-    def ended_with_eos(self) -> bool:
-        last = self.turns[-1] if self.turns else None
-        return last is not None and last.kind == "policy" and last.finish_reason == "stop"
-
 
 @dataclass
 class BranchSample:
@@ -67,9 +64,10 @@ class BranchSample:
     num_turns: int
 
 
-class Session:
-    """One episode's branches. ``trained``: an agent run opened it (its branches become samples); other
-    sessions are served and kept for bridging only."""
+class Conversation:
+    """One episode's branches. ``trained``: an agent run opened it, so its branches become samples; other
+    conversations are served and kept for bridging only. ``session_id`` is the HTTP session id it is kept
+    under ("" for a request served alone)."""
 
     def __init__(self, session_id: str, *, trained: bool = False) -> None:
         self.session_id = session_id
@@ -143,18 +141,18 @@ class Session:
     def samples(self) -> list[BranchSample]:
         """Every trainable branch as arrays; a shared sampled token is trained in its first branch only."""
         out: list[BranchSample] = []
-        trained: list[tuple[np.ndarray, np.ndarray]] = []  # (ids, loss mask) of the branches before
+        trained: list[tuple[np.ndarray, np.ndarray]] = []  # (ids, sampled-token mask) of the branches before
         for index, branch in enumerate(self.branches):
             if branch.after_length or not branch.turns:
                 continue
-            tokens, loss_mask, logprobs, versions = assemble(branch.turns)
-            loss_mask = loss_mask.copy()
+            tokens, sampled, logprobs, versions = assemble(branch.turns)
+            loss_mask = sampled.copy()
             for ids, mask in trained:
                 n = min(len(ids), len(tokens))
                 same = np.flatnonzero(ids[:n] != tokens[:n])
                 shared = n if same.size == 0 else int(same[0])
                 loss_mask[:shared] &= ~mask[:shared].astype(bool)
-            trained.append((tokens, np.asarray(assemble(branch.turns)[1], dtype=np.uint8)))
+            trained.append((tokens, sampled))
             if not loss_mask.any():
                 continue
             versions = np.where(loss_mask.astype(bool), versions, -1).astype(np.int32)
@@ -174,44 +172,46 @@ class Session:
         return out
 
 
-class SessionStore:
-    """Sessions by id, least recently used out beyond ``max_sessions`` (an agent's session is never evicted
-    while its run holds it: `pin`)."""
+class Conversations:
+    """Conversations by session id, least recently used out beyond ``max_conversations``
+    (``generator.serve.max_sessions``), so clients that never close a session cannot grow the generator's
+    memory. An agent run's conversation is pinned while the run holds it (`open` to `close`): evicting it
+    would lose the episode's samples."""
 
-    def __init__(self, max_sessions: int) -> None:
-        self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+    def __init__(self, max_conversations: int) -> None:
+        self.max_conversations = max_conversations
+        self._conversations: OrderedDict[str, Conversation] = OrderedDict()
         self._pinned: set[str] = set()
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        return len(self._conversations)
 
-    def get(self, session_id: str | None) -> Session:
-        """The session (created when new); None: a throw-away session of its own."""
+    def get(self, session_id: str | None) -> Conversation:
+        """The session's conversation (created when new); None: a throw-away conversation of its own."""
         if session_id is None:
-            return Session("")
-        session = self._sessions.get(session_id)
-        if session is None:
-            session = self._sessions[session_id] = Session(session_id)
+            return Conversation("")
+        conversation = self._conversations.get(session_id)
+        if conversation is None:
+            conversation = self._conversations[session_id] = Conversation(session_id)
             self._evict()
-        self._sessions.move_to_end(session_id)
-        return session
+        self._conversations.move_to_end(session_id)
+        return conversation
 
-    def open(self, session_id: str) -> Session:
-        """A fresh session an agent run trains on; pinned until `close`."""
-        session = Session(session_id, trained=True)
-        self._sessions[session_id] = session
+    def open(self, session_id: str) -> Conversation:
+        """A fresh conversation an agent run trains on; pinned until `close`."""
+        conversation = Conversation(session_id, trained=True)
+        self._conversations[session_id] = conversation
         self._pinned.add(session_id)
         self._evict()
-        return session
+        return conversation
 
-    def close(self, session_id: str) -> Session | None:
+    def close(self, session_id: str) -> Conversation | None:
         self._pinned.discard(session_id)
-        return self._sessions.pop(session_id, None)
+        return self._conversations.pop(session_id, None)
 
     def _evict(self) -> None:
-        for session_id in list(self._sessions):
-            if len(self._sessions) <= self.max_sessions:
+        for session_id in list(self._conversations):
+            if len(self._conversations) <= self.max_conversations:
                 return
             if session_id not in self._pinned:
-                del self._sessions[session_id]
+                del self._conversations[session_id]
