@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pipeline.tasks import Prompt, Task, VerifierResult
+from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
 from pipeline.tasks.environment import Environment, EnvStep
+from pipeline.wire.prompts import Prompt
 
 EVAL_SEED_OFFSET = 1_000_003
 DEFAULT_INSTRUCTIONS = "Act in the environment. Reply with your action only."

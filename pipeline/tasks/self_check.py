@@ -22,7 +22,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
+from pipeline.tasks.base import Task, VerifierResult
+from pipeline.tasks.verifiers import VerifierPool
+from pipeline.wire.prompts import Prompt
 
 log = logging.getLogger(__name__)
 

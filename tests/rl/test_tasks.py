@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.tasks import ExactMatchTask, Prompt, Task, VerifierPool, VerifierResult, get_task, load_prompts
+from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult, get_task, load_prompts
 from pipeline.tasks.char_tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -26,6 +26,7 @@ from pipeline.tasks.char_tokenizer import (
 )
 from pipeline.tasks.digits_tokenizer import TOKENIZER_PATH as DIGITS_TOKENIZER_PATH
 from pipeline.tasks.digits_tokenizer import build_digits_tokenizer, load_digits_tokenizer
+from pipeline.tasks.exact_match import ExactMatchTask
 from pipeline.tasks.reverse import ReverseDigitsTask, completion_positions, score_reversal
 
 
