@@ -134,7 +134,7 @@ def test_get_task_resolves_builtins_and_module_functions() -> None:
     with pytest.raises(ValueError, match="neither a built-in"):
         get_task("no_such_task")
     with pytest.raises(ValueError, match="cannot import"):
-        get_task("tests.rl.test_tasks:missing")
+        get_task("tests.tasks.test_tasks:missing")
 
 
 def test_verifier_exceptions_and_timeouts_become_infra_errors_without_reward() -> None:
