@@ -9,16 +9,16 @@ A task directory, as Harbor lays it out (the format, not the package, which need
     <task>/solution/solve.sh     the oracle (`leeway tasks check` requires it to score the maximum)
     <task>/environment/          a Dockerfile (for a docker backend; bwrap runs the host's system read-only)
 
-An episode: a sandbox starts (`pipeline/sandbox/`, admitted by the generator's pool), the built-in shell agent
-plays (the model replies with one fenced ``bash`` block per turn, the sandbox runs it in ``/app``, its exit code
-and output come back as the next user message; ``DONE`` ends), then every process the agent left is killed, the
-tests are copied into ``/tests`` (the agent never saw them), ``/tests/test.sh`` runs, and the reward is what it
-wrote. Failures are typed (`EpisodeFailure.reason`): the sandbox's (``sandbox_start_failed``,
-``sandbox_start_timeout``, ``sandbox_lost``) and the verifier's (``verifier_timeout``, ``verifier_crashed``,
-``reward_missing``) are infrastructure: the rollout re-runs the episode (``rollout.infra_retries``) and then
-sends an ``infra_error``, masked, never a 0. ``agent_timeout`` is the policy's (reward 0) unless
-``rollout.agent_timeout_is: infra``. A reply with neither a command nor DONE is a format error: the agent is told,
-or with ``rollout.strict_format`` the episode ends with reward 0.
+An episode: a sandbox starts (`pipeline/sandbox/`, admitted by the generator's pool), the built-in shell agent plays
+(the model replies with one fenced ``bash`` block per turn, the sandbox runs it in ``/app``, its exit code and
+output come back as the next user message; ``DONE`` ends), then every process the agent left is killed, the tests
+are copied into ``/tests`` (the agent never saw them), ``/tests/test.sh`` runs, and the reward is what it wrote.
+Failures are typed (`EpisodeFailure`, an `InfraFailure` whose ``reason`` is an `InfraReason`): the sandbox's
+(``sandbox_start_failed``, ``sandbox_start_timeout``, ``sandbox_lost``) and the verifier's (``verifier_timeout``,
+``verifier_crashed``, ``reward_missing``) are infrastructure: the rollout re-runs the episode
+(``rollout.infra_retries``) and then sends an ``infra_error``, masked, never a 0. ``agent_timeout`` is the policy's
+(reward 0) unless ``rollout.agent_timeout_is: infra``. A reply with neither a command nor DONE is a format error:
+the agent is told, or with ``rollout.strict_format`` the episode ends with reward 0.
 """
 
 from __future__ import annotations
