@@ -105,3 +105,16 @@ def test_the_run_settings_come_from_the_config_and_harbor_takes_them() -> None:
     task = BUILDERS["harbor"](Path())
     task.configure(settings)
     assert task.settings is settings  # type: ignore[attr-defined]
+
+
+def test_a_sandbox_failure_reaches_the_episode_as_one_typed_reason_named_once() -> None:
+    from pipeline.failures import InfraFailure, InfraReason
+    from pipeline.sandbox import SandboxError, SandboxLost, SandboxStartTimeout
+    from pipeline.tasks.harbor import EpisodeFailure
+
+    lost = SandboxLost("bwrap sandbox t1: it stopped answering")
+    assert isinstance(lost, SandboxError) and isinstance(lost, InfraFailure)
+    assert lost.reason is InfraReason.SANDBOX_LOST and SandboxStartTimeout.reason is InfraReason.SANDBOX_START_TIMEOUT
+    wrapped = EpisodeFailure(lost.reason, lost.detail)
+    assert isinstance(wrapped, InfraFailure) and wrapped.reason == "sandbox_lost"
+    assert str(wrapped) == "sandbox_lost: bwrap sandbox t1: it stopped answering"
