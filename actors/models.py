@@ -255,11 +255,11 @@ def tokenizer_path(cfg: LeewayConfig) -> Path | None:
 
 
 def load_tokenizer(cfg: LeewayConfig, task: Task | None = None) -> Tokenizer:
-    """`model.tokenizer` (a tokenizer.json, a directory holding one, or the checkpoint's Hub id), else the task's
-    ``tokenizer`` attribute, else the built-in char tokenizer."""
+    """`model.tokenizer` (a tokenizer.json, a directory holding one, or the checkpoint's Hub id), else the
+    task's `Task.tokenizer`, else the built-in char tokenizer."""
     path = tokenizer_path(cfg)
     if path is None:
-        return getattr(task, "tokenizer", None) or load_char_tokenizer()
+        return (task.tokenizer if task is not None else None) or load_char_tokenizer()
     path = path / "tokenizer.json" if path.is_dir() else path
     if not path.is_file():
         raise ValueError(f"model.tokenizer = {cfg.model.tokenizer!r}: no tokenizer.json there")

@@ -137,9 +137,8 @@ class GeneratorRuntime:
                 opened.callback(shutil.rmtree, config_dir, ignore_errors=True)
                 cfg = local_config(cfg, config_dir)
             task = task_for(cfg)
-            closing = getattr(task, "aclose", None)
-            if callable(closing):  # the task's sandboxes (harbor), torn down when the generator stops
-                opened.push_async_callback(_close_logged, "the task's sandboxes", closing)
+            # what the task holds for the process (harbor: its sandboxes), torn down when the generator stops
+            opened.push_async_callback(_close_logged, "the task", task.aclose)
             tokenizer = load_tokenizer(cfg, task)
             engine = engine or build_engine(cfg, tokenizer, generator_id, config_dir)
             subscriber = WeightSubscriber(store, cfg.run.name, parallelism=cfg.weights.parallelism)
@@ -244,7 +243,7 @@ def _agent_runner(
 ) -> AgentRunner | None:
     """`task.agent`, else the task's own ``agent`` function; it needs the endpoint."""
     target = cfg.task.agent
-    agent = load_agent(target) if target is not None else getattr(task, "agent", None)
+    agent = load_agent(target) if target is not None else task.agent
     if agent is None:
         return None
     if service is None or endpoint is None:
@@ -256,15 +255,15 @@ def _agent_runner(
         api_key=api_key,
         timeout_s=cfg.task.agent_timeout_s,
         max_tokens=cfg.engine.sampling.max_new_tokens,
-        sandboxes=task.environment if getattr(task, "sandboxed_agents", False) else None,  # type: ignore[attr-defined]
+        sandboxes=task.environment if task.sandboxed_agents else None,
         agent_timeout_is=cfg.rollout.agent_timeout_is,
     )
 
 
 def _endpoint_fields(endpoint: Endpoint, service: EndpointService | None) -> dict[str, object]:
     fields: dict[str, object] = {"endpoint": endpoint.url}
-    stats = getattr(service.engine, "prefix_stats", None) if service is not None else None
-    if isinstance(stats, dict):
+    stats = service.engine.prefix_stats if service is not None else None
+    if stats is not None:
         lookups, prompt = stats["prefix_lookups"], stats["prompt_tokens"]
         fields["engine_prefix_hit_rate"] = stats["prefix_hits"] / lookups if lookups else None
         fields["engine_prefilled_fraction"] = stats["prefilled_tokens"] / prompt if prompt else None

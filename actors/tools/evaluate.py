@@ -295,9 +295,7 @@ async def evaluate(
                 right = [r >= task.max_reward for r in scored]
                 pass1.append(sum(right) / len(right))
                 passk.append(float(any(right)))
-    closing = getattr(task, "aclose", None)
-    if callable(closing):  # what the episodes held in this event loop (a harbor task's sandbox pool)
-        await closing()
+    await task.aclose()  # what the episodes held in this event loop (a harbor task's sandbox pool)
     return {
         "version": version,
         "prompts": len(jobs),

@@ -26,11 +26,12 @@ MAX_REWARD = 1.0
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     from pipeline.sandbox import SandboxRefused
+    from pipeline.tasks import TaskSettings
     from pipeline.tasks.harbor import HarborTask
 
     try:
         task = HarborTask(args.dir)
-        task.bind_run(cfg)
+        task.configure(TaskSettings.from_config(cfg))
         task.pool  # noqa: B018 (a machine without bubblewrap is refused here, before any task runs)
     except (ValueError, SandboxRefused) as exc:
         print(f"leeway tasks check: {exc}", flush=True)

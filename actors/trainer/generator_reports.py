@@ -1,9 +1,9 @@
 """Generator reports as the trainer keeps them: validated on arrival, forgotten when old.
 
 Any NATS client can publish on ``leeway.<run>.metrics.generator``, so a report is untrusted input:
-one with a non-numeric number, an oversized body or too many fields is logged and ignored, never
-allowed to reach the metrics record (where `generators/tokens_per_s` sums its numbers) or to stop
-the trainer. A report is kept until a newer one from the same generator replaces it, or until it is
+one with a non-numeric number, an oversized body, too many fields or a failure name outside the taxonomy
+(`pipeline.failures.FAILURE_NAMES`) is logged and ignored, never allowed to reach the metrics record (where
+`generators/tokens_per_s` sums its numbers) or to stop the trainer. A report is kept until a newer one from the same generator replaces it, or until it is
 `REPORT_EXPIRY_INTERVALS` report intervals old: a generator that stopped reporting (killed,
 partitioned) drops out of the metrics instead of showing its last numbers forever.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from pipeline.failures import FAILURE_NAMES
 from pipeline.wire.announce import GENERATOR_REPORT_INTERVAL_S
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,9 @@ LOGGED_REJECTIONS_MAX = 64
 
 COUNT_FIELDS = {"failure_reasons": 64}
 """Fields that are name -> count maps (the typed failures), with their most names."""
+COUNT_NAMES = {"failure_reasons": FAILURE_NAMES}
+"""The names each count field may carry: a generator counts only failures of the taxonomy (`pipeline/failures.py`),
+so a name outside it is a report from something else (or a generator out of step with this trainer)."""
 
 
 class ReportError(ValueError):
@@ -76,6 +80,9 @@ def parse_report(data: bytes) -> dict[str, Any]:
                 raise ReportError(
                     f"field {key!r} must map at most {COUNT_FIELDS[key]} names to counts, got {value!r:.80}"
                 )
+            unknown = sorted(set(value) - COUNT_NAMES[key])
+            if unknown:
+                raise ReportError(f"field {key!r} must name known failures (pipeline/failures.py), got {unknown!r:.80}")
         elif key in TEXT_FIELDS:
             if not isinstance(value, str) or len(value) > TEXT_FIELDS[key]:
                 raise ReportError(f"field {key!r} must be a string of <= {TEXT_FIELDS[key]} chars, got {value!r:.80}")

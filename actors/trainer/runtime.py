@@ -116,7 +116,7 @@ async def check_task(cfg: LeewayConfig, task: Task, tokenizer: Tokenizer) -> Non
             prompts,
             pool,
             skip=cfg.task.skip_self_check,
-            has_agent=cfg.task.agent is not None or getattr(task, "agent", None) is not None or not task.self_check,
+            has_agent=cfg.task.agent is not None or task.agent is not None or not task.self_check,
             encode=lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
         )
 

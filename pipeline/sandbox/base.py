@@ -3,8 +3,8 @@ its `ExecResult`, what it is made of (`SandboxSpec`, `SandboxLimits`) and the ty
 
 A sandbox holds model-written code, which is hostile: no network, no credentials, no view of the run's files, and
 limits on what it can use. A command that fails is an `ExecResult` with its exit code (the policy's business); a
-sandbox that could not start or died is a `SandboxError` whose ``reason`` is one of the failure taxonomy's
-infrastructure reasons, so the episode becomes an ``infra_error`` and never scores 0.
+sandbox that could not start or died is a `SandboxError`, an `pipeline.failures.InfraFailure` whose ``reason`` is
+one of the failure taxonomy's `InfraReason`s, so the episode becomes an ``infra_error`` and never scores 0.
 """
 
 from __future__ import annotations
@@ -14,25 +14,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.failures import InfraFailure, InfraReason
 
-class SandboxError(RuntimeError):
-    """The sandbox, not the command, failed; ``reason`` is the failure's name in the step metrics."""
 
-    reason = "sandbox_lost"
+class SandboxError(InfraFailure):
+    """The sandbox, not the command, failed; ``reason`` (an `InfraReason`, one per subclass) is the failure's name
+    in the step metrics, and ``detail`` what happened (``str()`` is ``"<reason>: <detail>"``)."""
+
+    reason = InfraReason.SANDBOX_LOST
 
 
 class SandboxStartFailed(SandboxError):
-    reason = "sandbox_start_failed"
+    reason = InfraReason.SANDBOX_START_FAILED
 
 
 class SandboxStartTimeout(SandboxError):
-    reason = "sandbox_start_timeout"
+    reason = InfraReason.SANDBOX_START_TIMEOUT
 
 
 class SandboxLost(SandboxError):
     """It died (killed, out of memory, reaped as idle) or stopped answering."""
 
-    reason = "sandbox_lost"
+    reason = InfraReason.SANDBOX_LOST
 
 
 class SandboxRefused(ValueError):

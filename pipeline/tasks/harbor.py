@@ -9,16 +9,16 @@ A task directory, as Harbor lays it out (the format, not the package, which need
     <task>/solution/solve.sh     the oracle (`leeway tasks check` requires it to score the maximum)
     <task>/environment/          a Dockerfile (for a docker backend; bwrap runs the host's system read-only)
 
-An episode: a sandbox starts (`pipeline/sandbox/`, admitted by the generator's pool), the built-in shell agent
-plays (the model replies with one fenced ``bash`` block per turn, the sandbox runs it in ``/app``, its exit code
-and output come back as the next user message; ``DONE`` ends), then every process the agent left is killed, the
-tests are copied into ``/tests`` (the agent never saw them), ``/tests/test.sh`` runs, and the reward is what it
-wrote. Failures are typed (`EpisodeFailure.reason`): the sandbox's (``sandbox_start_failed``,
-``sandbox_start_timeout``, ``sandbox_lost``) and the verifier's (``verifier_timeout``, ``verifier_crashed``,
-``reward_missing``) are infrastructure: the rollout re-runs the episode (``rollout.infra_retries``) and then
-sends an ``infra_error``, masked, never a 0. ``agent_timeout`` is the policy's (reward 0) unless
-``rollout.agent_timeout_is: infra``. A reply with neither a command nor DONE is a format error: the agent is told,
-or with ``rollout.strict_format`` the episode ends with reward 0.
+An episode: a sandbox starts (`pipeline/sandbox/`, admitted by the generator's pool), the built-in shell agent plays
+(the model replies with one fenced ``bash`` block per turn, the sandbox runs it in ``/app``, its exit code and
+output come back as the next user message; ``DONE`` ends), then every process the agent left is killed, the tests
+are copied into ``/tests`` (the agent never saw them), ``/tests/test.sh`` runs, and the reward is what it wrote.
+Failures are typed (`EpisodeFailure`, an `InfraFailure` whose ``reason`` is an `InfraReason`): the sandbox's
+(``sandbox_start_failed``, ``sandbox_start_timeout``, ``sandbox_lost``) and the verifier's (``verifier_timeout``,
+``verifier_crashed``, ``reward_missing``) are infrastructure: the rollout re-runs the episode
+(``rollout.infra_retries``) and then sends an ``infra_error``, masked, never a 0. ``agent_timeout`` is the policy's
+(reward 0) unless ``rollout.agent_timeout_is: infra``. A reply with neither a command nor DONE is a format error:
+the agent is told, or with ``rollout.strict_format`` the episode ends with reward 0.
 """
 
 from __future__ import annotations
@@ -40,15 +40,17 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from pipeline.sandbox import SandboxError, SandboxLimits, SandboxSpec
-from pipeline.sandbox.pool import PoolSettings, SandboxPool
-from pipeline.tasks import Task, VerifierResult, shuffled_epochs
+from pipeline.failures import InfraFailure, InfraReason
+from pipeline.sandbox import SandboxError, SandboxSpec
+from pipeline.sandbox.pool import SandboxPool
+from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.chat_tokenizer import load_chat_template_text, load_chat_tokenizer
 from pipeline.tasks.environment import Environment, EnvStep
+from pipeline.tasks.files import shuffled_epochs
+from pipeline.tasks.settings import TaskSettings
 from pipeline.wire.prompts import Prompt
 
 if TYPE_CHECKING:
-    from pipeline.config import LeewayConfig
     from pipeline.sandbox.supervised import SupervisedSandbox
 
 log = logging.getLogger(__name__)
@@ -67,12 +69,12 @@ MAX_OBSERVATION_CHARS = 2000
 """Output of one command shown to the model (the head and the tail when longer)."""
 
 
-class EpisodeFailure(RuntimeError):
-    """An episode that ended for a reason other than its policy's; ``reason`` is its name in the metrics."""
+class EpisodeFailure(InfraFailure):
+    """An episode that ended for a reason other than its policy's: ``reason`` (an `InfraReason`) is its name in the
+    metrics, ``detail`` names the task and what happened."""
 
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+    def __init__(self, reason: InfraReason, detail: str) -> None:
+        super().__init__(detail, reason=reason)
 
 
 @dataclass(frozen=True)
@@ -123,28 +125,6 @@ def load_task_dirs(root: str | Path) -> list[HarborTaskDir]:
     return tasks
 
 
-def pool_settings(cfg: LeewayConfig) -> PoolSettings:
-    s = cfg.sandbox
-    return PoolSettings(
-        backend=s.backend,
-        allow_unisolated=s.allow_unisolated,
-        max_concurrent=s.max_concurrent,
-        starts_per_s=s.starts_per_s,
-        cpus=s.cpus,
-        memory_mb=s.memory_mb,
-        limits=SandboxLimits(
-            memory_mb=s.memory_mb,
-            max_processes=s.max_processes,
-            max_file_mb=s.max_file_mb,
-            max_open_files=s.max_open_files,
-            cpu_time_s=s.cpu_time_s,
-        ),
-        start_timeout_s=s.start_timeout_s,
-        idle_timeout_s=s.idle_timeout_s,
-        base_dir=None if s.dir is None else Path(s.dir),
-    )
-
-
 class HarborTask(Task):
     """Harbor task directories played by the shell agent in sandboxes; see the module docstring."""
 
@@ -167,18 +147,13 @@ class HarborTask(Task):
         self._seed = seed
         self.tokenizer = load_chat_tokenizer(tokenizer)
         self.chat_template = load_chat_template_text()
-        self._settings: PoolSettings | None = None
+        self.settings = TaskSettings()
+        """The run's sandbox pool settings, command timeout and rollout rules (`configure`); defaults until then."""
         self._pool: SandboxPool | None = None
-        self.command_timeout_s = 60.0
-        self.agent_timeout_is = "policy"
-        self.strict_format = False
 
-    def bind_run(self, cfg: LeewayConfig) -> None:
+    def configure(self, settings: TaskSettings) -> None:
         """Take the run's `sandbox.*` and `rollout.*` settings (`pipeline.tasks.task_for` calls this)."""
-        self._settings = pool_settings(cfg)
-        self.command_timeout_s = cfg.sandbox.command_timeout_s
-        self.agent_timeout_is = cfg.rollout.agent_timeout_is
-        self.strict_format = cfg.rollout.strict_format
+        self.settings = settings
 
     def _prompt(self, task: HarborTaskDir) -> Prompt:
         messages = ({"role": "system", "content": SHELL_AGENT_PROMPT}, {"role": "user", "content": task.instruction})
@@ -201,7 +176,7 @@ class HarborTask(Task):
     def pool(self) -> SandboxPool:
         """The generator's sandbox pool, made on first use (in the event loop the episodes run in)."""
         if self._pool is None:
-            self._pool = SandboxPool(self._settings or PoolSettings())
+            self._pool = SandboxPool(self.settings.sandbox)
         return self._pool
 
     def environment(self, prompt: Prompt) -> HarborEpisode:
@@ -238,7 +213,7 @@ class HarborEpisode(Environment):
         try:
             self.box = await self._stack.enter_async_context(self.task.pool.sandbox(spec))
         except SandboxError as exc:
-            raise EpisodeFailure(exc.reason, str(exc)) from exc
+            raise EpisodeFailure(exc.reason, exc.detail) from exc
         self._deadline = time.monotonic() + self.dir.agent_timeout_s
         return EnvStep()
 
@@ -251,14 +226,14 @@ class HarborEpisode(Environment):
         if found is None:
             if DONE.search(reply_text):
                 return await self.verify()
-            if self.task.strict_format:
+            if self.task.settings.strict_format:
                 return EnvStep(done=True, reward=0.0, status="format_error", info={"error": "no command, no DONE"})
             return self._say("Reply with one ```bash code block, or DONE when the task is done.")
         self.commands += 1
         try:
-            result = await self.box.exec(found.group(1), timeout_s=min(self.task.command_timeout_s, left))
+            result = await self.box.exec(found.group(1), timeout_s=min(self.task.settings.command_timeout_s, left))
         except SandboxError as exc:
-            raise EpisodeFailure(exc.reason, str(exc)) from exc
+            raise EpisodeFailure(exc.reason, exc.detail) from exc
         if result.timed_out and time.monotonic() >= self._deadline:
             return self._agent_timeout()
         shown = _clip(result.stdout + result.stderr)
@@ -269,8 +244,8 @@ class HarborEpisode(Environment):
         return EnvStep(messages=({"role": "user", "content": text},))
 
     def _agent_timeout(self) -> EnvStep:
-        if self.task.agent_timeout_is == "infra":
-            raise EpisodeFailure("agent_timeout", f"{self.dir.name}: past [agent] timeout_sec")
+        if self.task.settings.agent_timeout_is == "infra":
+            raise EpisodeFailure(InfraReason.AGENT_TIMEOUT, f"{self.dir.name}: past [agent] timeout_sec")
         return EnvStep(done=True, reward=0.0, info={"error": "agent_timeout", "commands": self.commands})
 
     async def final(self) -> EnvStep:
@@ -290,10 +265,12 @@ class HarborEpisode(Environment):
                     await box.write_file(inside, path.read_bytes(), mode=0o755)
             ran = await box.exec("bash /tests/test.sh", timeout_s=self.dir.verifier_timeout_s, env=VERIFIER_ENV)
             if ran.timed_out:
-                raise EpisodeFailure("verifier_timeout", f"{self.dir.name}: past {self.dir.verifier_timeout_s:g} s")
+                raise EpisodeFailure(
+                    InfraReason.VERIFIER_TIMEOUT, f"{self.dir.name}: past {self.dir.verifier_timeout_s:g} s"
+                )
             reward = await self._reward(ran.exit_code, ran.stderr)
         except SandboxError as exc:
-            raise EpisodeFailure(exc.reason, str(exc)) from exc
+            raise EpisodeFailure(exc.reason, exc.detail) from exc
         return EnvStep(done=True, reward=reward, info={"commands": self.commands, "verifier_exit": ran.exit_code})
 
     async def _reward(self, exit_code: int, stderr: str) -> float:
@@ -306,8 +283,8 @@ class HarborEpisode(Environment):
             try:
                 return _parse_reward(raw, path)
             except ValueError as exc:
-                raise EpisodeFailure("verifier_crashed", f"{self.dir.name}: {exc}") from exc
-        reason = "verifier_crashed" if exit_code != 0 else "reward_missing"
+                raise EpisodeFailure(InfraReason.VERIFIER_CRASHED, f"{self.dir.name}: {exc}") from exc
+        reason = InfraReason.VERIFIER_CRASHED if exit_code != 0 else InfraReason.REWARD_MISSING
         raise EpisodeFailure(reason, f"{self.dir.name}: no reward file (test.sh exit {exit_code}): {stderr[-300:]}")
 
     async def aclose(self) -> None:

@@ -22,8 +22,10 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pipeline.tasks import Prompt, Task, VerifierResult, load_prompts, shuffled_epochs
+from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
+from pipeline.tasks.files import load_prompts, shuffled_epochs
+from pipeline.wire.prompts import Prompt
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its signal timeout is off
 

@@ -5,19 +5,19 @@ openenv package's own client (``GenericEnvClient``: ``reset``/``step`` over the 
       name: openenv
       args: {url: "http://127.0.0.1:8000", action_field: message, observation_field: prompt, max_sessions: 8}
 
-The server chooses the episode: prompt ``i`` is the episode that ``reset(seed)`` opens, with seed
-``seed + i`` (``seed + EVAL_SEED_OFFSET + i`` for the eval split). The prompt itself holds only the task's
-``instructions`` (a system message with ``chat: true``, else text); the server's opening observation follows it
-as the environment's first turn (`Environment.opening`), so it never has to be fetched where prompts are made.
+The server chooses the episode: prompt ``i`` is the episode that ``reset(seed)`` opens, with seed ``seed + i``
+(``seed + EVAL_SEED_OFFSET + i`` for the eval split). The prompt itself holds only the task's ``instructions`` (a
+system message with ``chat: true``, else text); the server's opening observation follows it as the episode's first
+turn (`OpenEnvEpisode.opening`, its `Environment.opening`), so it never has to be fetched where prompts are made.
 Each policy reply becomes the action ``{action_field: reply}`` (or, with ``action: json``, the reply parsed as a
-JSON object: a reply that is not one ends the episode as a ``format_error``, reward 0); each observation goes
-back as the next user turn (``observation_field``, else the observation as JSON), as a chat message through the
-model's chat template with ``chat: true``. The reward is the one the server gives with ``done``. An episode cut
-by Leeway's turn or token limit before the server said ``done`` scores 0 (``format_error``: the policy did not
-finish). A server that cannot be reached, refuses the session or drops the socket mid-episode makes the sample an
-``infra_error`` (its state is on the server: the episode cannot go on in a new session); the next episode opens a
-new connection. At most ``max_sessions`` episodes hold a session at once (the server's capacity; the others wait),
-and a session is closed when its episode ends, however it ends.
+JSON object: a reply that is not one ends the episode as a ``format_error``, reward 0); each observation goes back
+as the next user turn (``observation_field``, else the observation as JSON), as a chat message through the model's
+chat template with ``chat: true``. The reward is the one the server gives with ``done``. An episode cut by Leeway's
+turn or token limit before the server said ``done`` scores 0 (``format_error``: the policy did not finish). A server
+that cannot be reached, refuses the session or drops the socket mid-episode makes the sample an ``infra_error`` (its
+state is on the server: the episode cannot go on in a new session); the next episode opens a new connection. At most
+``max_sessions`` episodes hold a session at once (the server's capacity; the others wait), and a session is closed
+when its episode ends, however it ends.
 
 The verifier self-check does not apply: rewards come from the server, and there are no reference answers.
 """
@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from pipeline.tasks import Prompt, Task, VerifierResult
+from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
 from pipeline.tasks.environment import Environment, EnvStep
+from pipeline.wire.prompts import Prompt
 
 EVAL_SEED_OFFSET = 1_000_003
 DEFAULT_INSTRUCTIONS = "Act in the environment. Reply with your action only."

@@ -41,8 +41,10 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from pipeline.tasks import Prompt, Task, VerifierResult, shuffled_epochs
+from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.char_tokenizer import ALPHABETS, alphabet_tokenizer
+from pipeline.tasks.files import shuffled_epochs
+from pipeline.wire.prompts import Prompt
 
 log = logging.getLogger(__name__)
 

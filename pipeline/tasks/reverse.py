@@ -35,8 +35,9 @@ from collections.abc import Iterator, Sequence
 from itertools import count
 from typing import Any
 
-from pipeline.tasks import Prompt, Task, VerifierResult
+from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.char_tokenizer import SPECIAL_TOKENS
+from pipeline.wire.prompts import Prompt
 
 SEPARATOR = ">"
 DIGITS = "0123456789"

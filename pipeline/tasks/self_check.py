@@ -12,8 +12,9 @@ run nothing to learn; one that raises on a malformed answer turns the policy's f
   ``format_error``, never an ``infra_error``) below it.
 
 A task that fails is refused, naming the task, the item and what went wrong, unless the user sets
-``task.skip_self_check``. A task whose rewards come from its agent (`Task.agent`, ``task.agent``) or from an
-environment server (`Task.self_check` False) is not checked here: its verifier runs inside the episode.
+``task.skip_self_check``. A task whose rewards come from an agent function (its own, `Task.agent`, or the one
+``task.agent`` names) or from an environment server (`Task.self_check` False) is not checked here: its verifier
+runs inside the episode.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
+from pipeline.tasks.base import Task, VerifierResult
+from pipeline.tasks.verifiers import VerifierPool
+from pipeline.wire.prompts import Prompt
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.tasks import Prompt, Task, VerifierResult, load_prompts, shuffled_epochs
+from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
 from pipeline.tasks.environment import Environment, EnvStep
+from pipeline.tasks.files import load_prompts, shuffled_epochs
+from pipeline.wire.prompts import Prompt
 
 
 class SkyRLGymTask(Task):

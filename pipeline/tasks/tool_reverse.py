@@ -28,10 +28,11 @@ from collections.abc import Iterator, Sequence
 from itertools import count
 from typing import Any
 
-from pipeline.tasks import Prompt, Task, VerifierResult
 from pipeline.tasks.agents import AgentContext, AgentOutcome
+from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.chat_tokenizer import load_chat_template_text, load_chat_tokenizer
 from pipeline.tasks.reverse import DIGITS, SEPARATOR, score_reversal
+from pipeline.wire.prompts import Prompt
 
 TOOLS = [
     {

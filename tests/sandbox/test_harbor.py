@@ -23,7 +23,7 @@ from actors.generator.engines.base import GenerateRequest, GenerateResult, Sampl
 from actors.models import load_chat_template_for, stop_token_ids
 from pipeline.config import LeewayConfig, load_config
 from pipeline.rl.rollout import run_group
-from pipeline.tasks import VerifierPool
+from pipeline.tasks import TaskSettings, VerifierPool
 from pipeline.tasks.harbor import HarborTask
 from pipeline.wire.trajectory import Sample
 from tests.support.runs import REPO, leeway_argv
@@ -76,7 +76,7 @@ def _episode(
 ) -> tuple[Sample, HarborTask]:
     cfg = load_config(None, ["sandbox.starts_per_s=0", *sets], environ={})
     task = HarborTask(str(root))
-    task.bind_run(cfg)
+    task.configure(TaskSettings.from_config(cfg))
     return _episode_with(
         task,
         scripts,
@@ -126,13 +126,13 @@ def test_a_sandbox_killed_mid_episode_is_sandbox_lost_rerun_and_never_scores_zer
     cfg_sets = ("rollout.infra_retries=1",)
     cfg = load_config(None, ["sandbox.starts_per_s=0", *cfg_sets], environ={})
     task = HarborTask(str(root))
-    task.bind_run(cfg)
+    task.configure(TaskSettings.from_config(cfg))
     holder["task"] = task
     # the same scripted policy twice: the first attempt's sandbox is killed; the rerun solves it
     rerun, _ = _episode_with(task, [[SOLVE, "DONE"]], kill_first_attempt, infra_retries=1)
     assert (rerun.status, rerun.reward, rerun.info["attempts"]) == ("ok", 1.0, 2)
     never = HarborTask(str(root))
-    never.bind_run(cfg)
+    never.configure(TaskSettings.from_config(cfg))
     holder["task"] = never
     lost, _ = _episode_with(never, [[SOLVE, "DONE"]], lambda a, t: kill_first_attempt(0, t), infra_retries=1)
     assert (lost.status, lost.reward, lost.reward_source) == ("infra_error", None, "none")
@@ -297,7 +297,7 @@ def test_an_agent_function_works_in_the_episodes_sandbox_and_the_tests_score_it(
 
     root = _one_task(tmp_path)
     task = HarborTask(str(root))
-    task.bind_run(load_config(None, ["sandbox.starts_per_s=0"], environ={}))
+    task.configure(TaskSettings.from_config(load_config(None, ["sandbox.starts_per_s=0"], environ={})))
     prompt = next(iter(task.prompts()))
 
     async def go() -> dict[str, list[Sample]]:

@@ -15,12 +15,13 @@ import pytest
 from actors.servers import open_run_store, resolve_servers
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
 from actors.trainer.checkpoints import TrainerState, complete_checkpoints, load_latest_checkpoint
-from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, parse_report
+from actors.trainer.generator_reports import REPORT_MAX_AGE_S, GeneratorReports, ReportError, parse_report
 from actors.trainer.loop import QueueWaitTimeout, Trainer
 from actors.trainer.runtime import open_trainer
 from actors.trainer.sessions import LiveSession
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
+from pipeline.failures import FAILURE_NAMES
 from pipeline.wire.announce import generator_metrics_subject
 from pipeline.wire.headers import H_DLQ_MSG_ID, H_DLQ_REASON, H_DLQ_SEQ, H_DLQ_STREAM, H_MSG_ID
 from pipeline.wire.jetstream import connect, read_dead_letters
@@ -58,6 +59,18 @@ def test_reports_with_bad_fields_are_refused_naming_the_field() -> None:
     ]:
         with pytest.raises(ValueError, match=field):
             parse_report(data)
+
+
+def test_a_report_counting_a_failure_outside_the_taxonomy_is_refused_naming_the_field() -> None:
+    known = {"sandbox_lost": 2, "reward_out_of_range": 1, "format_error": 3, "agent_timeout": 1}
+    assert parse_report(_report("g1", failure_reasons=known))["failure_reasons"] == known
+    assert set(known) <= FAILURE_NAMES
+    for counts in ({"sandbox_lost": 1, "sandbox_exploded": 2}, {"Sandbox_Lost": 1}, {"sandbox_lost": -1}):
+        with pytest.raises(ReportError, match="'failure_reasons'"):
+            parse_report(_report("g1", failure_reasons=counts))
+    reports = GeneratorReports()
+    assert not reports.receive(_report("g1", failure_reasons={"sandbox_exploded": 1}))
+    assert reports.num_rejected == 1 and reports.current() == {}
 
 
 def test_reports_expire_so_a_silent_generator_leaves_the_metrics() -> None:

@@ -67,6 +67,12 @@ class Engine(ABC):
         """Prompt plus reply tokens the model can attend to; None when unbounded or unknown."""
         return None
 
+    @property
+    def prefix_stats(self) -> dict[str, int] | None:
+        """Prefix-cache counters since start (``prefix_lookups``, ``prefix_hits``, ``prompt_tokens``,
+        ``prefilled_tokens``), or None for an engine that keeps none."""
+        return None
+
     @abstractmethod
     def load_state(self, named_tensors: NamedTensors, version: int) -> None:
         """Replace all weights (every parameter must be given), e.g. at start-up or from a full snapshot.

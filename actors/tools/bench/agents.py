@@ -33,11 +33,14 @@ import random
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from actors.tools.bench.args import add_set_argument, positive_int
+
+if TYPE_CHECKING:
+    from actors.generator.engines.base import Engine
 
 DEFAULT_CONFIG = "configs/agent.yaml"
 DEFAULT_EPISODES = 32
@@ -204,10 +207,9 @@ def _drift(prompts: list[list[int]], sampled: list[list[int]]) -> int:
     return wrong
 
 
-def _prefix_counters(engine: Any) -> dict[str, int] | None:
-    stats = getattr(engine, "prefix_stats", None)
+def _prefix_counters(engine: Engine) -> dict[str, int] | None:
+    stats = engine.prefix_stats
     if stats is None:
         return None
-    stats = stats() if callable(stats) else stats
     keys = ("prefix_hits", "prefix_lookups", "prefilled_tokens", "prompt_tokens")
-    return {k: int(getattr(stats, k) if not isinstance(stats, dict) else stats[k]) for k in keys}
+    return {k: int(stats[k]) for k in keys}

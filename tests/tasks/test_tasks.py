@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.tasks import ExactMatchTask, Prompt, Task, VerifierPool, VerifierResult, get_task, load_prompts
+from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult, get_task, load_prompts
 from pipeline.tasks.char_tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -26,6 +26,7 @@ from pipeline.tasks.char_tokenizer import (
 )
 from pipeline.tasks.digits_tokenizer import TOKENIZER_PATH as DIGITS_TOKENIZER_PATH
 from pipeline.tasks.digits_tokenizer import build_digits_tokenizer, load_digits_tokenizer
+from pipeline.tasks.exact_match import ExactMatchTask
 from pipeline.tasks.reverse import ReverseDigitsTask, completion_positions, score_reversal
 
 
@@ -133,7 +134,7 @@ def test_get_task_resolves_builtins_and_module_functions() -> None:
     with pytest.raises(ValueError, match="neither a built-in"):
         get_task("no_such_task")
     with pytest.raises(ValueError, match="cannot import"):
-        get_task("tests.rl.test_tasks:missing")
+        get_task("tests.tasks.test_tasks:missing")
 
 
 def test_verifier_exceptions_and_timeouts_become_infra_errors_without_reward() -> None:
