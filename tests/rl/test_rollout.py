@@ -12,15 +12,9 @@ import pytest
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import build_model
-from pipeline.rl.rollout import (
-    Generate,
-    UnrunnablePrompt,
-    checked_prompt_ids,
-    group_requests,
-    prompt_token_ids,
-    run_group,
-    score_group,
-)
+from pipeline.rl.engine_records import Generate
+from pipeline.rl.prompt_ids import UnrunnablePrompt, checked_prompt_ids, prompt_token_ids
+from pipeline.rl.scoring import group_requests, run_group, score_group
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
 from pipeline.tasks.environment import Environment, EnvStep

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from pipeline.chat.tool_parsers import ParsedReply, ToolParser
-from pipeline.rl.rollout import GenerateResult
+from pipeline.rl.engine_records import GenerateResult
 
 
 @dataclass(frozen=True)
