@@ -98,30 +98,9 @@ class AgentRunner:
             http_client=self.http(),
         )
         start_wall, start = time.time(), time.perf_counter()
-        outcome: AgentOutcome | None = None
-        failure: tuple[InfraReason, str] | None = None  # the run's infra_error: (reason, error)
         sandboxed = self.sandboxes(prompt) if self.sandboxes is not None else None
         try:
-            if sandboxed is not None:
-                await sandboxed.opening()
-                ctx = dataclasses.replace(ctx, sandbox=sandboxed.box)
-            outcome = await asyncio.wait_for(self.agent(prompt, client, ctx), timeout=self.timeout_s)
-            if sandboxed is not None and isinstance(outcome, AgentOutcome) and outcome.status != "format_error":
-                verdict = await sandboxed.verify()  # the tests, not the agent, score a sandboxed run
-                outcome = AgentOutcome(verdict.reward, info={**outcome.info, **verdict.info})
-            failure = _unusable(outcome)
-        except asyncio.TimeoutError:
-            if sandboxed is not None and self.agent_timeout_is == "policy":  # the policy's failure: reward 0
-                outcome = AgentOutcome(0.0, info={"error": InfraReason.AGENT_TIMEOUT.value})
-            else:
-                detail = f"the agent ran past task.agent_timeout_s = {self.timeout_s}"
-                failure = InfraReason.AGENT_TIMEOUT, f"{InfraReason.AGENT_TIMEOUT.value}: {detail}"
-        except InfraFailure as exc:  # a sandbox's or verifier's typed failure; its message names the reason
-            log.warning("agent run %s failed: %s", session_id, exc)
-            failure = exc.reason, str(exc)
-        except Exception as exc:  # a boundary we own: any agent failure is that episode's infra_error
-            log.warning("agent run %s raised", session_id, exc_info=True)
-            failure = InfraReason.AGENT_ERROR, f"agent raised {type(exc).__name__}: {exc}"
+            outcome, failure = await self._attempt(prompt, client, ctx, sandboxed)
         finally:
             self.service.sessions.close(session_id)
             if sandboxed is not None:
@@ -142,6 +121,32 @@ class AgentRunner:
             run.sample(_trajectory(b), f"{session_id}-b{b.branch}", reward, status, outcome.info, b.branch)
             for b in branches
         ]
+
+    async def _attempt(
+        self, prompt: Prompt, client: openai.AsyncOpenAI, ctx: AgentContext, sandboxed: Any
+    ) -> tuple[AgentOutcome | None, tuple[InfraReason, str] | None]:
+        """The agent's run (in its sandbox, scored by the sandbox's tests when it has one): its outcome, or why it
+        is an ``infra_error``, as (reason, error)."""
+        try:
+            if sandboxed is not None:
+                await sandboxed.opening()
+                ctx = dataclasses.replace(ctx, sandbox=sandboxed.box)
+            outcome = await asyncio.wait_for(self.agent(prompt, client, ctx), timeout=self.timeout_s)
+            if sandboxed is not None and isinstance(outcome, AgentOutcome) and outcome.status != "format_error":
+                verdict = await sandboxed.verify()  # the tests, not the agent, score a sandboxed run
+                outcome = AgentOutcome(verdict.reward, info={**outcome.info, **verdict.info})
+            return outcome, _unusable(outcome)
+        except asyncio.TimeoutError:
+            if sandboxed is not None and self.agent_timeout_is == "policy":  # the policy's failure: reward 0
+                return AgentOutcome(0.0, info={"error": InfraReason.AGENT_TIMEOUT.value}), None
+            detail = f"the agent ran past task.agent_timeout_s = {self.timeout_s}"
+            return None, (InfraReason.AGENT_TIMEOUT, f"{InfraReason.AGENT_TIMEOUT.value}: {detail}")
+        except InfraFailure as exc:  # a sandbox's or verifier's typed failure; its message names the reason
+            log.warning("agent run %s failed: %s", ctx.session_id, exc)
+            return None, (exc.reason, str(exc))
+        except Exception as exc:  # a boundary we own: any agent failure is that episode's infra_error
+            log.warning("agent run %s raised", ctx.session_id, exc_info=True)
+            return None, (InfraReason.AGENT_ERROR, f"agent raised {type(exc).__name__}: {exc}")
 
     def _unscored(self, run: _Run, branches: list[BranchSample], info: dict[str, Any]) -> Sample:
         """One ``infra_error`` sample without a reward: the first branch's tokens (mask kept), or, for a run that
