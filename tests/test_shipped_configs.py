@@ -40,7 +40,7 @@ from actors.models import (
 )
 from actors.trainer.backends import TrainBatch, TrainingBackend, TrainSequence, build_backend
 from pipeline.config import LeewayConfig, load_config
-from pipeline.rl.rollout import prompt_token_ids
+from pipeline.rl.prompt_ids import prompt_token_ids
 from pipeline.tasks import Task, get_task
 from pipeline.tasks.char_tokenizer import load_char_tokenizer
 from pipeline.tasks.chat_tokenizer import load_chat_template_text, load_chat_tokenizer

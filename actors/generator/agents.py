@@ -5,8 +5,12 @@ For each prompt the generator runs ``group_size`` agent runs side by side, each 
 When a run ends, its conversation's branches become samples (`Conversation.samples`: loss on sampled tokens only,
 shared tokens trained once) that all carry the run's reward, the episode id (the session id) and the
 branch index. A run that raised, timed out (``task.agent_timeout_s``) or returned no reward is one
-``infra_error`` sample (reward None: masked from loss and baseline); a run that made no request at all
-leaves a sample of its rendered prompt (no loss tokens) so the group keeps one sample per run.
+``infra_error`` sample (reward None: masked from loss and baseline) whose ``info["infra_reason"]`` is an
+`pipeline.failures.InfraReason`: the exception's own (`InfraFailure.reason`: a sandbox lost, a verifier timed out),
+else ``agent_timeout``, ``agent_error``, or ``reward_invalid`` for a reward that is not a finite number. A run that
+made no request at all leaves a sample of its prompt as rendered for the model (`prompt_token_ids`, the
+endpoint's chat template; no loss tokens) so the group keeps one sample per run. Every sample is made by
+`pipeline.rl.scoring.build_sample`.
 """
 
 from __future__ import annotations
@@ -20,15 +24,18 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx2
-import numpy as np
 import openai
 
 from actors.generator.serve.conversations import BranchSample
 from actors.generator.serve.service import EndpointService
+from pipeline.failures import InfraFailure, InfraReason
+from pipeline.rl.prompt_ids import prompt_token_ids
+from pipeline.rl.scoring import build_sample, failure_info
+from pipeline.rl.turns import Trajectory, Turn
 from pipeline.tasks import reward_problem
 from pipeline.tasks.agents import AgentContext, AgentFunction, AgentOutcome
 from pipeline.wire.prompts import Prompt
-from pipeline.wire.trajectory import Sample
+from pipeline.wire.trajectory import Sample, Status
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +66,6 @@ class AgentRunner:
         self.api_key = api_key
         self.timeout_s = timeout_s
         self.max_tokens = max_tokens
-        self.failures: dict[str, int] = {}
         self._http: httpx2.AsyncClient | None = None
 
     def http(self) -> httpx2.AsyncClient:
@@ -92,9 +98,35 @@ class AgentRunner:
             http_client=self.http(),
         )
         start_wall, start = time.time(), time.perf_counter()
-        outcome: AgentOutcome | None = None
-        error = ""
         sandboxed = self.sandboxes(prompt) if self.sandboxes is not None else None
+        try:
+            outcome, failure = await self._attempt(prompt, client, ctx, sandboxed)
+        finally:
+            self.service.conversations.close(session_id)
+            if sandboxed is not None:
+                await sandboxed.aclose()
+        elapsed = time.perf_counter() - start
+        branches = session.samples()
+        run = _Run(prompt, session_id, start_wall, elapsed)
+        if failure is not None:
+            return [self._unscored(run, branches, failure_info(*failure))]
+        assert outcome is not None  # `_unusable` refused anything but an AgentOutcome
+        if not branches:
+            return [self._unscored(run, branches, outcome.info)]
+        if outcome.status == "format_error":
+            reward, status = 0.0, "format_error"
+        else:
+            reward, status = float(outcome.reward), "ok"  # type: ignore[arg-type]
+        return [
+            run.sample(_trajectory(b), f"{session_id}-b{b.branch}", reward, status, outcome.info, b.branch)
+            for b in branches
+        ]
+
+    async def _attempt(
+        self, prompt: Prompt, client: openai.AsyncOpenAI, ctx: AgentContext, sandboxed: Any
+    ) -> tuple[AgentOutcome | None, tuple[InfraReason, str] | None]:
+        """The agent's run (in its sandbox, scored by the sandbox's tests when it has one): its outcome, or why it
+        is an ``infra_error``, as (reason, error)."""
         try:
             if sandboxed is not None:
                 await sandboxed.opening()
@@ -103,107 +135,84 @@ class AgentRunner:
             if sandboxed is not None and isinstance(outcome, AgentOutcome) and outcome.status != "format_error":
                 verdict = await sandboxed.verify()  # the tests, not the agent, score a sandboxed run
                 outcome = AgentOutcome(verdict.reward, info={**outcome.info, **verdict.info})
-            if not isinstance(outcome, AgentOutcome):
-                error = f"agent returned {type(outcome).__name__}, not an AgentOutcome"
-            elif outcome.reward is None and outcome.status != "format_error":
-                error = "agent returned no reward"
-            elif outcome.status != "format_error" and (problem := reward_problem(outcome.reward)):
-                error = f"agent: {problem}"
+            return outcome, _unusable(outcome)
         except asyncio.TimeoutError:
             if sandboxed is not None and self.agent_timeout_is == "policy":  # the policy's failure: reward 0
-                outcome = AgentOutcome(0.0, info={"error": "agent_timeout"})
-            else:
-                error = f"agent_timeout: the agent ran past task.agent_timeout_s = {self.timeout_s}"
+                return AgentOutcome(0.0, info={"error": InfraReason.AGENT_TIMEOUT.value}), None
+            detail = f"the agent ran past task.agent_timeout_s = {self.timeout_s}"
+            return None, (InfraReason.AGENT_TIMEOUT, f"{InfraReason.AGENT_TIMEOUT.value}: {detail}")
+        except InfraFailure as exc:  # a sandbox's or verifier's typed failure; its message names the reason
+            log.warning("agent run %s failed: %s", ctx.session_id, exc)
+            return None, (exc.reason, str(exc))
         except Exception as exc:  # a boundary we own: any agent failure is that episode's infra_error
-            reason = getattr(exc, "reason", None)  # a sandbox's or verifier's typed failure
-            log.warning("agent run %s raised", session_id, exc_info=reason is None)
-            error = f"{reason}: {exc}" if reason else f"agent raised {type(exc).__name__}: {exc}"
-        finally:
-            self.service.conversations.close(session_id)
-            if sandboxed is not None:
-                await sandboxed.aclose()
-        elapsed = time.perf_counter() - start
-        if error:
-            self.failures[error.split(":")[0]] = self.failures.get(error.split(":")[0], 0) + 1
-        branches = session.samples()
-        if error or outcome is None:
-            reason = error.split(":")[0] if ":" in error and " " not in error.split(":")[0] else "agent_error"
-            reward, status, info = None, "infra_error", {"error": error, "infra_reason": reason}
-        elif outcome.status == "format_error":
-            reward, status, info = 0.0, "format_error", dict(outcome.info)
-        else:
-            reward, status, info = float(outcome.reward), "ok", dict(outcome.info)  # type: ignore[arg-type]
-        if not branches or status == "infra_error":
-            return [self._unscored(prompt, session_id, index, branches, info, start_wall, elapsed)]
-        return [
-            _sample(b, f"{session_id}-b{b.branch}", session_id, reward, status, prompt.tags, info, start_wall, elapsed)
-            for b in branches
-        ]
+            log.warning("agent run %s raised", ctx.session_id, exc_info=True)
+            return None, (InfraReason.AGENT_ERROR, f"agent raised {type(exc).__name__}: {exc}")
 
-    def _unscored(
-        self,
-        prompt: Prompt,
-        session_id: str,
-        index: int,
-        branches: list[BranchSample],
-        info: dict,
-        start_wall: float,
-        elapsed: float,
-    ) -> Sample:
-        """One sample without a reward: the first branch's tokens (mask kept), or the bare prompt."""
+    def _unscored(self, run: _Run, branches: list[BranchSample], info: dict[str, Any]) -> Sample:
+        """One ``infra_error`` sample without a reward: the first branch's tokens (mask kept), or, for a run that
+        made no request, the prompt as a generator renders it (`prompt_token_ids`: a chat with the endpoint's chat
+        template and its generation prompt), without loss tokens."""
         if branches:
-            b = branches[0]
-            return _sample(b, session_id, session_id, None, "infra_error", prompt.tags, info, start_wall, elapsed)
-        ids = np.asarray(self.service.tokenizer.encode(prompt.text or "", add_special_tokens=True).ids or [0], np.int32)
-        if prompt.token_ids is not None:
-            ids = np.asarray(prompt.token_ids, np.int32)
-        n = len(ids)
-        return Sample(
-            tokens=ids,
-            loss_mask=np.zeros(n, np.uint8),
-            logprobs=np.zeros(n, np.float32),
-            versions=np.full(n, -1, np.int32),
-            reward=None,
-            reward_source="none",
-            status="infra_error",
-            finish_reason="abort",
-            tags=prompt.tags,
-            trajectory_id=session_id,
-            gen_start_s=start_wall,
+            first = branches[0]
+            return run.sample(_trajectory(first), run.episode_id, None, "infra_error", info, first.branch)
+        ids = prompt_token_ids(run.prompt, self.service.tokenizer, self.service.template)
+        info = {**info, "error": info.get("error") or "agent made no request"}
+        prompt_only = Trajectory.of([Turn.context("prompt", ids)])
+        return run.sample(prompt_only, run.episode_id, None, "infra_error", info, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One agent run, as its samples carry it: the episode id is the session id."""
+
+    prompt: Prompt
+    episode_id: str
+    start_wall: float
+    elapsed: float
+
+    def sample(
+        self,
+        trajectory: Trajectory,
+        trajectory_id: str,
+        reward: float | None,
+        status: Status,
+        info: dict[str, Any],
+        branch: int,
+    ) -> Sample:
+        return build_sample(
+            trajectory,
+            trajectory_id=trajectory_id,
+            reward=reward,
+            status=status,
+            tags=self.prompt.tags,
+            gen_s=self.elapsed,
+            info=info,
+            gen_start_s=self.start_wall,
             gen_end_s=time.time(),
-            gen_s=elapsed,
-            info={**info, "error": info.get("error") or "agent made no request"},
-            episode_id=session_id,
+            episode_id=self.episode_id,
+            branch=branch,
         )
 
 
-def _sample(
-    b: BranchSample,
-    trajectory_id: str,
-    episode_id: str,
-    reward: float | None,
-    status: str,
-    tags: tuple[str, ...],
-    info: dict,
-    start_wall: float,
-    elapsed: float,
-) -> Sample:
-    return Sample(
-        tokens=b.tokens,
-        loss_mask=b.loss_mask,
-        logprobs=b.logprobs,
-        versions=b.versions,
-        reward=reward,
-        reward_source="none" if reward is None else "verifier",
-        status=status,  # type: ignore[arg-type]
-        finish_reason=b.finish_reason,  # type: ignore[arg-type]
-        tags=tags,
-        trajectory_id=trajectory_id,
-        gen_start_s=start_wall,
-        gen_end_s=time.time(),
-        num_turns=b.num_turns,
-        gen_s=elapsed,
-        info=info,
-        episode_id=episode_id,
-        branch=b.branch,
+def _unusable(outcome: object) -> tuple[InfraReason, str] | None:
+    """Why what an agent returned cannot score its run, as (reason, error); None: it can."""
+    if not isinstance(outcome, AgentOutcome):
+        return InfraReason.AGENT_ERROR, f"agent returned {type(outcome).__name__}, not an AgentOutcome"
+    if outcome.status == "format_error":
+        return None
+    if outcome.reward is None:
+        return InfraReason.AGENT_ERROR, "agent returned no reward"
+    if problem := reward_problem(outcome.reward):
+        return InfraReason.REWARD_INVALID, f"agent: {problem}"
+    return None
+
+
+def _trajectory(branch: BranchSample) -> Trajectory:
+    return Trajectory(
+        branch.tokens,
+        branch.loss_mask,
+        branch.logprobs,
+        branch.versions,
+        branch.finish_reason,  # type: ignore[arg-type]
+        branch.num_turns,
     )

@@ -15,8 +15,8 @@
       in_flight: applied between two decode steps of the running batch; between_rollouts: before the next batch
 ```
 
-A multi-turn task (one with an environment, `pipeline.rl.rollout.environment_factory`) replaces generate +
-score by `pipeline.rl.rollout.run_group` per prompt: its episodes call the engine once per turn.
+A multi-turn task (one with an environment, `pipeline.rl.episodes.environment_factory`) replaces generate +
+score by `pipeline.rl.scoring.run_group` per prompt: its episodes call the engine once per turn.
 
 The loops and who unblocks them:
 - The batch loop consumes prompts; it waits for prompts (the trainer's admission unblocks it) and,
@@ -80,10 +80,7 @@ from actors.generator.weight_sync import (
 )
 from pipeline.chat.template import ChatTemplate
 from pipeline.config import LeewayConfig
-from pipeline.rl.rollout import (
-    UnrunnablePrompt,
-    checked_prompt_ids,
-)
+from pipeline.rl.prompt_ids import UnrunnablePrompt, checked_prompt_ids
 from pipeline.rl.staleness import crosses_cap, sync_floor
 from pipeline.tasks import Task, VerifierPool
 from pipeline.wire.prompt_queue import PromptLease, PromptQueue
@@ -290,7 +287,7 @@ class Generator:
                 )
             except UnrunnablePrompt as exc:
                 log.warning("generator %s: %s; dead-lettering it (%s)", self.generator_id, exc, exc.reason)
-                await _reject(lease, exc.reason, exc.detail)
+                await _reject(lease, exc.reason.value, exc.detail)
                 continue
             runnable.append((lease, ids))
         unknown = await self._unknown_versions([lease for lease, _ in runnable])

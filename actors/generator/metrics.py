@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.rl.rollout import Generate, GenerateRequest, GenerateResult, SamplingParams
+from pipeline.rl.engine_records import Generate, GenerateRequest, GenerateResult, SamplingParams
 from pipeline.wire.announce import GENERATOR_REPORT_INTERVAL_S
 
 Submit = Callable[[Sequence[GenerateRequest], SamplingParams], list[Future[GenerateResult]]]

@@ -3,7 +3,7 @@
 Agent tasks (`task.agent`) run an agent function per sample against the generator's own endpoint
 (`actors/generator/agents.py`). Single-turn tasks send every group's requests to the engine at once and score each group as soon as its
 samples are done (`Rollouts.stream_groups`); multi-turn tasks (an environment,
-`pipeline.rl.rollout.environment_factory`) run `run_group` per prompt, calling the engine once per turn.
+`pipeline.rl.episodes.environment_factory`) run `run_group` per prompt, calling the engine once per turn.
 A prompt whose rollout fails gets its exception in place of its samples, so it fails alone; the
 generator's loop (`actors/generator/loop.py`) decides what to publish, nak or dead-letter.
 """
@@ -22,7 +22,9 @@ from actors.generator.engines.base import GenerateResult, SamplingParams
 from actors.generator.metrics import Submit
 from pipeline.chat.template import ChatTemplate
 from pipeline.config_sections import RolloutConfig
-from pipeline.rl.rollout import Generate, environment_factory, group_requests, run_group, score_group
+from pipeline.rl.engine_records import Generate
+from pipeline.rl.episodes import environment_factory
+from pipeline.rl.scoring import group_requests, run_group, score_group
 from pipeline.tasks import Task, VerifierPool
 from pipeline.wire.prompts import Prompt
 from pipeline.wire.trajectory import Sample

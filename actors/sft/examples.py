@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from actors.models import eos_token_id
 from pipeline.chat.template import ChatTemplate, ChatTemplateError
-from pipeline.rl.rollout import UnrunnablePrompt, checked_prompt_ids, prompt_token_ids
+from pipeline.rl.prompt_ids import UnrunnablePrompt, checked_prompt_ids, prompt_token_ids
 from pipeline.tasks import Prompt, Task, read_rows, with_system_prompt
 
 FROM_TASK_LIMIT = 100_000
@@ -210,7 +210,7 @@ def examples_from_task(
                 template=renderer.template,
             )
         except UnrunnablePrompt as exc:
-            skipped[exc.reason] += 1
+            skipped[exc.reason.value] += 1
             continue
         out.append(example(prompt.prompt_id, *renderer.prompt_completion(ids, completion)))
     if not out:

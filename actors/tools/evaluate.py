@@ -225,14 +225,10 @@ async def evaluate(
     """Roll out the first `eval.prompts` of `prompts` on `engine` (holding `version`) and score them; see the
     module docstring for the keys."""
     from actors.generator.runtime import sampling_params
-    from pipeline.rl.rollout import (
-        GenerateRequest,
-        UnrunnablePrompt,
-        checked_prompt_ids,
-        environment_factory,
-        run_group,
-        score_group,
-    )
+    from pipeline.rl.engine_records import GenerateRequest
+    from pipeline.rl.episodes import environment_factory
+    from pipeline.rl.prompt_ids import UnrunnablePrompt, checked_prompt_ids
+    from pipeline.rl.scoring import run_group, score_group
     from pipeline.tasks import VERIFIER_THREADS, VerifierPool
 
     settings = cfg.eval
@@ -254,7 +250,7 @@ async def evaluate(
                 template=template,
             )
         except UnrunnablePrompt as exc:
-            unrunnable[exc.reason] += 1
+            unrunnable[exc.reason.value] += 1
             continue
         requests = [GenerateRequest(ids, seed=EVAL_SEED + i * 1024 + j, request_id=f"eval-{i}-{j}") for j in range(k)]
         jobs.append((prompt, ids, [] if environment_factory(task) else engine.submit(requests, sampling)))

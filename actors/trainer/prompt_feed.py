@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from pipeline.chat.template import ChatTemplate
 from pipeline.config import LeewayConfig
-from pipeline.rl.rollout import Tokenizer, UnrunnablePrompt, checked_prompt_ids
+from pipeline.rl.prompt_ids import Tokenizer, UnrunnablePrompt, checked_prompt_ids
 from pipeline.tasks import Prompt, Task, load_prompts, with_system_prompt
 from pipeline.wire.prompts import PromptError
 

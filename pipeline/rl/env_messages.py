@@ -1,6 +1,6 @@
 """An environment's answer as token ids: text tokenized on its own, ids as given, chat messages bridged with the
 model's chat template after the sampled reply (`pipeline/chat/template.py`), so turn markers are the template's
-and the sampled ids stay as they were. Used by the multi-turn rollout (`pipeline/rl/rollout.py`)."""
+and the sampled ids stay as they were. Used by the multi-turn episodes (`pipeline/rl/episodes.py`)."""
 
 from __future__ import annotations
 

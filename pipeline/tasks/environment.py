@@ -1,5 +1,5 @@
 """What a multi-turn task's environment answers: `EnvStep`, and the `Environment` base class the rollout drives
-(`pipeline/rl/rollout.py`). Here, below the RL logic, so that a task (a floor under it) can build environments."""
+(`pipeline/rl/episodes.py`). Here, below the RL logic, so that a task (a floor under it) can build environments."""
 
 from __future__ import annotations
 

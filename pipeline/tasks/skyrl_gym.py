@@ -112,7 +112,7 @@ class SkyRLGymTask(Task):
 
 
 class SkyRLEpisode(Environment):
-    """One sample's environment, as Leeway's rollout drives it (`pipeline.rl.rollout.Environment`)."""
+    """One sample's environment, as Leeway's rollout drives it (`pipeline.tasks.environment.Environment`)."""
 
     def __init__(self, env: Any) -> None:
         self.env = env

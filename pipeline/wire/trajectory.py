@@ -52,7 +52,7 @@ TOKEN_COLUMNS = ("tokens", "loss_mask", "logprobs", "versions")
 
 
 Status = Literal["ok", "truncated", "format_error", "infra_error", "aborted"]
-"""How a rollout ended (meanings in `pipeline.rl.rollout`). ``infra_error`` and ``aborted`` carry no reward."""
+"""How a rollout ended (meanings in `pipeline.rl.scoring`). ``infra_error`` and ``aborted`` carry no reward."""
 STATUSES: tuple[str, ...] = get_args(Status)
 
 RewardSource = Literal["verifier", "none"]
@@ -82,7 +82,7 @@ class TrajectoryValidationError(ValueError):
 
 @dataclass(frozen=True)
 class Sample:
-    """One trajectory as a rollout builds it (`pipeline.rl.rollout`): a row of the group record.
+    """One trajectory as a rollout builds it (`pipeline.rl.scoring.build_sample`): a row of the group record.
 
     ``tokens``/``loss_mask``/``logprobs``/``versions`` align index by index (module docstring).
     ``reward`` is None exactly when ``reward_source == "none"``. `trajectory_id` None means

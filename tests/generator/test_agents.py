@@ -11,12 +11,13 @@ import numpy as np
 import openai
 
 from actors.generator.agents import AgentRunner
+from pipeline.failures import InfraFailure, InfraReason
 from pipeline.rl.advantages import compute_advantages, valid_mask
 from pipeline.tasks.agents import AgentContext, AgentOutcome, load_agent
 from pipeline.tasks.tool_reverse import ReverseToolTask
 from pipeline.wire.prompts import Prompt
 from pipeline.wire.trajectory import TrajectoryGroup
-from tests.support.endpoints import TOKENIZER, served
+from tests.support.endpoints import TOKENIZER, chat_template, served
 from tests.support.generators import FakeTrainer, generator_cfg, running_generator, unique_run
 
 PROMPT = next(ReverseToolTask(digits_per_turn=2, turns=2, seed=3).prompts())
@@ -40,6 +41,15 @@ async def _hangs(prompt: Prompt, client: Any, ctx: AgentContext) -> AgentOutcome
 async def _no_reward(prompt: Prompt, client: Any, ctx: AgentContext) -> AgentOutcome:
     await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "1>"}])
     return AgentOutcome(None)
+
+
+async def _no_request(prompt: Prompt, client: Any, ctx: AgentContext) -> AgentOutcome:
+    return AgentOutcome(1.0)
+
+
+async def _sandbox_lost(prompt: Prompt, client: Any, ctx: AgentContext) -> AgentOutcome:
+    await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "1>"}])
+    raise InfraFailure("the sandbox stopped answering", reason=InfraReason.SANDBOX_LOST)
 
 
 async def _mixed(prompt: Prompt, client: Any, ctx: AgentContext) -> AgentOutcome:
@@ -77,7 +87,38 @@ def test_failed_agent_runs_are_masked_infra_errors_and_leave_the_baseline_alone(
             advantages, trainable = compute_advantages([x.reward for x in samples], valid)
             assert trainable and valid.tolist() == [True, False, False, False, True]
             np.testing.assert_allclose(advantages, [-0.5, 0, 0, 0, 0.5])  # baseline: mean of 0.25 and 1.25 only
-            assert runner.failures["agent_timeout"] == 1
+            assert [x.info["infra_reason"] for x in samples[1:4]] == ["agent_error", "agent_timeout", "agent_error"]
+
+    asyncio.run(main())
+
+
+def test_a_run_that_made_no_request_leaves_its_chat_prompt_rendered_with_the_chat_template() -> None:
+    chat = Prompt("chat-0", messages=({"role": "user", "content": "12>"},), tags=("chat",))
+
+    async def main() -> None:
+        async with served() as s:
+            runner = AgentRunner(
+                _no_request, s.service, base_url=s.endpoint.url, api_key=None, timeout_s=60, max_tokens=6
+            )
+            (sample,) = await runner.group(chat, 1)
+        assert (sample.status, sample.reward, sample.info["error"]) == ("infra_error", None, "agent made no request")
+        assert sample.tokens.tolist() == chat_template().render(chat.messages)  # the model's view, generation prompt
+        assert not sample.loss_mask.any() and (sample.versions == -1).all() and sample.tags == ("chat",)
+        assert sample.episode_id == sample.trajectory_id and sample.episode_id.startswith("chat-0-")
+
+    asyncio.run(main())
+
+
+def test_a_failed_run_s_infra_reason_is_its_exception_s_typed_reason() -> None:
+    async def main() -> None:
+        async with served() as s:
+            runner = AgentRunner(
+                _sandbox_lost, s.service, base_url=s.endpoint.url, api_key=None, timeout_s=60, max_tokens=6
+            )
+            (sample,) = await runner.group(PROMPT, 1)
+        assert (sample.status, sample.reward, sample.info["infra_reason"]) == ("infra_error", None, "sandbox_lost")
+        assert sample.info["error"] == "sandbox_lost: the sandbox stopped answering"
+        assert sample.loss_mask.any()  # the branch it sampled before failing, masked out by its status
 
     asyncio.run(main())
 

@@ -14,7 +14,7 @@ import torch
 from actors.generator.engines.torch_engine import sampling_logprobs
 from actors.generator.serve.replies import make_reply
 from pipeline.chat.tool_parsers import hermes
-from pipeline.rl.rollout import GenerateResult, SamplingParams
+from pipeline.rl.engine_records import GenerateResult, SamplingParams
 from tests.support.endpoints import EOS, MODEL, RUN, TOKENIZER, chat_template, served
 
 TOOLS = [{"type": "function", "function": {"name": "get_digits", "parameters": {"type": "object", "properties": {}}}}]

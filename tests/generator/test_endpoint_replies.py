@@ -7,7 +7,7 @@ import numpy as np
 
 from actors.generator.serve.replies import Answer, Reply, make_reply
 from pipeline.chat.tool_parsers import hermes
-from pipeline.rl.rollout import GenerateResult
+from pipeline.rl.engine_records import GenerateResult
 from tests.support.endpoints import EOS, RUN, TOKENIZER
 
 CALL = '<tool_call>{"name": "get_digits", "arguments": {}}</tool_call>'

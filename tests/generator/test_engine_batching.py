@@ -14,7 +14,7 @@ from actors.generator.engines.base import GenerateRequest, SamplingParams
 from actors.generator.engines.slot_runner import FastSlotRunner, HFSlotRunner
 from actors.generator.engines.torch_engine import TorchEngine, sampling_logprobs
 from actors.models import build_model
-from pipeline.rl.rollout import score_group
+from pipeline.rl.scoring import score_group
 from pipeline.tasks import Prompt, VerifierPool
 from pipeline.tasks.char_tokenizer import PAD_ID, load_char_tokenizer
 from pipeline.tasks.reverse import ReverseDigitsTask

@@ -12,15 +12,10 @@ import pytest
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.models import build_model
-from pipeline.rl.rollout import (
-    Generate,
-    UnrunnablePrompt,
-    checked_prompt_ids,
-    group_requests,
-    prompt_token_ids,
-    run_group,
-    score_group,
-)
+from pipeline.failures import InfraFailure, InfraReason
+from pipeline.rl.engine_records import Generate
+from pipeline.rl.prompt_ids import UnrunnablePrompt, checked_prompt_ids, prompt_token_ids
+from pipeline.rl.scoring import group_requests, run_group, score_group
 from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult
 from pipeline.tasks.char_tokenizer import EOS_ID, PAD_ID, load_char_tokenizer
 from pipeline.tasks.environment import Environment, EnvStep
@@ -196,6 +191,16 @@ def test_environment_timeout_is_an_infra_error() -> None:
 
     (s,) = _run(_ScriptedEngine([_result("12")]), lambda prompt: _Hangs(), env_timeout_s=0.05)
     assert (s.status, s.reward) == ("infra_error", None)
+    assert s.info["infra_reason"] == "environment_timeout"
+
+
+def test_an_environment_failure_is_named_by_the_exception_s_typed_reason() -> None:
+    lost = InfraFailure("the box died", reason=InfraReason.SANDBOX_LOST)
+    (typed,) = _run(_ScriptedEngine([_result("12")]), lambda prompt: _Env([lost]))
+    (untyped,) = _run(_ScriptedEngine([_result("12")]), lambda prompt: _Env([RuntimeError("tool crashed")]))
+    assert (typed.status, typed.reward, typed.info["infra_reason"]) == ("infra_error", None, "sandbox_lost")
+    assert typed.info["error"] == "environment: InfraFailure: sandbox_lost: the box died"
+    assert (untyped.status, untyped.info["infra_reason"]) == ("infra_error", "environment_error")
 
 
 def test_environment_format_error_ends_the_episode_with_reward_zero() -> None:

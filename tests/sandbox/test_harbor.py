@@ -22,7 +22,7 @@ import pytest
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from actors.models import load_chat_template_for, stop_token_ids
 from pipeline.config import LeewayConfig, load_config
-from pipeline.rl.rollout import run_group
+from pipeline.rl.scoring import run_group
 from pipeline.tasks import TaskSettings, VerifierPool
 from pipeline.tasks.harbor import HarborTask
 from pipeline.wire.trajectory import Sample

@@ -26,7 +26,7 @@ from actors.sft.examples import (
     within_limits,
 )
 from pipeline.chat.template import ChatTemplate
-from pipeline.rl.rollout import prompt_token_ids
+from pipeline.rl.prompt_ids import prompt_token_ids
 from pipeline.tasks import Prompt, get_task
 from pipeline.tasks.char_tokenizer import BOS_ID, EOS_ID, alphabet_tokenizer, load_char_tokenizer
 from tests.support.tokenizers import chatml_tokenizer

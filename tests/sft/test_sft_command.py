@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from actors.generator.runtime import build_engine
 from actors.models import load_tokenizer, stop_token_ids
 from pipeline.config import LeewayConfig, load_config
-from pipeline.rl.rollout import GenerateRequest, SamplingParams, checked_prompt_ids
+from pipeline.rl.engine_records import GenerateRequest, SamplingParams
+from pipeline.rl.prompt_ids import checked_prompt_ids
 from pipeline.tasks import Prompt, Task, task_for
 
 REPO = Path(__file__).resolve().parents[2]

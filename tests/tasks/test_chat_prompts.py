@@ -14,7 +14,7 @@ import pytest
 
 from actors.trainer.prompt_feed import PromptFeed
 from pipeline.config import load_config
-from pipeline.rl.rollout import UnrunnablePrompt, checked_prompt_ids, prompt_token_ids
+from pipeline.rl.prompt_ids import UnrunnablePrompt, checked_prompt_ids, prompt_token_ids
 from pipeline.tasks import Prompt, get_task, load_prompts, with_system_prompt
 from tests.support.endpoints import TOKENIZER, chat_template
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from pipeline.chat.template import ChatTemplate
-from pipeline.rl.rollout import run_group
+from pipeline.rl.scoring import run_group
 from pipeline.tasks import VerifierPool, get_task
 from pipeline.tasks.chat_tokenizer import load_chat_template_text
 from pipeline.tasks.self_check import self_check

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from actors.generator.engines.base import GenerateRequest, GenerateResult, SamplingParams
-from pipeline.rl.rollout import run_group
+from pipeline.rl.scoring import run_group
 from pipeline.tasks import VerifierPool, get_task
 
 # `make test` installs openenv; only a machine that did not (the GPU check's `-m gpu` collection) lacks it

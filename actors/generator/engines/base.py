@@ -25,8 +25,8 @@ with ``input_ids`` and ``return_logprob`` (behaviour log-probs need ``return_sam
 onto ``/abort_request`` with ``abort_all``, whose results finish with reason ``abort`` and keep the
 tokens produced so far.
 
-The request and result records live in `pipeline.rl.rollout` (``pipeline/`` never imports ``actors/``) and
-are re-exported here. A rollout needs only the bound `Engine.generate`: `pipeline.rl.rollout.Generate`.
+The request and result records live in `pipeline.rl.engine_records` (``pipeline/`` never imports ``actors/``) and
+are re-exported here. A rollout needs only the bound `Engine.generate`: `pipeline.rl.engine_records.Generate`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from concurrent.futures import Future
 
 import torch
 
-from pipeline.rl.rollout import GenerateRequest, GenerateResult, SamplingParams
+from pipeline.rl.engine_records import GenerateRequest, GenerateResult, SamplingParams
 from pipeline.wire.trajectory import FinishReason
 
 __all__ = ["Engine", "FinishReason", "GenerateRequest", "GenerateResult", "NamedTensors", "SamplingParams"]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pipeline.rl.rollout import SamplingParams
+from pipeline.rl.engine_records import SamplingParams
 
 _M32 = 0xFFFFFFFF
 # Multipliers below 2**31: a 32-bit value times one stays below 2**63.

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.rl.rollout import GenerateResult, Turn, assemble
+from pipeline.rl.engine_records import GenerateResult
+from pipeline.rl.turns import Turn, assemble
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Branch:
 
 @dataclass
 class BranchSample:
-    """One branch as training arrays (`pipeline.rl.rollout.assemble`), before the episode's reward is known."""
+    """One branch as training arrays (`pipeline.rl.turns.assemble`), before the episode's reward is known."""
 
     branch: int
     tokens: np.ndarray

@@ -32,7 +32,7 @@ from actors.generator.serve.protocol import (
     new_id,
 )
 from pipeline.chat.tool_parsers import ParsedReply, ToolParser
-from pipeline.rl.rollout import GenerateResult
+from pipeline.rl.engine_records import GenerateResult
 
 
 @dataclass(frozen=True)

@@ -295,7 +295,7 @@ def engine_config(args: argparse.Namespace, setup: Setup, workload: Workload) ->
 
 def make_workload(args: argparse.Namespace, setup: Setup, *, vocab_size: int, pad_token_id: int) -> Workload:
     """The flags' sizes, or the demo's: its batch, its first prompt's length, its reply budget."""
-    from pipeline.rl.rollout import prompt_token_ids
+    from pipeline.rl.prompt_ids import prompt_token_ids
 
     cfg = setup.cfg
     prompt_tokens = args.prompt_tokens or len(prompt_token_ids(next(iter(setup.task.prompts())), setup.tokenizer))
