@@ -51,6 +51,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from actors.cli_args import WithConfig, add_config_arguments
 from actors.launcher.live_view import LiveView
 from actors.launcher.queue_probe import QueueProbe
 from actors.launcher.report import write_report
@@ -267,6 +268,36 @@ def _with_stack_dir(cfg: LeewayConfig, stack_dir: Path) -> LeewayConfig:
     return cfg.model_copy(update={"nats": cfg.nats.model_copy(update={"stack_dir": str(stack_dir)})})
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`leeway run`'s description, flags and handler."""
+    parser.description = (
+        "Starts the embedded stack unless the config names servers, then the trainer "
+        "and N generator processes; shows a live view; writes a report into run.dir at the end."
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--generators", type=int, default=None, help="generator processes (default: 1 on 2 cores)")
+    parser.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="delete an earlier run's directory (run.dir) first, after stopping its private stack; only a "
+        "directory `leeway run` created (it holds .leeway-run), never the working directory, home or /; "
+        "a run that trained steps also needs --discard-checkpoints (its stack holds its checkpoints)",
+    )
+    parser.add_argument(
+        "--discard-checkpoints",
+        action="store_true",
+        help="with --fresh: delete an earlier run even though it trained steps (its checkpoints and weights go too)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in run.dir: its private stack starts again on the same data, the trainer from its "
+        "newest checkpoint (raise trainer.max_steps with --set to train past a finished run)",
+    )
+    parser.set_defaults(handler=WithConfig(main))
+
+
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     """`leeway run CONFIG [--generators N] [--no-live] [--fresh [--discard-checkpoints] | --resume]`: the run, its
     report, and an exit status (0 done, 1 a role or the servers failed, 2 bad arguments, run.dir in use or
@@ -275,24 +306,18 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     if num_generators < 1:
         print("leeway run: --generators must be at least 1", file=sys.stderr)
         return 2
-    resume = getattr(args, "resume", False)
     try:
-        prepare_run_dir(
-            cfg,
-            fresh=getattr(args, "fresh", False),
-            resume=resume,
-            discard_checkpoints=getattr(args, "discard_checkpoints", False),
-        )
+        prepare_run_dir(cfg, fresh=args.fresh, resume=args.resume, discard_checkpoints=args.discard_checkpoints)
     except RunDirInUse as exc:
         print(f"leeway run: {exc}", file=sys.stderr)
         return 2
     except StackError as exc:
         print(f"leeway run: --fresh could not stop the earlier run's stack: {exc}", file=sys.stderr)
         return 1
-    view = LiveView(cfg, num_generators, plain=getattr(args, "no_live", False))
+    view = LiveView(cfg, num_generators, plain=args.no_live)
     try:
         with view:
-            outcome = run_pipeline(cfg, num_generators=num_generators, view=view, resume=resume)
+            outcome = run_pipeline(cfg, num_generators=num_generators, view=view, resume=args.resume)
     except StackError as exc:
         print(f"leeway run: the embedded servers did not start: {exc}", file=sys.stderr)
         return 1

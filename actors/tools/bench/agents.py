@@ -37,7 +37,7 @@ from typing import Any
 
 import orjson
 
-from actors.tools.bench.args import add_set_argument, positive_int
+from actors.cli_args import add_set_argument, positive_int
 
 DEFAULT_CONFIG = "configs/agent.yaml"
 DEFAULT_EPISODES = 32

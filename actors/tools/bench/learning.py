@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.tools.bench.args import add_set_argument
+from actors.cli_args import add_set_argument
 
 DEFAULT_CONFIG = "configs/reasoning.yaml"
 SMOOTH = 3
