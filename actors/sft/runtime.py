@@ -10,7 +10,7 @@ The model starts from ``sft.base_model`` (default ``model.name_or_path``) and tr
 ids the generators will sample. An existing result is never overwritten silently: `--resume` continues the
 saved state, `--fresh` deletes it first.
 
-Only the standard library and the config are imported at module level, so that
+Only the standard library, the config and `actors/tools/evaluate.py` are imported at module level, so that
 `leeway sft --help` answers without torch; torch and the rest of `actors/sft/` come in once `main` runs.
 """
 
@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from actors.cli_args import WithConfig, add_config_arguments
+from actors.tools.evaluate import EVAL_FILE
 from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
-
-EVAL_FILE = "eval.json"
 
 
 def output_dir(cfg: LeewayConfig) -> Path:

@@ -40,6 +40,8 @@ from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
 
+EVAL_FILE = "eval.json"
+"""What `leeway sft` writes into its checkpoint directory: `evaluate_checkpoint`'s result on the task's eval split."""
 FOLLOW_POLL_S = 1.0
 EVAL_SEED = 7_000_000_007
 """Base of the evaluation seeds: sample k of eval prompt i samples with seed ``EVAL_SEED + i * 1024 + k``."""
