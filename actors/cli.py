@@ -3,7 +3,8 @@
 `COMMANDS` is the table: a command's name and one-line help, and what defines its parser (its description, flags
 and handler): a function here, or the module whose `add_arguments(parser)` does it. A module is imported only
 when its command is named, so `leeway --help` imports none and `leeway <cmd> --help` only that command's module,
-and none imports torch at module level (`leeway bench <name> --help` imports that benchmark's module, which may).
+and none imports torch at module level (`leeway bench <name> --help` imports that benchmark's module, which may;
+`leeway sft`'s parser is `actors/sft/command.py`, apart from its torch-importing runtime).
 The stack, config, trainer and generator commands are defined here (their handlers are); the flags every command
 shares are `actors/cli_args.py`.
 
@@ -266,7 +267,7 @@ COMMANDS: tuple[Command | Group, ...] = (
     Command(
         "sft",
         "supervised fine-tuning into a checkpoint directory that model.name_or_path then loads for RL",
-        "actors.sft.runtime",
+        "actors.sft.command",
     ),
     Command("generator", "run one generator until interrupted", add_generator_arguments),
     Command("replay", "export a recorded range of trajectories to Parquet", "actors.tools.replay"),

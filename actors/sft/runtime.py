@@ -9,9 +9,6 @@ The model starts from ``sft.base_model`` (default ``model.name_or_path``) and tr
 (`actors/trainer/distributed.py`); the tokenizer and chat template are the run's, so the checkpoint speaks the
 ids the generators will sample. An existing result is never overwritten silently: `--resume` continues the
 saved state, `--fresh` deletes it first.
-
-Only the standard library, the config and `actors/tools/evaluate.py` are imported at module level, so that
-`leeway sft --help` answers without torch; torch and the rest of `actors/sft/` come in once `main` runs.
 """
 
 from __future__ import annotations
@@ -27,7 +24,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from actors.cli_args import WithConfig, add_config_arguments
+import torch
+
+from actors.sft.examples import (
+    ExampleError,
+    ExampleSet,
+    Renderer,
+    examples_from_file,
+    examples_from_task,
+    within_limits,
+)
+from actors.sft.export import write_checkpoint
+from actors.sft.loop import STATE_DIR, ResumeError, SftLoop
 from actors.tools.evaluate import EVAL_FILE
 from pipeline.config import LeewayConfig
 
@@ -46,29 +54,8 @@ def base_config(cfg: LeewayConfig) -> LeewayConfig:
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": cfg.sft.base_model})})
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`leeway sft`'s description, flags and handler."""
-    parser.description = (
-        "Trains sft.base_model (default model.name_or_path) on sft.data (JSONL/Parquet rows of "
-        "'messages', or 'prompt' and 'completion') or, with sft.from_task, on the task's reference answers; the loss "
-        "is on the assistant's tokens only, rendered with the run's tokenizer and chat template as a generator "
-        "renders them. Uses the trainer's backend (trainer.backend, packing, --nproc FSDP2 ranks), a learning rate "
-        "with warm-up and decay (sft.*), gradient clipping, a progress bar with loss and tokens/s, resumable state "
-        "every sft.checkpoint_every steps. Writes a Hugging Face checkpoint (safetensors, config, tokenizer, chat "
-        "template) into sft.output_dir (default runs/<run.name>-sft), then evaluates it on the task's eval split "
-        f"({EVAL_FILE}) and prints a JSON summary."
-    )
-    add_config_arguments(parser)
-    parser.add_argument("--resume", action="store_true", help="continue from the newest saved state in sft.output_dir")
-    parser.add_argument("--fresh", action="store_true", help="delete sft.output_dir first (an earlier result or state)")
-    parser.add_argument("--nproc", type=int, default=None, help="FSDP2 data-parallel ranks (default: trainer.nproc)")
-    parser.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
-    parser.set_defaults(handler=WithConfig(main))
-
-
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
-    from actors.sft.examples import ExampleError
-    from actors.sft.loop import ResumeError
+    """`leeway sft` once its config is loaded (its parser: `actors/sft/command.py`)."""
     from actors.trainer.distributed import RankEnv, launch_ranks
 
     nproc = args.nproc if args.nproc is not None else cfg.trainer.nproc
@@ -99,12 +86,7 @@ def _fresh(out: Path) -> None:
 
 
 def _main(cfg: LeewayConfig, args: argparse.Namespace, rank_env: Any) -> int:
-    import torch
-
     from actors.models import build_policy_model, load_chat_template_for, load_tokenizer
-    from actors.sft.examples import ExampleSet, Renderer, examples_from_file, examples_from_task, within_limits
-    from actors.sft.export import write_checkpoint
-    from actors.sft.loop import STATE_DIR, SftLoop
     from actors.trainer.backends import build_backend
     from actors.trainer.distributed import join_rank_group, leave_rank_group
     from pipeline.tasks import task_for
@@ -216,8 +198,6 @@ def _main(cfg: LeewayConfig, args: argparse.Namespace, rank_env: Any) -> int:
 
 
 def _evaluate(cfg: LeewayConfig, out: Path, task: Any) -> dict[str, Any] | None:
-    import torch
-
     from actors.tools.evaluate import evaluate_checkpoint
 
     prompts = task.eval_prompts()
@@ -232,6 +212,4 @@ def _evaluate(cfg: LeewayConfig, out: Path, task: Any) -> dict[str, Any] | None:
 
 
 def _barrier() -> None:
-    import torch
-
     torch.distributed.barrier()
