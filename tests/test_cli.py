@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.cli import build_parser, main
+from actors.cli import COMMANDS as TABLE
+from actors.cli import Benchmark, Command, Group, build_parser, main
 from pipeline.config_reference import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,7 @@ def _leeway(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _subparser(command: tuple[str, ...]) -> argparse.ArgumentParser:
-    parser = build_parser(bench_name=command[1] if command[0] == "bench" else None)
+    parser = build_parser(command)
     for name in command:
         (choices,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         parser = choices.choices[name]
@@ -70,6 +71,45 @@ def _leaf_commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()
 
 def test_the_command_list_covers_every_leaf_command() -> None:
     assert sorted(_leaf_commands(build_parser())) == sorted(COMMANDS)
+
+
+Row = Command | Benchmark | Group
+
+
+def _table_rows(table: tuple[Row, ...], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Row]:
+    rows: dict[tuple[str, ...], Row] = {}
+    for row in table:
+        rows[(*prefix, row.name)] = row
+        if isinstance(row, Group):
+            rows.update(_table_rows(row.commands, (*prefix, row.name)))
+    return rows
+
+
+TABLE_ROWS = _table_rows(TABLE)
+"""Every row of `actors.cli.COMMANDS`, groups (`config`, `tasks`, `bench`) and their actions included."""
+
+
+def _help_text(words: tuple[str, ...], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*words, "--help"])
+    assert exit_info.value.code == 0, f"leeway {' '.join(words)} --help"
+    return _squeezed(capsys.readouterr().out)
+
+
+def _squeezed(text: str) -> str:
+    """`text` without whitespace: argparse wraps lines at spaces and after hyphens."""
+    return "".join(text.split())
+
+
+@pytest.mark.parametrize("path", TABLE_ROWS, ids=" ".join)
+def test_every_command_in_the_table_says_what_it_is_for(path: tuple[str, ...], capsys: pytest.CaptureFixture) -> None:
+    """Its parent's --help lists it with its help line; its own --help exits 0 and opens with what it does."""
+    row = TABLE_ROWS[path]
+    assert _squeezed(row.help) in _help_text(path[:-1], capsys)
+    own = _help_text(path, capsys)
+    description = _subparser(path).description
+    assert description, f"leeway {' '.join(path)} --help says nothing of what it does"
+    assert _squeezed(description) in own
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from actors.cli_args import WithConfig, add_config_arguments
 from actors.fleet import placement
 from infra.ports import is_loopback
 from pipeline.config import LeewayConfig
@@ -153,10 +154,10 @@ def connect(address: str, cfg: LeewayConfig) -> None:
 
 
 @contextlib.contextmanager
-def connected(args: argparse.Namespace, cfg: LeewayConfig) -> Iterator[FleetState | None]:
-    """Connect to the run's cluster for one command (disconnecting at the end)."""
+def connected(address_arg: str | None, cfg: LeewayConfig) -> Iterator[FleetState | None]:
+    """Connect to the run's cluster for one command (disconnecting at the end); `address_arg` is `--address`."""
     state = FleetState.load(cfg.run.run_dir.resolve())
-    address = resolve_address(getattr(args, "address", None), cfg, state)
+    address = resolve_address(address_arg, cfg, state)
     if address is None:
         raise FleetError(
             f"no Ray cluster for run {cfg.run.name}: pass --address, set fleet.address or RAY_ADDRESS, "
@@ -389,7 +390,7 @@ def _drain(names: list[str], grace_s: float) -> list[dict[str, Any]]:
 def cmd_scale(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     from actors.fleet.roles import wait_started
 
-    with connected(args, cfg):
+    with connected(args.address, cfg):
         import ray
 
         names = role_names()
@@ -439,7 +440,7 @@ def collect_status() -> list[dict[str, Any]]:
 
 
 def cmd_status(cfg: LeewayConfig, args: argparse.Namespace) -> int:
-    with connected(args, cfg):
+    with connected(args.address, cfg):
         roles = collect_status()
     if args.json:
         print(json.dumps({"run": cfg.run.name, "namespace": placement.namespace(cfg.run.name), "roles": roles}))
@@ -474,7 +475,7 @@ def cmd_down(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     try:
         if local_gone and resolve_address(args.address, cfg, None) is None:
             raise FleetError("the local Ray cluster `fleet up` started is not running any more")
-        with connected(args, cfg):
+        with connected(args.address, cfg):
             import ray
 
             names = role_names()
@@ -500,6 +501,40 @@ def cmd_down(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     if state is not None:
         (run_dir / STATE_FILE).unlink(missing_ok=True)
     return 0
+
+
+ACTIONS = {
+    "up": "start the trainer ranks and generators; returns once every role started",
+    "scale": "add or drain generators while the run goes on",
+    "status": "each role: node, policy version, last report, restarts",
+    "down": "stop every role of the run (and the local cluster and stack `up` started), nothing else",
+}
+"""`leeway fleet ACTION`: what each does, as its help says."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`leeway fleet`'s description, its actions' flags and the handler."""
+    parser.description = (
+        "Ray places and restarts the roles (each in its own process, as `leeway trainer` and "
+        "`leeway generator`); data goes only through NATS and S3. Every node must reach nats.url and "
+        "store.endpoint (a single-node cluster may use the embedded stack)."
+    )
+    actions = parser.add_subparsers(dest="fleet_command", required=True, metavar="ACTION")
+    for action, text in ACTIONS.items():
+        action_parser = actions.add_parser(action, help=text, description=text)
+        add_config_arguments(action_parser)
+        action_parser.add_argument(
+            "--address", default=None, help="Ray cluster host:port (default: fleet.address, RAY_ADDRESS, or local)"
+        )
+        if action == "up":
+            action_parser.add_argument("--generators", type=int, default=1, help="generators to start (default 1)")
+            action_parser.add_argument("--trainer-ranks", type=int, default=1, help="trainer ranks (default 1)")
+            action_parser.add_argument("--wait", action="store_true", help="block until the trainer ends")
+        if action == "scale":
+            action_parser.add_argument("--generators", type=int, required=True, help="generators to run from now on")
+        if action == "status":
+            action_parser.add_argument("--json", action="store_true", help="one JSON object")
+        action_parser.set_defaults(handler=WithConfig(main))
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:

@@ -105,7 +105,7 @@ class LiveView:
     # ------------------------------------------------------------------------------------ updates
 
     def update(self, records: list[dict[str, Any]], status: Any = None) -> None:
-        """Show the newest record and the processes / queues in `status` (an `actors.launcher.run.RunStatus`)."""
+        """Show the newest record and the processes / queues in `status` (an `actors.launcher.roles.RunStatus`)."""
         self.last_status = status
         last = records[-1] if records else {}
         step = int(last.get("step", 0))

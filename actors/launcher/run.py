@@ -9,10 +9,12 @@
       └──reads ◄─────────────────────────────────────┘  live view; report at the end
 ```
 
-The roles talk only through NATS and S3, exactly as when launched by hand; this module only starts
-them, splits the cores between them, shows the trainer's metrics, and stops everything it started.
-The run directory's safety rules are in `actors/launcher/run_dir.py`, the queue depths in
-`actors/launcher/queue_probe.py`; every child is started and stopped by `infra/process.py`.
+The roles talk only through NATS and S3, exactly as when launched by hand. This module holds the run: its
+parser and `main`, the private stack, the signals, the trainer's metrics (`MetricsTail`) for the live view, and
+the order in which everything it started is stopped (`run_pipeline`). The role processes themselves (spawning,
+splitting the cores, stopping them) are `actors/launcher/roles.py`, the run directory's safety rules
+`actors/launcher/run_dir.py`, the queue depths `actors/launcher/queue_probe.py`; every child is started and
+stopped by `infra/process.py`.
 
 Invariants:
 - Every role runs in its own process group (a new session), so a terminal Ctrl-C reaches only this
@@ -40,9 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -51,15 +51,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from actors.cli_args import WithConfig, add_config_arguments
 from actors.launcher.live_view import LiveView
 from actors.launcher.queue_probe import QueueProbe
-from actors.launcher.report import read_evals, write_report
+from actors.launcher.report import write_report
+from actors.launcher.roles import RunProcesses, generator_ids, start_roles
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
 from actors.servers import private_stack_dir, stack_bucket
-from infra.files import write_private
 from infra.orphans import tied_to_this_process
-from infra.process import StackError, log_tail, spawn_child, stop_groups
-from infra.role_logs import LOG_FILE_ENV
+from infra.process import StackError, log_tail
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
 
@@ -75,194 +75,6 @@ def _say(text: str) -> None:
     """Print to stderr; a closed terminal (SIGHUP) must not interrupt the clean-up."""
     with contextlib.suppress(OSError, ValueError):
         print(text, file=sys.stderr, flush=True)
-
-
-@dataclass
-class RoleProcess:
-    """One role process `leeway run` started, with the log its output goes to."""
-
-    name: str
-    """`trainer` or the generator id (`gen-0`, ...)."""
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-
-@dataclass(frozen=True)
-class GeneratorProcessStatus:
-    generator_id: str
-    pid: int
-    returncode: int | None
-    """None while running."""
-    log_path: Path
-
-
-@dataclass(frozen=True)
-class RunStatus:
-    """What the live view needs besides the metrics records: processes and queue depths right now."""
-
-    generators: tuple[GeneratorProcessStatus, ...] = ()
-    trainer_alive: bool = True
-    queues: dict[str, int | None] = field(default_factory=dict)
-    """`prompts_waiting`, `prompts_in_generation`, `groups_waiting`, `groups_in_step` (None: unknown yet)."""
-    stopping: bool = False
-    stopped: bool = False
-    """Every process this run started has exited (the last update)."""
-    evals: tuple[dict[str, Any], ...] = ()
-    """The evaluator's results so far (`eval.jsonl`), oldest first."""
-
-
-@dataclass
-class RunProcesses:
-    """The role processes `leeway run` started, so that it stops exactly those (a Ray fleet is `actors/fleet/`)."""
-
-    trainer: RoleProcess | None = None
-    generators: list[RoleProcess] = field(default_factory=list)
-    evaluator: RoleProcess | None = None
-    """`leeway eval --follow`, when ``eval.every_steps`` is set."""
-    eval_log: Path | None = None
-    """Where the evaluator appends its results."""
-    hurry: threading.Event = field(default_factory=threading.Event)
-    """Set by a second Ctrl-C: kill instead of waiting."""
-
-    def stop(self, timeout_s: float) -> None:
-        """Generators first (all at once), then the trainer, then the evaluator (which first evaluates the versions
-        due up to the last one published); each group is killed if it does not exit in time."""
-        stop_roles(self.generators, timeout_s, self.hurry)
-        if self.trainer is not None:
-            stop_roles([self.trainer], timeout_s, self.hurry)
-        if self.evaluator is not None:
-            stop_roles([self.evaluator], timeout_s, self.hurry)
-
-    def status(self, queues: dict[str, int | None], *, stopping: bool = False, stopped: bool = False) -> RunStatus:
-        return RunStatus(
-            generators=tuple(
-                GeneratorProcessStatus(g.name, g.popen.pid, g.returncode, g.log_path) for g in self.generators
-            ),
-            trainer_alive=self.trainer is not None and self.trainer.alive,
-            queues=dict(queues),
-            stopping=stopping,
-            stopped=stopped,
-            evals=tuple(read_evals(self.eval_log.parent)) if self.eval_log is not None else (),
-        )
-
-
-def stop_roles(roles: list[RoleProcess], timeout_s: float, hurry: threading.Event | None = None) -> None:
-    """SIGTERM every live role, wait up to `timeout_s` (less if `hurry` is set), then SIGKILL the groups.
-
-    Each group whose leader was not reaped yet gets a SIGKILL regardless, so that nothing a role
-    spawned outlives it; its leader is reaped only after that, so its process-group id is not reused
-    before (`infra.process.stop_groups`).
-    """
-    unreaped = [r.popen for r in roles if r.popen.returncode is None]
-    stop_groups([popen.pid for popen in unreaped], timeout_s, hurry=hurry, sweep=True)
-    for popen in unreaped:
-        popen.wait()
-
-
-def split_threads(num_generators: int, cores: int | None = None) -> tuple[int, int]:
-    """Torch threads for (trainer, each generator) so the roles do not fight over the cores."""
-    cores = cores or os.cpu_count() or 2
-    trainer = max(1, cores // 2)
-    generator = max(1, (cores - trainer) // max(1, num_generators))
-    return trainer, generator
-
-
-def spawn_role(
-    role: str,
-    config_path: Path,
-    overrides: list[str],
-    log_path: Path,
-    threads: int,
-    name: str | None = None,
-    grace_s: float | None = None,
-    flags: tuple[str, ...] = (),
-) -> RoleProcess:
-    """Start `leeway <role> CONFIG` as its own session (process group), its threads pinned by env and config.
-
-    The role dies with this process: SIGTERM from the kernel (Linux), and its own watchdog on our pid.
-    Call it from a thread that outlives the role (the parent-death signal fires when that thread exits).
-    """
-    argv = [sys.executable, "-m", "actors.cli", role, str(config_path), *flags]
-    for item in overrides:
-        argv += ["--set", item]
-    popen = spawn_child(
-        argv,
-        log_path=log_path,
-        env=dict(
-            os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **{LOG_FILE_ENV: str(log_path)}
-        ),
-        death_signal=signal.SIGTERM,
-        watchdog=True,
-        watchdog_grace_s=grace_s,
-    )
-    return RoleProcess(name or role, popen, log_path)
-
-
-def generator_ids(num_generators: int) -> list[str]:
-    """The ids `leeway run` gives its own generators; a report under another id comes from a generator
-    started elsewhere, which keeps the run going when ours have exited."""
-    return [f"gen-{index}" for index in range(num_generators)]
-
-
-def write_run_config(cfg: LeewayConfig, run_dir: Path) -> Path:
-    """`<run_dir>/config.yaml`, the resolved config every role loads, written 0600: it may carry a NATS URL
-    with its token or credential paths (`infra.files.write_private`)."""
-    config_path = run_dir / "config.yaml"
-    write_private(config_path, cfg.to_yaml())
-    return config_path
-
-
-def start_roles(
-    cfg: LeewayConfig,
-    run_dir: Path,
-    num_generators: int,
-    extra: list[str],
-    processes: RunProcesses | None = None,
-    *,
-    resume: bool = False,
-) -> RunProcesses:
-    """Write the resolved config to `<run_dir>/config.yaml`; spawn the trainer (`--resume` with `resume`),
-    then the generators.
-
-    Each process is recorded in `processes` as soon as it exists, so an interrupted start is stopped too.
-    """
-    config_path = write_run_config(cfg, run_dir)
-    trainer_threads, generator_threads = split_threads(num_generators)
-    processes = processes if processes is not None else RunProcesses()
-    logs = run_dir / "logs"
-    trainer_sets = [*extra, f"trainer.torch_threads={trainer_threads}"]
-    grace_s = cfg.stop_grace_s
-    processes.trainer = spawn_role(
-        "trainer",
-        config_path,
-        trainer_sets,
-        logs / "trainer.log",
-        trainer_threads,
-        grace_s=grace_s,
-        flags=("--resume",) if resume else (),
-    )
-    for gen_id in generator_ids(num_generators):
-        sets = [*extra, f"engine.torch_threads={generator_threads}", f"generator.id={gen_id}"]
-        processes.generators.append(
-            spawn_role(
-                "generator", config_path, sets, logs / f"{gen_id}.log", generator_threads, name=gen_id, grace_s=grace_s
-            )
-        )
-    if cfg.eval.every_steps:
-        sets = [*extra, "engine.torch_threads=1"]
-        processes.evaluator = spawn_role(
-            "eval", config_path, sets, logs / "eval.log", 1, name="evaluator", grace_s=grace_s, flags=("--follow",)
-        )
-        processes.eval_log = run_dir / "eval.jsonl"
-    return processes
 
 
 def read_metrics(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
@@ -457,6 +269,36 @@ def _with_stack_dir(cfg: LeewayConfig, stack_dir: Path) -> LeewayConfig:
     return cfg.model_copy(update={"nats": cfg.nats.model_copy(update={"stack_dir": str(stack_dir)})})
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`leeway run`'s description, flags and handler."""
+    parser.description = (
+        "Starts the embedded stack unless the config names servers, then the trainer "
+        "and N generator processes; shows a live view; writes a report into run.dir at the end."
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--generators", type=int, default=None, help="generator processes (default: 1 on 2 cores)")
+    parser.add_argument("--no-live", action="store_true", help="plain log lines instead of the live view")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="delete an earlier run's directory (run.dir) first, after stopping its private stack; only a "
+        "directory `leeway run` created (it holds .leeway-run), never the working directory, home or /; "
+        "a run that trained steps also needs --discard-checkpoints (its stack holds its checkpoints)",
+    )
+    parser.add_argument(
+        "--discard-checkpoints",
+        action="store_true",
+        help="with --fresh: delete an earlier run even though it trained steps (its checkpoints and weights go too)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in run.dir: its private stack starts again on the same data, the trainer from its "
+        "newest checkpoint (raise trainer.max_steps with --set to train past a finished run)",
+    )
+    parser.set_defaults(handler=WithConfig(main))
+
+
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     """`leeway run CONFIG [--generators N] [--no-live] [--fresh [--discard-checkpoints] | --resume]`: the run, its
     report, and an exit status (0 done, 1 a role or the servers failed, 2 bad arguments, run.dir in use or
@@ -465,24 +307,18 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     if num_generators < 1:
         print("leeway run: --generators must be at least 1", file=sys.stderr)
         return 2
-    resume = getattr(args, "resume", False)
     try:
-        prepare_run_dir(
-            cfg,
-            fresh=getattr(args, "fresh", False),
-            resume=resume,
-            discard_checkpoints=getattr(args, "discard_checkpoints", False),
-        )
+        prepare_run_dir(cfg, fresh=args.fresh, resume=args.resume, discard_checkpoints=args.discard_checkpoints)
     except RunDirInUse as exc:
         print(f"leeway run: {exc}", file=sys.stderr)
         return 2
     except StackError as exc:
         print(f"leeway run: --fresh could not stop the earlier run's stack: {exc}", file=sys.stderr)
         return 1
-    view = LiveView(cfg, num_generators, plain=getattr(args, "no_live", False))
+    view = LiveView(cfg, num_generators, plain=args.no_live)
     try:
         with view:
-            outcome = run_pipeline(cfg, num_generators=num_generators, view=view, resume=resume)
+            outcome = run_pipeline(cfg, num_generators=num_generators, view=view, resume=args.resume)
     except StackError as exc:
         print(f"leeway run: the embedded servers did not start: {exc}", file=sys.stderr)
         return 1

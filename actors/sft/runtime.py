@@ -36,11 +36,10 @@ from actors.sft.examples import (
 )
 from actors.sft.export import write_checkpoint
 from actors.sft.loop import STATE_DIR, ResumeError, SftLoop
+from actors.tools.evaluate import EVAL_FILE
 from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
-
-EVAL_FILE = "eval.json"
 
 
 def output_dir(cfg: LeewayConfig) -> Path:
@@ -56,6 +55,7 @@ def base_config(cfg: LeewayConfig) -> LeewayConfig:
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
+    """`leeway sft` once its config is loaded (its parser: `actors/sft/command.py`)."""
     from actors.trainer.distributed import RankEnv, launch_ranks
 
     nproc = args.nproc if args.nproc is not None else cfg.trainer.nproc

@@ -34,14 +34,49 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from actors.cli_args import WithConfig, add_config_arguments
 from actors.trainer.metrics_log import EVAL_LOG, ScalarSinks, eval_scalars
 from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
 
+EVAL_FILE = "eval.json"
+"""What `leeway sft` writes into its checkpoint directory: `evaluate_checkpoint`'s result on the task's eval split."""
 FOLLOW_POLL_S = 1.0
 EVAL_SEED = 7_000_000_007
 """Base of the evaluation seeds: sample k of eval prompt i samples with seed ``EVAL_SEED + i * 1024 + k``."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`leeway eval`'s description, flags and handler."""
+    parser.description = (
+        "Pulls exactly version V (default: LATEST) of the run's weights from the store, builds an engine "
+        "as a generator does, samples eval.samples_per_prompt replies (fixed seeds) for each of the task's eval "
+        "prompts (its eval split, never trained on), scores them with the task's verifier and prints mean reward, "
+        "pass@1, pass@k and per-tag means as one JSON object. Needs the run's store (a running stack or store.*); "
+        "nothing is trained on or published."
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--version", type=int, default=None, help="the published version to evaluate (default: LATEST)")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="samples per prompt (default: eval.samples_per_prompt)"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=None, help="the first N eval prompts (default: eval.prompts, or all)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="DIR",
+        help="evaluate a local checkpoint directory instead (a `leeway sft` result); needs no servers",
+    )
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="evaluate version 0 and every eval.every_steps-th version as it is published, appending to "
+        "<run.dir>/eval.jsonl, until version trainer.max_steps (what leeway run starts when eval.every_steps is set)",
+    )
+    parser.set_defaults(handler=WithConfig(main))
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
@@ -78,7 +113,7 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     if not prompts:
         print(f"leeway eval: the eval split of task {cfg.task.name!r} is empty (see its eval_* arguments)", flush=True)
         return 2
-    if getattr(args, "checkpoint", None) is not None:
+    if args.checkpoint is not None:
         try:
             result = evaluate_checkpoint(cfg, Path(args.checkpoint), task=task, prompts=prompts)
         except ValueError as exc:

@@ -1,10 +1,11 @@
 """`leeway purge CONFIG [--yes]`: delete one run's data from shared servers, so its name can be used again.
 
 Everything a run leaves on the servers is named after `run.name` alone (`pipeline/wire/names.py`,
-`pipeline/wire/announce.py`), so the run's share of a shared stack is found without any index:
+`pipeline/wire/announce.py`, `pipeline/wire/lease.py`), so the run's share of a shared stack is found without any index:
 
     NATS   streams  LEEWAY_<run>_TRAJ, LEEWAY_<run>_PROMPTS, LEEWAY_<run>_DLQ   (consumers go with them)
            KV       leeway_<run>_versions                                        (the version doorbell)
+                    leeway_<run>_lease                                           (the trainer lease)
     store  every object under `<run>/`: weights, checkpoints, claim-checked groups
 
 Invariants:
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 import nats.js.errors
 
+from actors.cli_args import WithConfig, add_config_arguments
 from actors.servers import ServerError, Servers, connect_nats, open_run_store, resolve_servers
 from pipeline.config import LeewayConfig
 from pipeline.wire.announce import version_bucket
@@ -123,9 +125,24 @@ async def purge(cfg: LeewayConfig, *, yes: bool) -> int:
         store.close()
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`leeway purge`'s description, flags and handler."""
+    parser.description = (
+        "Deletes what run.name left on the servers, so the name can be used again: the "
+        "JetStream streams LEEWAY_<run>_TRAJ, _PROMPTS and _DLQ (with their consumers), the KV buckets "
+        "leeway_<run>_versions and leeway_<run>_lease, and every object under <run>/ in the store (weights, "
+        "checkpoints, claim-checked groups). Other runs on the same servers are not touched; run.dir stays. "
+        "Stop the run's trainer and generators first. Without --yes it only prints what it would "
+        "delete and exits 1."
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--yes", action="store_true", help="really delete (without it: print the plan, exit 1)")
+    parser.set_defaults(handler=WithConfig(main))
+
+
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(purge(cfg, yes=bool(args.yes)))
+        return asyncio.run(purge(cfg, yes=args.yes))
     except ServerError as exc:
         print(f"leeway purge: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from actors.cli_args import WithConfig, add_config_arguments
+
 DEFAULT_GROUPS_PER_FILE = 1024
 
 
@@ -58,9 +60,16 @@ def selection_from_args(args: argparse.Namespace) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`leeway replay`'s description, flags and handler."""
+    parser.description = (
+        "Select groups of the run's trajectory stream by sequence, time or policy "
+        "version and export them. To train on them instead, use `leeway trainer --replay`."
+    )
+    add_config_arguments(parser)
     add_selection_arguments(parser, required=True)
     parser.add_argument("--to-parquet", metavar="DIR", help="write the selection as Parquet files into DIR")
     parser.add_argument("--groups-per-file", type=int, default=DEFAULT_GROUPS_PER_FILE, help="groups per Parquet file")
+    parser.set_defaults(handler=WithConfig(main))
 
 
 def main(cfg: Any, args: argparse.Namespace) -> int:

@@ -19,9 +19,25 @@ import json
 import time
 from typing import Any
 
+from actors.cli_args import WithConfig, add_config_arguments
 from pipeline.config import LeewayConfig
 
 MAX_REWARD = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`leeway tasks check`'s description, flags and handler."""
+    parser.description = (
+        "Every task directory under DIR (instruction.md, task.toml, tests/test.sh, solution/solve.sh) "
+        "is attempted twice in its own sandbox, as an episode would be: once running solution/solve.sh, which "
+        "must make the tests write reward 1, once doing nothing, which must score less. Sandbox settings come "
+        "from CONFIG's sandbox section (or --set sandbox.*). One JSON line per task, then a summary; exit 1 when "
+        "a task fails."
+    )
+    parser.add_argument("dir", help="a directory of Harbor task directories (e.g. configs/data/coding)")
+    add_config_arguments(parser, required=False)
+    parser.add_argument("--concurrency", type=int, default=2, help="tasks checked at once (default 2)")
+    parser.set_defaults(handler=WithConfig(main))
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:

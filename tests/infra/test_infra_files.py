@@ -25,7 +25,7 @@ PLACEHOLDER = "placeholder"
 def _check_leeway_argv(argv: list[str], where: str) -> None:
     """argv after `leeway`: it parses, and its config file exists in the image (the repo) and loads."""
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
     except SystemExit:
         pytest.fail(f"{where}: `leeway {' '.join(argv)}` is not a valid leeway command line")
     config = getattr(args, "config", None)

@@ -29,16 +29,16 @@ from rich.console import Console
 
 from actors.launcher.live_view import LiveView, sparkline
 from actors.launcher.report import summarize, write_report
-from actors.launcher.run import (
+from actors.launcher.roles import (
     GeneratorProcessStatus,
     RoleProcess,
     RunStatus,
-    read_metrics,
     spawn_role,
     split_threads,
     stop_roles,
     write_run_config,
 )
+from actors.launcher.run import read_metrics
 from actors.launcher.run_dir import RUN_MARKER, RunDirInUse, RunDirRefused, prepare_run_dir, protected_reason
 from infra.process import is_running, start_ticks, stop_processes
 from infra.stack import StackState, load_state, start_stack

@@ -38,7 +38,7 @@ KEYS = {
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    return build_parser(bench_name="engine").parse_args(["bench", "engine", "--json", *argv])
+    return build_parser(["bench", "engine"]).parse_args(["bench", "engine", "--json", *argv])
 
 
 def test_bench_engine_reports_every_key_on_cpu() -> None:
@@ -174,8 +174,7 @@ def test_gpu_check_script_calls_only_commands_the_cli_has() -> None:
             # a bench still to be written runs only behind a guard on its module
             assert f"-f actors/tools/bench/{words[1]}.py" in script, words
             continue
-        parser = build_parser(bench_name=words[1] if words[0] == "bench" else None)
         try:
-            parser.parse_args(words)
+            build_parser(words).parse_args(words)
         except SystemExit as exc:
             raise AssertionError(f"gpu_check.sh: `leeway {shlex.join(words)}` does not parse") from exc

@@ -33,7 +33,7 @@ TINY += ["--steps", "1", "--warmup", "0", "--micro-batch-tokens", "32"]
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    return build_parser(bench_name="trainer").parse_args(["bench", "trainer", *argv])
+    return build_parser(["bench", "trainer"]).parse_args(["bench", "trainer", *argv])
 
 
 @pytest.mark.parametrize("packing", ["true", "false"])

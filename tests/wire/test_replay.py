@@ -103,8 +103,8 @@ def test_replay_command_exports_parquet(stack, tmp_path):
     parser = argparse.ArgumentParser()
     replay_cmd.add_arguments(parser)
     out = tmp_path / "export"
-    args = parser.parse_args(
-        ["--from-seq", "2", "--until-seq", "4", "--to-parquet", str(out), "--groups-per-file", "2"]
+    args = parser.parse_args(  # the config file is named, not read: `replay` gets `cfg` itself
+        ["unread.yaml", "--from-seq", "2", "--until-seq", "4", "--to-parquet", str(out), "--groups-per-file", "2"]
     )
     summary = asyncio.run(replay_cmd.replay(cfg, args))
     assert summary["groups"] == 3 and summary["first_seq"] == 2 and summary["last_seq"] == 4

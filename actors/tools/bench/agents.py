@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from actors.tools.bench.args import add_set_argument, positive_int
+from actors.cli_args import add_set_argument, positive_int
 
 if TYPE_CHECKING:
     from actors.generator.engines.base import Engine

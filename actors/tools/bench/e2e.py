@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from actors.tools.bench.args import add_set_argument
+from actors.cli_args import add_set_argument
 
 DEFAULT_TARGET = 0.8
 DEFAULT_MAX_STEPS = 250

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from actors.tools.bench.args import add_set_argument, positive_int
+from actors.cli_args import add_set_argument, positive_int
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -21,7 +21,7 @@ smoothed pass@1 unless ``--target`` is given, so both reach it. ``async_vs_sync_
 synchronous run's time over the asynchronous one's: the headline ratio, measured in this invocation;
 ``async_vs_sync_seconds_per_step`` is the same ratio per optimizer step, free of evaluation noise.
 
-The SFT checkpoint is also decoded greedily by plain `transformers` (`actors/sft/transformers_check.py`) and by
+The SFT checkpoint is also decoded greedily by plain `transformers` (`actors/tools/transformers_check.py`) and by
 Leeway's engine on the same held-out prompts: ``sft_transformers_greedy_pass1`` against ``sft_leeway_greedy_pass1``.
 """
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.tools.bench.args import add_set_argument
+from actors.cli_args import add_set_argument
 
 DEFAULT_CONFIG = "configs/reasoning.yaml"
 SMOOTH = 3
@@ -202,8 +202,8 @@ def _sft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def _greedy_checks(args: argparse.Namespace, checkpoint: Path) -> dict[str, float]:
     """The SFT checkpoint decoded greedily on the held-out prompts by plain transformers and by Leeway's engine."""
-    from actors.sft.transformers_check import transformers_greedy_pass1
     from actors.tools.evaluate import evaluate_checkpoint
+    from actors.tools.transformers_check import transformers_greedy_pass1
     from pipeline.config import load_config
     from pipeline.tasks import task_for
 
@@ -225,7 +225,7 @@ def _greedy_checks(args: argparse.Namespace, checkpoint: Path) -> dict[str, floa
 
 def _existing_sft(checkpoint: Path) -> dict[str, Any]:
     """An SFT result made earlier: its pass@1 from the eval.json `leeway sft` wrote, no SFT time."""
-    from actors.sft.runtime import EVAL_FILE
+    from actors.tools.evaluate import EVAL_FILE
 
     path = checkpoint / EVAL_FILE
     if not path.is_file():

@@ -34,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from actors.tools.bench.args import positive_int
+from actors.cli_args import positive_int
 from pipeline.sandbox.base import SandboxRefused, SandboxSpec
 from pipeline.sandbox.bwrap import BwrapSandbox, require_bwrap
 from pipeline.sandbox.local import LocalSandbox
