@@ -53,7 +53,7 @@ from typing import Any
 
 from actors.launcher.live_view import LiveView
 from actors.launcher.queue_probe import QueueProbe
-from actors.launcher.report import read_evals, write_report
+from actors.launcher.report import NO_PLOTS, can_plot, read_evals, write_report
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
 from actors.servers import private_stack_dir, stack_bucket
 from infra.files import write_private
@@ -492,6 +492,8 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
         f"leeway run: metrics {outcome.run_dir / 'metrics.jsonl'}, summary {report}"
         + (f", plot {plot}" if plot.exists() else "")
     )
+    if outcome.records and not can_plot():
+        print(f"leeway run: {NO_PLOTS}")
     if outcome.interrupted:
         print("leeway run: interrupted; every process it started has stopped", file=sys.stderr)
         return 130
