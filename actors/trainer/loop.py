@@ -29,8 +29,9 @@ The loop waits on one thing only: trajectory groups (`collect_batch`), which gen
 from admitted prompts; while it waits it re-checks admission, so a dropped group's slot is refilled
 at once. While groups keep arriving it also tops admission up as soon as fewer than one batch of
 admitted groups is still to come (low water): when most groups are filtered (a saturated reward,
-dynamic sampling) the generators would otherwise run dry before every refill. `trainer.queue_wait_timeout_s` without a trainable group stops the run
-(`QueueWaitTimeout`, an expected stop that names why: exit status 2, no traceback).
+dynamic sampling) the generators would otherwise run dry before every refill. `trainer.queue_wait_timeout_s`
+without a trainable group stops the run (`QueueWaitTimeout`, an expected stop that says why: the groups that
+did arrive counted by drop reason, or that none did; exit status 2, no traceback).
 
 Invariants and failure behaviour:
 - Trainable groups are acked only after the version trained on them is published and announced,
