@@ -1,6 +1,7 @@
 # The two set-up commands of the README. Each creates .venv and installs what is missing.
-#   make demo  - install, then run the demo on the embedded servers
-#   make test  - install with the dev extra, then run the test suite (what .ci/run does)
+#   make demo  - install (with the plots extra: the run's report.png), then run the demo on the embedded servers
+#   make test  - install with the dev extra (every other extra and the test tools), then run the test suite
+#                (what .ci/run does)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,10 +16,10 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_SPEC)"
-	$(BIN)/pip install -e .
+	$(BIN)/pip install -e ".[plots]"
 	touch $@
 
-# openenv (task.name: openenv) without its declared gradio: its real dependencies are in the dev extra.
+# openenv (task.name: openenv) without its declared gradio: its real dependencies are in the envs extra.
 OPENENV_SPEC ?= openenv==0.10.0
 
 # bubblewrap (the sandbox backend; tests/sandbox/ runs model-written code in it): a Debian package, installed here

@@ -14,7 +14,8 @@ even by SIGKILL.
 
 Exit codes: 2 for a config error (the message names file, key and value; no traceback), as argparse
 does for bad arguments; 130 when interrupted; otherwise what the command returns (`stack status`: 1
-when a server is unhealthy).
+when a server is unhealthy; `trainer` and `run`: 2 when the trainer stops the run on purpose, a task failing its
+self-check or no trainable group for `trainer.queue_wait_timeout_s`, its reason the last line and no traceback).
 """
 
 from __future__ import annotations

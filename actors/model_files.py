@@ -4,17 +4,20 @@ A generator must not need the Hub or the trainer's file system: the run's name, 
 as for the weights. So a trainer whose model is a checkpoint (a local directory or a Hub id) publishes, before
 version 0, the files that describe it, and a generator without that checkpoint builds its model from them:
 
-    <run>/model/config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
-                special_tokens_map.json, chat_template.jinja      (those the checkpoint has)
+    <run>/model/config.json, generation_config.json, tokenizer.json, special_tokens_map.json,
+                chat_template.jinja, tokenizer_config.json, chat_template.json      (those the checkpoint has)
     <run>/model/manifest.json   {"format": 1, "spec": {"name_or_path", "revision"}, "files": {name: sha256}}
 
 The files are written first and the manifest last (create-only), so a manifest means every file it names is
 there. A trainer of the same run that finds a manifest checks it holds the same spec and files and writes
 nothing; other files are refused, naming the file (a resumed run with another model). The generator builds the
 model from ``config.json`` alone (the weights are version 0's, pulled as always and checked by hash), its
-tokenizer from ``tokenizer.json`` and its chat template from ``tokenizer_config.json`` or
-``chat_template.jinja``, each file checked against the manifest's sha256. A generator whose own
-``model.name_or_path`` or ``model.revision`` is not the run's is refused, naming the field.
+tokenizer from ``tokenizer.json`` and its chat template from the same file the trainer's came from (the first
+of ``chat_template.jinja``, ``tokenizer_config.json``, ``chat_template.json`` holding one, as transformers reads
+them: `actors.models.chat_template_in`), each file checked against the manifest's sha256. Where
+``model.tokenizer`` is not the checkpoint directory, the template files published are that tokenizer's (none
+for a tokenizer.json file), never the checkpoint's: the generator then renders with the trainer's template.
+A generator whose own ``model.name_or_path`` or ``model.revision`` is not the run's is refused, naming the field.
 """
 
 from __future__ import annotations
@@ -76,13 +79,17 @@ def spec_of(cfg: LeewayConfig) -> dict[str, Any]:
 def publish_model_files(store: ObjectStore, cfg: LeewayConfig) -> ModelFiles | None:
     """The trainer's part: publish the checkpoint's model files under ``<run>/model/`` (see the module docstring);
     None for a preset, which every process builds from its name."""
-    from actors.models import MODEL_FILES, checkpoint_dir
+    from actors.models import CHAT_TEMPLATE_FILES, MODEL_FILES, checkpoint_dir, tokenizer_path
 
     directory = checkpoint_dir(cfg)
     if directory is None:
         return None
     blobs = {name: (directory / name).read_bytes() for name in MODEL_FILES if (directory / name).is_file()}
-    blobs.update(_configured_files(cfg))
+    tokenizer = tokenizer_path(cfg)
+    if tokenizer is not None and not (tokenizer.is_dir() and tokenizer.resolve() == directory.resolve()):
+        # the trainer's template is model.tokenizer's (or the task's), and so must the generators' be
+        blobs = {name: data for name, data in blobs.items() if name not in CHAT_TEMPLATE_FILES}
+    blobs.update(_configured_files(cfg, tokenizer))
     if "config.json" not in blobs:
         raise ModelFilesError(f"model.name_or_path = {cfg.model.name_or_path!r}: no config.json in {directory}")
     mine = ModelFiles(spec_of(cfg), {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()})
@@ -146,18 +153,17 @@ def fetch_model_files(store: ObjectStore, cfg: LeewayConfig, into: Path, *, wait
     return into
 
 
-def _configured_files(cfg: LeewayConfig) -> dict[str, bytes]:
-    """The tokenizer and chat template this trainer uses, where the config names them apart from the checkpoint:
-    they are what the generators must use too."""
-    from actors.models import tokenizer_path
+def _configured_files(cfg: LeewayConfig, path: Path | None) -> dict[str, bytes]:
+    """The tokenizer and chat template this trainer uses (`path`: `model.tokenizer` on this machine), where the
+    config names them apart from the checkpoint: they are what the generators must use too."""
+    from actors.models import CHAT_TEMPLATE_FILES
     from pipeline.chat.template import load_chat_template
 
     out: dict[str, bytes] = {}
-    path = tokenizer_path(cfg)
     if path is not None:
         out["tokenizer.json"] = (path / "tokenizer.json" if path.is_dir() else path).read_bytes()
-        if path.is_dir() and (path / "tokenizer_config.json").is_file():
-            out["tokenizer_config.json"] = (path / "tokenizer_config.json").read_bytes()
+        if path.is_dir():
+            out.update({name: (path / name).read_bytes() for name in CHAT_TEMPLATE_FILES if (path / name).is_file()})
     if cfg.model.chat_template is not None:
         out["chat_template.jinja"] = load_chat_template(cfg.model.chat_template).encode()
     return out

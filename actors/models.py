@@ -24,6 +24,7 @@ The tiny presets are sized for the CPU demo, which trains on 2 cores.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,13 +54,17 @@ named with a last ``-<positions>`` (``tiny-llama-2x64-2048``) has that many inst
 HEAD_DIM = 16
 """Head size of the tiny presets; the number of heads is ``hidden // HEAD_DIM``."""
 
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
+"""Where a checkpoint's chat template may be, first found wins (`chat_template_in`): ``chat_template.jinja``, as
+today's ``save_pretrained`` writes it (transformers' tokenizer loader prefers it to the key below), the
+``chat_template`` key of ``tokenizer_config.json`` (older checkpoints), and ``chat_template.json``, the legacy file
+of a processor (a multimodal checkpoint), which a tokenizer never reads: the last resort."""
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
     "tokenizer.json",
-    "tokenizer_config.json",
     "special_tokens_map.json",
-    "chat_template.jinja",
+    *CHAT_TEMPLATE_FILES,
 )
 """What a checkpoint directory may hold that describes the model without its weights."""
 EOS_TOKENS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>")
@@ -312,21 +317,37 @@ def build_policy_model(
     )
 
 
+def chat_template_in(directory: Path) -> str | None:
+    """The chat template of a checkpoint or tokenizer directory, from the first of `CHAT_TEMPLATE_FILES` that
+    holds one; None when none does. A file that holds a malformed one is refused naming it (``ValueError``)."""
+    for name in CHAT_TEMPLATE_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        if path.suffix == ".jinja":
+            return path.read_text()
+        try:
+            has_template = json.loads(path.read_text()).get("chat_template") is not None
+        except (ValueError, AttributeError) as exc:  # not JSON, or JSON that is not an object
+            raise ValueError(f"chat template: {path} is not a JSON object ({exc})") from exc
+        if has_template:
+            return load_chat_template(path)
+    return None
+
+
 def load_chat_template_for(cfg: LeewayConfig, tokenizer: Tokenizer, task: Task | None = None) -> ChatTemplate | None:
-    """The run's chat template: `model.chat_template`, else the ``tokenizer_config.json`` beside
-    `model.tokenizer` (a directory), else the task's ``chat_template`` text; None when there is none.
+    """The run's chat template: `model.chat_template`, else the one of the directory `model.tokenizer` names
+    (`chat_template_in`: where transformers puts it; a directory holding none of `CHAT_TEMPLATE_FILES` defers to
+    the task), else the task's ``chat_template`` text; None when there is none.
     Its end-of-turn token is the first of `END_OF_TURN_TOKENS` the template writes, else the tokenizer's EOS."""
     text: str | None = None
     tokenizer_dir = tokenizer_path(cfg)
     if cfg.model.chat_template is not None:
         text = load_chat_template(cfg.model.chat_template)
-    elif tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").is_file():
-        try:
-            text = load_chat_template(tokenizer_dir / "tokenizer_config.json")
-        except ValueError:
-            text = None
-    elif task is not None and isinstance(getattr(task, "chat_template", None), str):
-        text = task.chat_template  # type: ignore[attr-defined]
+    elif tokenizer_dir is not None and any((tokenizer_dir / name).is_file() for name in CHAT_TEMPLATE_FILES):
+        text = chat_template_in(tokenizer_dir)
+    elif task is not None:
+        text = task.chat_template
     if text is None:
         return None
     written = [t for t in END_OF_TURN_TOKENS if t in text]

@@ -8,6 +8,11 @@ after every rollover too: raw output (a traceback at exit, a C library's warning
 records, and nothing is lost at a rollover, since the process that writes is the one that rotates.
 Without the variable (a role started by hand) records go to stderr as before. `--nproc` ranks share
 their launcher's output and do not rotate it (`actors/trainer/distributed.py` drops the variable).
+
+A role that stops on purpose before its work is done (a task that fails its verifier self-check, no trainable
+group for `trainer.queue_wait_timeout_s`) is not a crash: it logs one line, ``<role> stopped: <reason>``
+(`log_stop`), no traceback, and exits `STOP_EXIT`; `leeway run` repeats the reason as its own last line
+(`stop_reason`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,13 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import os
+from pathlib import Path
 from typing import IO, Any
 
 LOG_FILE_ENV = "LEEWAY_LOG_FILE"
+STOP_EXIT = 2
+"""The exit status of a role that stopped on purpose, for the reason its `log_stop` line gives."""
+STOPPED = " stopped: "
 
 
 class _RoleLogHandler(logging.handlers.RotatingFileHandler):
@@ -39,3 +48,22 @@ def configure_role_logging(level: str, fmt: str, *, max_bytes: int, backups: int
     handler = _RoleLogHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
     handler.setFormatter(logging.Formatter(fmt))
     logging.basicConfig(level=level, handlers=[handler])
+
+
+def log_stop(log: logging.Logger, role: str, reason: object) -> int:
+    """Log that `role` stops on purpose, and why, as its last line; returns `STOP_EXIT` for its exit status."""
+    log.error("%s%s%s", role, STOPPED, reason)
+    return STOP_EXIT
+
+
+def stop_reason(path: str | Path | None, role: str) -> str | None:
+    """The reason of the last `log_stop` line of `role` in its log at `path`; None without one."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines() if path is not None else []
+    except OSError:
+        return None
+    marker = role + STOPPED
+    for line in reversed(lines):
+        if marker in line:
+            return line.split(marker, 1)[1]
+    return None

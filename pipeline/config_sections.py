@@ -92,7 +92,9 @@ class ModelConfig(Section):
     snapshot's tokenizer and chat template). None: the task's own tokenizer."""
     chat_template: str | None = None
     """A chat template file (`.jinja`, or a `tokenizer_config.json` holding `chat_template`) for message prompts and
-    the chat endpoint. None: the `tokenizer_config.json` beside `model.tokenizer`, else the task's own template."""
+    the chat endpoint. None: the template of the directory `model.tokenizer` names, where transformers saves it
+    (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`, else `chat_template.json`), else the
+    task's own template."""
     chat_template_args: dict[str, Any] = Field(default_factory=dict)
     """Extra variables the chat template is rendered with, e.g. `{enable_thinking: false}` for Qwen3's (replies
     without a reasoning block)."""

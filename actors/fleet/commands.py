@@ -13,12 +13,15 @@
 Every command after `up` finds the fleet through the run's namespace, so it may run from another
 shell or machine that reaches the cluster. Nothing but small status dicts crosses Ray. The local
 cluster binds to 127.0.0.1 without a dashboard; token authentication stays as Ray sets it (on).
+Ray is the `fleet` extra (`pip install 'leeway[fleet]'`), imported only inside the functions that use it: without
+it every command answers one line saying so, and nothing else of Leeway needs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import socket
@@ -537,9 +540,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action_parser.set_defaults(handler=WithConfig(main))
 
 
+def require_ray() -> None:
+    """`FleetError` naming the extra when Ray is not installed (it is imported only by the fleet's code)."""
+    if importlib.util.find_spec("ray") is None:
+        raise FleetError("needs Ray, which is not installed here: pip install 'leeway[fleet]'")
+
+
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     commands = {"up": cmd_up, "scale": cmd_scale, "status": cmd_status, "down": cmd_down}
     try:
+        require_ray()
         return commands[args.fleet_command](cfg, args)
     except FleetError as exc:
         print(f"leeway fleet: {exc}", file=sys.stderr)

@@ -6,10 +6,14 @@
   reward panel.
 - `summary.md`: a short table of what happened: steps, time, reward at the start and the end,
   staleness, drops, waiting, throughput, and the files to look at next.
+
+The plot needs matplotlib, the `plots` extra (`make` installs it); without it the run ends with its summary and
+one line naming the extra (`NO_PLOTS`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from collections.abc import Sequence
@@ -22,6 +26,12 @@ SMOOTH_STEPS = 10
 """Moving-average window of the reward curves (a step's reward is a noisy mean over one batch)."""
 EDGE_STEPS = 5
 """The summary's reward "at the start" and "at the end" are means over this many steps."""
+NO_PLOTS = "no report.png: plots need matplotlib: pip install 'leeway[plots]'"
+
+
+def can_plot() -> bool:
+    """True when matplotlib (the `plots` extra) is installed."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -203,9 +213,10 @@ def summarize(
 
 
 def write_report(run_dir: Path, records: list[dict[str, Any]], cfg: LeewayConfig | None = None) -> Path:
-    """Write report.png (when there is a step to plot) and summary.md next to metrics.jsonl; returns summary.md."""
+    """Write report.png (when there is a step to plot and matplotlib to plot it) and summary.md next to
+    metrics.jsonl; returns summary.md."""
     evals = read_evals(run_dir)
-    if records:
+    if records and can_plot():
         plot_run(records, run_dir / "report.png", cfg, evals)
     summary = run_dir / "summary.md"
     summary.write_text(summarize(records, cfg, evals))

@@ -54,12 +54,13 @@ from typing import Any
 from actors.cli_args import WithConfig, add_config_arguments
 from actors.launcher.live_view import LiveView
 from actors.launcher.queue_probe import QueueProbe
-from actors.launcher.report import write_report
+from actors.launcher.report import NO_PLOTS, can_plot, write_report
 from actors.launcher.roles import RunProcesses, generator_ids, start_roles
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
 from actors.servers import private_stack_dir, stack_bucket
 from infra.orphans import tied_to_this_process
 from infra.process import StackError, log_tail
+from infra.role_logs import STOP_EXIT, stop_reason
 from infra.stack import start_stack, stop_stack
 from pipeline.config import LeewayConfig
 
@@ -301,8 +302,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     """`leeway run CONFIG [--generators N] [--no-live] [--fresh [--discard-checkpoints] | --resume]`: the run, its
-    report, and an exit status (0 done, 1 a role or the servers failed, 2 bad arguments, run.dir in use or
-    nothing to resume, 130 interrupted)."""
+    report, and an exit status (0 done, 1 a role or the servers failed, 2 bad arguments, run.dir in use, nothing
+    to resume, or the trainer stopped the run on purpose, its reason the last line: a task that fails its verifier
+    self-check, no trainable group for `trainer.queue_wait_timeout_s`; 130 interrupted)."""
     num_generators = args.generators or 1
     if num_generators < 1:
         print("leeway run: --generators must be at least 1", file=sys.stderr)
@@ -329,6 +331,8 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
         f"leeway run: metrics {outcome.run_dir / 'metrics.jsonl'}, summary {report}"
         + (f", plot {plot}" if plot.exists() else "")
     )
+    if outcome.records and not can_plot():
+        print(f"leeway run: {NO_PLOTS}")
     if outcome.interrupted:
         print("leeway run: interrupted; every process it started has stopped", file=sys.stderr)
         return 130
@@ -339,6 +343,10 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
                 print(f"--- {name} log ({outcome.run_dir / 'logs' / (name + '.log')}):", file=sys.stderr)
                 print(log_tail(outcome.run_dir / "logs" / f"{name}.log"), file=sys.stderr)
         return 1
+    reason = stop_reason(outcome.trainer_log, "trainer") if outcome.trainer_rc == STOP_EXIT else None
+    if reason is not None:  # an expected stop (a refused task, no learning signal): why, as the last line
+        print(f"leeway run: the trainer stopped the run: {reason}", file=sys.stderr)
+        return 2
     if outcome.trainer_rc != 0:
         print(
             f"leeway run: the trainer exited with {outcome.trainer_rc}; the end of {outcome.trainer_log}:",

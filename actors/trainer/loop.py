@@ -29,7 +29,9 @@ The loop waits on one thing only: trajectory groups (`collect_batch`), which gen
 from admitted prompts; while it waits it re-checks admission, so a dropped group's slot is refilled
 at once. While groups keep arriving it also tops admission up as soon as fewer than one batch of
 admitted groups is still to come (low water): when most groups are filtered (a saturated reward,
-dynamic sampling) the generators would otherwise run dry before every refill. `trainer.queue_wait_timeout_s` without a trainable group ends the run with an error.
+dynamic sampling) the generators would otherwise run dry before every refill. `trainer.queue_wait_timeout_s`
+without a trainable group stops the run (`QueueWaitTimeout`, an expected stop that says why: the groups that
+did arrive counted by drop reason, or that none did; exit status 2, no traceback).
 
 Invariants and failure behaviour:
 - Trainable groups are acked only after the version trained on them is published and announced,
@@ -74,6 +76,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -88,6 +91,8 @@ from actors.trainer.sessions import Session
 from actors.trainer.slots import slots_to_return
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import (
+    DROP_CAP,
+    DROP_FILTER,
     GroupPolicy,
     ModelLimits,
     PreparedGroup,
@@ -113,6 +118,12 @@ WAIT_LOG_EVERY_S = 30.0
 """While no trainable group arrives, say so this often (and reset the held groups' ack wait)."""
 DROP_INVALID = "invalid"
 """Drop reason of a group the batching logic refused (logged with the reason)."""
+DROP_MEANING = {
+    DROP_FILTER: "every sample of the group scored the same: no learning signal, as when a policy solves none of "
+    "its tasks",
+    DROP_CAP: "older than the staleness cap allows",
+}
+"""What a drop reason means, where `QueueWaitTimeout` names it."""
 
 
 @dataclass
@@ -143,7 +154,10 @@ class StopRequested(Exception):
 
 
 class QueueWaitTimeout(RuntimeError):
-    """No trainable group arrived for `trainer.queue_wait_timeout_s`."""
+    """No trainable group arrived for `trainer.queue_wait_timeout_s`: an expected stop, not a crash. The message
+    says why (what the groups that did arrive were dropped for, or that none arrived); the final checkpoint is
+    written as after any error, and `leeway trainer` ends with the message as its last line, no traceback, and
+    exit status 2 (`actors/trainer/runtime.py`)."""
 
 
 class Trainer:
@@ -194,7 +208,8 @@ class Trainer:
                 log.info("stop requested: abandoning the current step; its groups are given back")
                 await self.session.give_back()
             except Exception as exc:
-                log.error("trainer failed at step %d: %s: %s", self.state.step, type(exc).__name__, exc)
+                if not isinstance(exc, QueueWaitTimeout):  # an expected stop: `main` logs it, once
+                    log.error("trainer failed at step %d: %s: %s", self.state.step, type(exc).__name__, exc)
                 await self._checkpoint_after_failure()
                 raise
             await self.session.checkpoint(self.state, self.handled, final=True)
@@ -297,16 +312,22 @@ class Trainer:
                 batch.num_dropped,
             )
         if idle_s > self.cfg.trainer.queue_wait_timeout_s:
-            why = (
-                f"{batch.num_dropped} groups arrived and none could train (dropped by the staleness cap, or every "
-                "sample of each scored the same: no learning signal, as when a policy solves none of its tasks)"
-                if batch.num_dropped
-                else f"are generators running for run {self.cfg.run.name!r}?"
-            )
             raise QueueWaitTimeout(
                 f"no trainable group for {self.cfg.trainer.queue_wait_timeout_s:.0f} s "
-                f"(trainer.queue_wait_timeout_s); {why}"
+                f"(trainer.queue_wait_timeout_s); {self._why_none_trains(batch)}"
             )
+
+    def _why_none_trains(self, batch: Batch) -> str:
+        """The groups this batch dropped or refused, counted by reason; or that none arrived."""
+        reasons = Counter(p.drop_reason or DROP_INVALID for p in batch.consumed if not p.trainable)
+        reasons.update(reason for reason, _ in batch.refused.values())
+        if not reasons:
+            return f"no group arrived: are generators running for run {self.cfg.run.name!r}?"
+        counts = ", ".join(
+            f"{n} {reason}" + (f" ({DROP_MEANING[reason]})" if reason in DROP_MEANING else "")
+            for reason, n in reasons.most_common()
+        )
+        return f"{sum(reasons.values())} groups arrived that cannot train: {counts}"
 
     async def _take(self, delivery: Delivery, batch: Batch) -> int | None:
         """Dedupe, the door, then cap / validity / advantages (`pipeline/rl/batching.py`) for one delivered group.

@@ -11,9 +11,11 @@
 
 This mirrors `actors/generator/runtime.py`: the loop module holds the role's logic and is tested with
 the parts `open_trainer` assembles; this module is the process around it. Launching several ranks
-(`--nproc`) is `actors/trainer/distributed.py`. `main` returns 0 when the loop ends normally and 1 when
-it raised (logged with its traceback; a final checkpoint was written where the state allowed) or when a
-following rank failed.
+(`--nproc`) is `actors/trainer/distributed.py`. `main` returns 0 when the loop ends normally; 2 when the run
+stops on purpose (the task failed its verifier self-check, or no trainable group arrived for
+`trainer.queue_wait_timeout_s`), with the reason as the log's last line and no traceback
+(`infra.role_logs.log_stop`); and 1 when it raised anything else (logged with its traceback; a final checkpoint
+was written where the state allowed) or when a following rank failed.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ from actors.servers import open_run_store, resolve_servers, watch_servers
 from actors.trainer.backends import build_backend
 from actors.trainer.backends.data_parallel import is_data_parallel
 from actors.trainer.distributed import RankEnv, join_rank_group, leave_rank_group
-from actors.trainer.loop import Trainer
+from actors.trainer.loop import QueueWaitTimeout, Trainer
 from actors.trainer.prompt_feed import check_prompt_rows
 from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
 from actors.trainer.replay_session import ReplaySession
 from actors.trainer.run_lease import LeasedSession, LeaseKeeper
 from actors.trainer.sessions import RunLink, Session, build_weight_publisher
-from infra.role_logs import configure_role_logging
+from infra.role_logs import configure_role_logging, log_stop
 from pipeline.config import LeewayConfig
 from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, load_prompts, task_for
 from pipeline.tasks.self_check import SELF_CHECK_ITEMS, TaskSelfCheckError, require_verified_task
@@ -176,9 +178,8 @@ def _lead(cfg: LeewayConfig, *, resume: bool, replay: ReplaySelection | None) ->
 
     try:
         return asyncio.run(_run())
-    except TaskSelfCheckError as exc:  # the user's task, refused before anything ran: the reason, not a traceback
-        log.error("%s", exc)
-        return 2
+    except (TaskSelfCheckError, QueueWaitTimeout) as exc:  # expected stops: the reason, not a traceback
+        return log_stop(log, "trainer", exc)
     except Exception:  # the process boundary: the traceback goes to the log, the exit status says it failed
         log.exception("trainer exiting with an error (a final checkpoint was written where the state allowed)")
         return 1

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.cli_args import add_set_argument
+from actors.launcher.report import can_plot
 
 DEFAULT_CONFIG = "configs/reasoning.yaml"
 SMOOTH = 3
@@ -277,6 +278,8 @@ def _rl(args: argparse.Namespace, root: Path, checkpoint: Path, label: str, stal
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.plot and not can_plot():  # said before the 13 minutes, not after
+        raise SystemExit("bench learning: --plot needs matplotlib: pip install 'leeway[plots]'")
     with tempfile.TemporaryDirectory(prefix="leeway-bench-learning-") as tmp:
         root = Path(args.dir).resolve() if args.dir else Path(tmp)
         if args.sft_checkpoint is not None:
