@@ -86,33 +86,69 @@ def _fresh(out: Path) -> None:
 
 
 def _main(cfg: LeewayConfig, args: argparse.Namespace, rank_env: Any) -> int:
+    """Refusals, data, model, training and export, then the summary line (rank 0 only)."""
     from actors.models import build_policy_model, load_chat_template_for, load_tokenizer
-    from actors.trainer.backends import build_backend
-    from actors.trainer.distributed import join_rank_group, leave_rank_group
     from pipeline.tasks import task_for
 
-    settings = cfg.sft
     out = output_dir(cfg)
-    if (settings.data is None) == (not settings.from_task):
-        log.error("leeway sft: set exactly one of sft.data (a JSONL/Parquet file) and sft.from_task: true")
-        return 2
-    if args.fresh and not rank_env.distributed:
-        _fresh(out)
-    has_state = (out / STATE_DIR).is_dir() and any((out / STATE_DIR).glob("step-*"))
-    if not args.resume and (has_state or (out / "model.safetensors").exists()):
-        log.error(
-            "leeway sft: %s already holds an SFT result or its state: --resume continues it, --fresh deletes it and "
-            "starts over (or set sft.output_dir)",
-            out,
-        )
+    refusal = _refusal(cfg, args, rank_env, out)
+    if refusal is not None:
+        log.error("leeway sft: %s", refusal)
         return 2
     torch.set_num_threads(cfg.trainer.torch_threads)
     torch.manual_seed(cfg.run.seed)
     task = task_for(cfg)
     tokenizer = load_tokenizer(cfg, task)
     template = load_chat_template_for(cfg, tokenizer, task)
-    renderer = Renderer(tokenizer, template)
     skipped: Counter[str] = Counter()
+    rows, source = _rows(cfg, task, Renderer(tokenizer, template), skipped)
+    model = build_policy_model(base_config(cfg), tokenizer)
+    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    kept = within_limits(rows, vocab_size=vocab, max_tokens=int(positions or 1 << 30), skipped=skipped)
+    if not kept:
+        log.error("leeway sft: no example fits the model (left out: %s)", dict(skipped))
+        return 2
+    if skipped:
+        log.warning("leeway sft: %d examples left out: %s", sum(skipped.values()), dict(skipped))
+    loop, last, seconds = _train(
+        cfg, args, rank_env, model, ExampleSet(kept, source, skipped), out, tokenizer, template
+    )
+    if not rank_env.is_leader:
+        return 0
+    summary: dict[str, Any] = {
+        "output_dir": str(out),
+        "examples": len(kept),
+        "skipped": dict(skipped),
+        "steps": loop.total,
+        "train_seconds": seconds,
+        "final_loss": last.get("loss"),
+    }
+    if cfg.sft.eval_at_end and not args.no_eval:
+        summary["eval"] = _evaluate(cfg, out, task)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _refusal(cfg: LeewayConfig, args: argparse.Namespace, rank_env: Any, out: Path) -> str | None:
+    """Why this command must not start (a config without data, a result it would overwrite), or None; a single
+    process's `--fresh` deletes the old result here (several ranks: the launcher did, once)."""
+    if (cfg.sft.data is None) == (not cfg.sft.from_task):
+        return "set exactly one of sft.data (a JSONL/Parquet file) and sft.from_task: true"
+    if args.fresh and not rank_env.distributed:
+        _fresh(out)
+    has_state = (out / STATE_DIR).is_dir() and any((out / STATE_DIR).glob("step-*"))
+    if not args.resume and (has_state or (out / "model.safetensors").exists()):
+        return (
+            f"{out} already holds an SFT result or its state: --resume continues it, --fresh deletes it and "
+            "starts over (or set sft.output_dir)"
+        )
+    return None
+
+
+def _rows(cfg: LeewayConfig, task: Any, renderer: Renderer, skipped: Counter[str]) -> tuple[list[Any], str]:
+    """The examples (`sft.data`'s rows, or the task's reference answers) and where they came from."""
+    settings = cfg.sft
     if settings.from_task:
         rows = examples_from_task(
             task,
@@ -122,23 +158,26 @@ def _main(cfg: LeewayConfig, args: argparse.Namespace, rank_env: Any) -> int:
             max_examples=settings.max_examples,
             skipped=skipped,
         )
-        source = f"task {cfg.task.name}"
-    else:
-        assert settings.data is not None
-        rows = examples_from_file(settings.data, renderer, max_examples=settings.max_examples)
-        source = settings.data
-    model = build_policy_model(base_config(cfg), tokenizer)
-    limits_positions = getattr(model.config, "max_position_embeddings", None) or getattr(
-        model.config, "n_positions", None
-    )
-    vocab = model.get_input_embeddings().weight.shape[0]
-    kept = within_limits(rows, vocab_size=vocab, max_tokens=int(limits_positions or 1 << 30), skipped=skipped)
-    if not kept:
-        log.error("leeway sft: no example fits the model (left out: %s)", dict(skipped))
-        return 2
-    examples = ExampleSet(kept, source, skipped)
-    if skipped:
-        log.warning("leeway sft: %d examples left out: %s", sum(skipped.values()), dict(skipped))
+        return rows, f"task {cfg.task.name}"
+    assert settings.data is not None
+    return examples_from_file(settings.data, renderer, max_examples=settings.max_examples), settings.data
+
+
+def _train(
+    cfg: LeewayConfig,
+    args: argparse.Namespace,
+    rank_env: Any,
+    model: Any,
+    examples: ExampleSet,
+    out: Path,
+    tokenizer: Any,
+    template: Any,
+) -> tuple[SftLoop, dict[str, Any], float]:
+    """Every rank: the steps on the backend, then the weights exported (rank 0 writes the checkpoint directory)."""
+    from actors.trainer.backends import build_backend
+    from actors.trainer.distributed import join_rank_group, leave_rank_group
+
+    settings = cfg.sft
     model_config = model.config
     if rank_env.distributed:
         join_rank_group(rank_env, cfg.trainer.device, cfg.trainer.dist_timeout_s)
@@ -156,13 +195,12 @@ def _main(cfg: LeewayConfig, args: argparse.Namespace, rank_env: Any) -> int:
         )
         if rank_env.is_leader:
             out.mkdir(parents=True, exist_ok=True)
-            tokens = sum(e.num_tokens for e in kept)
             log.info(
                 "leeway sft: %d examples from %s (%d tokens, %d to learn), %d steps of %d into %s",
-                len(kept),
-                source,
-                tokens,
-                sum(e.num_loss_tokens for e in kept),
+                len(examples.examples),
+                examples.source,
+                sum(e.num_tokens for e in examples.examples),
+                sum(e.num_loss_tokens for e in examples.examples),
                 loop.total,
                 settings.batch_examples,
                 out,
@@ -181,20 +219,7 @@ def _main(cfg: LeewayConfig, args: argparse.Namespace, rank_env: Any) -> int:
     finally:
         if rank_env.distributed:
             leave_rank_group()
-    if not rank_env.is_leader:
-        return 0
-    summary: dict[str, Any] = {
-        "output_dir": str(out),
-        "examples": len(kept),
-        "skipped": dict(skipped),
-        "steps": loop.total,
-        "train_seconds": seconds,
-        "final_loss": last.get("loss"),
-    }
-    if settings.eval_at_end and not args.no_eval:
-        summary["eval"] = _evaluate(cfg, out, task)
-    print(json.dumps(summary), flush=True)
-    return 0
+    return loop, last, seconds
 
 
 def _evaluate(cfg: LeewayConfig, out: Path, task: Any) -> dict[str, Any] | None:

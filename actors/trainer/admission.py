@@ -2,7 +2,8 @@
 
 Both feed the admission rule (`pipeline/rl/staleness.py`): outstanding groups hold slots, and a group that
 can no longer arrive (decided, dropped, refused, or removed by stream retention) must give its slot back,
-or admission stalls. The live session, the trainer test fakes and the loop's still-to-come count share them.
+or admission stalls. The live session, the trainer test fakes and the loop's still-to-come count share them
+(`outstanding_groups`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from pipeline.rl.staleness import admissible_prompts
 log = logging.getLogger(__name__)
 
 
+def outstanding_groups(state: TrainerState, settled: int = 0) -> int:
+    """Admitted groups that can still arrive: neither decided in a committed step nor among the `settled` ones of the
+    step still filling (already delivered, dropped or refused, not yet committed)."""
+    return state.admitted - state.decided_groups - settled
+
+
 def admission_count(cfg: LeewayConfig, state: TrainerState, pending_dropped: int = 0) -> int:
     """How many prompts the staleness rule admits now; `pending_dropped`: groups of the step still filling
     that are already decided (dropped or refused) but not yet committed, whose slots are free too."""
@@ -23,7 +30,7 @@ def admission_count(cfg: LeewayConfig, state: TrainerState, pending_dropped: int
         steps=state.step,
         max_staleness=cfg.staleness.max_staleness,
         batch_groups=cfg.trainer.batch_groups,
-        outstanding=max(0, state.admitted - state.decided_groups - pending_dropped),
+        outstanding=max(0, outstanding_groups(state, pending_dropped)),
         trained=state.trained_groups,
     )
 

@@ -83,6 +83,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.trainer.admission import outstanding_groups
 from actors.trainer.backends import StepResult, TrainBatch, TrainingBackend
 from actors.trainer.checkpoints import RecentIds, TrainerState
 from actors.trainer.metrics_log import MetricsLog
@@ -295,8 +296,7 @@ class Trainer:
 
     def _still_to_come(self, batch: Batch) -> int:
         """Admitted groups not yet delivered: neither decided in a committed step nor held by `batch`."""
-        state = self.state
-        return state.admitted - state.decided_groups - len(batch.consumed) - len(batch.refused)
+        return outstanding_groups(self.state, len(batch.consumed) + len(batch.refused))
 
     async def _while_waiting(self, batch: Batch, idle_s: float) -> None:
         """No group arrived: refill admission, keep held groups from redelivery, say why we wait, give up late."""
