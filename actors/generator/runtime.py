@@ -186,7 +186,7 @@ class GeneratorRuntime:
                 asyncio.create_task(weights.run()),
                 asyncio.create_task(report_metrics(nc, generator_metrics_subject(names), metrics, weights, extra)),
             ]
-            opened.push_async_callback(_cancel, background)
+            opened.push_async_callback(cancel_until_done, background)
             yield cls(generator, weights, engine, endpoint, service)
 
 
@@ -302,7 +302,7 @@ async def report_metrics(
             log.info(format_report(record))
 
 
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+async def cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:
     """Cancel the background loops and wait for them; a loop still running a second later is cancelled again
     (Python 3.11's `asyncio.wait_for`, inside every NATS request, drops a cancel that arrives with the reply)."""
     for task in tasks:

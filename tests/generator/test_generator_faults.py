@@ -285,7 +285,7 @@ def test_a_generator_that_cannot_pull_its_prompts_version_hands_them_back_and_sa
 def test_background_loops_stop_even_when_a_cancel_arrives_with_a_reply() -> None:
     """Python 3.11's `asyncio.wait_for` (inside every NATS request) drops a cancel that arrives in the same turn as
     the reply; the generator's shutdown cancels its background loops again until they end."""
-    from actors.generator.runtime import _cancel
+    from actors.generator.runtime import cancel_until_done
 
     async def main() -> None:
         replies: list[asyncio.Future[None]] = []
@@ -299,7 +299,7 @@ def test_background_loops_stop_even_when_a_cancel_arrives_with_a_reply() -> None
         while not replies:
             await asyncio.sleep(0.001)
         replies[-1].set_result(None)  # the reply lands in the cancel's turn: the first cancel is dropped
-        stopping = asyncio.create_task(_cancel([task]))
+        stopping = asyncio.create_task(cancel_until_done([task]))
         done, _ = await asyncio.wait({stopping}, timeout=30.0)  # a bound, never reached when it works
         assert stopping in done and task.cancelled() and len(replies) >= 2
 
