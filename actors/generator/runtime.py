@@ -2,12 +2,18 @@
 
 ```
   leeway generator CONFIG ─► main (logging, torch threads, SIGINT/SIGTERM -> stop)
-      └─► serve ─► GeneratorRuntime.open: object store, task + tokenizer, engine, verifier pool, NATS (one connect,
-                   `actors.servers.connect_nats`), trajectory streams + prompt queue, WeightSync
+      └─► serve ─► GeneratorRuntime.open: object store, task (`task_for`) + tokenizer + chat template, engine,
+                   verifier pool, NATS (one connect, `actors.servers.connect_nats`), trajectory streams + prompt
+                   queue, WeightSync
+                   │   endpoint (`open_endpoint`, when generator.serve.enabled; an agent task needs it): the
+                   │     OpenAI-compatible app on the same engine, its conversations; an `AgentRunner` on it runs
+                   │     the agent function (`task.agent`), in the task's episodes when `sandboxed_agents`
                    │   background: WeightSync.run (KV watch + LATEST poll, pulls)
                    │   background: report_metrics (a JSON report every REPORT_INTERVAL_S)
-                   └─► Generator.run until stop ─► close: loops cancelled, queue unsubscribed, NATS drained,
-                                                   subscriber and store closed
+                   └─► Generator.run until stop ─► close, in reverse order of opening: loops cancelled
+                                                   (`cancel_until_done`), agents' client and endpoint stopped,
+                                                   the task closed (`Task.aclose`: its sandbox pool), queue
+                                                   unsubscribed, NATS drained, subscriber and store closed
 ```
 
 `main` returns 0 after a clean shutdown.

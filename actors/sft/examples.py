@@ -101,7 +101,7 @@ class Renderer:
         if self.template is None:
             raise ExampleError(
                 "a chat (messages) needs a chat template: set model.chat_template, or give model.tokenizer a "
-                "directory with a tokenizer_config.json that has one"
+                "directory that has one (chat_template.jinja, or the key in tokenizer_config.json)"
             )
         messages = [dict(m) for m in messages]
         turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]

@@ -39,7 +39,7 @@ def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer, template: ChatTemplat
         if template is None:
             raise NoChatTemplate(
                 f"prompt {prompt.prompt_id!r} is a chat (messages), and this model has no chat template: set "
-                "model.chat_template, or give model.tokenizer a directory with a tokenizer_config.json that has one"
+                "model.chat_template, or give model.tokenizer a directory that has one (chat_template.jinja, or the key in tokenizer_config.json)"
             )
         return template.render(prompt.messages)
     assert prompt.text is not None
