@@ -16,8 +16,8 @@
                        commit ── session.ack the groups used (only now) ── write_metrics ── session.checkpoint
 ```
 
-The session (`actors/trainer/sessions.py`) is a `LiveSession` for `leeway trainer [--resume]` and a
-`ReplaySession` for `--replay`; its module docstring says what each does at every arrow. The staleness
+The session (`actors/trainer/session_protocol.py`) is a `LiveSession` for `leeway trainer [--resume]` and a
+`ReplaySession` for `--replay`; `actors/trainer/sessions.py`'s docstring says what each does at every arrow. The staleness
 rule behind admission and the cap is written once, in `pipeline/rl/staleness.py`. With several
 trainer ranks (`leeway trainer --nproc N`, or RANK/WORLD_SIZE in the environment) this loop runs on
 rank 0 only; its backend is a `LeaderBackend` and the session publishes, checkpoints and resumes
@@ -88,7 +88,7 @@ from actors.trainer.backends import StepResult, TrainBatch, TrainingBackend
 from actors.trainer.checkpoints import RecentIds, TrainerState
 from actors.trainer.metrics_log import MetricsLog
 from actors.trainer.objective import CorrectedObjective
-from actors.trainer.sessions import Session
+from actors.trainer.session_protocol import Session
 from actors.trainer.slots import slots_to_return
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import (

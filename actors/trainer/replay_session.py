@@ -20,7 +20,8 @@ from actors.trainer.admission import count_lost_to_retention
 from actors.trainer.checkpoints import RecentIds, TrainerState
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path
-from actors.trainer.sessions import STREAM_INFO_TIMEOUT_S, RunLink
+from actors.trainer.session_protocol import RunLink
+from actors.trainer.sessions import STREAM_INFO_TIMEOUT_S
 from actors.trainer.slots import DeadLetterEntry
 from pipeline.config import LeewayConfig
 from pipeline.wire.consumer import Delivery

@@ -39,7 +39,8 @@ from actors.trainer.prompt_feed import check_prompt_rows
 from actors.trainer.rank_group import LeaderBackend, RankGroup, follow
 from actors.trainer.replay_session import ReplaySession
 from actors.trainer.run_lease import LeasedSession, LeaseKeeper
-from actors.trainer.sessions import RunLink, Session, build_weight_publisher
+from actors.trainer.session_protocol import RunLink, Session
+from actors.trainer.sessions import build_weight_publisher
 from infra.role_logs import configure_role_logging, log_stop
 from pipeline.config import LeewayConfig
 from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, load_prompts, task_for

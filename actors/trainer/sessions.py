@@ -40,19 +40,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import nats.errors
-from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from transformers import PreTrainedModel
 
 from actors.models import load_chat_template_for, load_tokenizer
-from actors.servers import connect_nats, open_run_store, resolve_servers
 from actors.trainer.admission import admission_count, count_lost_to_retention
 from actors.trainer.backends import TrainingBackend
 from actors.trainer.checkpoints import (
@@ -67,12 +63,12 @@ from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import EVAL_LOG, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
 from actors.trainer.resume_reads import ResumeReads
+from actors.trainer.session_protocol import RunLink
 from actors.trainer.slots import DeadLetterCheck, DeadLetterEntry, read_dead_letters_quietly
 from pipeline.config import LeewayConfig
 from pipeline.tasks import Task
 from pipeline.wire.announce import generator_metrics_subject, try_announce, version_kv
 from pipeline.wire.consumer import Delivery, TrajectoryConsumer, ensure_trainer_consumer
-from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue, queue_prompt
 from pipeline.wire.prompts import Prompt
 from pipeline.wire.replay import ReplayReader, ReplaySelection
@@ -94,90 +90,6 @@ STREAM_INFO_TIMEOUT_S = 5.0
 """Bound on the stream-info request behind the retention check at (re)start."""
 PUBLISH_PERMANENT_ERRORS = (*PERMANENT_ERRORS, WeightStoreError)
 """A weight publish failing with these (a version conflict, a bad tensor) is not retried."""
-
-
-@dataclass(frozen=True)
-class RunLink:
-    """The run's names, NATS connection and object store; the session holding it closes it."""
-
-    names: RunNames
-    nc: NatsClient
-    js: JetStreamContext
-    store: ObjectStore
-
-    @classmethod
-    async def open(cls, cfg: LeewayConfig) -> RunLink:
-        endpoints = resolve_servers(cfg)
-        store = open_run_store(cfg, endpoints)
-        nc = await connect_nats(cfg, endpoints, name="leeway-trainer")
-        return cls(RunNames.for_run(cfg.run.name), nc, nc.jetstream(), store)
-
-
-class Session(Protocol):
-    """What the trainer loop asks of a session (the two answers are in the module docstring)."""
-
-    metrics_path: Path
-    eval_path: Path | None
-    """The evaluator's eval.jsonl whose results the step records carry (live only)."""
-    staleness_cap: int | None
-    """`staleness.max_staleness`, or None when a replay runs with the cap off."""
-    generator_reports: GeneratorReports
-    """The newest valid metrics report of each generator heard from recently (live only)."""
-
-    async def start(self) -> TrainerState:
-        """Fresh, resumed (a checkpoint's state) or replaying; the loop continues from the state returned."""
-        ...
-
-    def cap_version(self, group: TrajectoryGroup, trainer_version: int) -> int:
-        """The version `group`'s staleness counts against (a replay first takes note of the group)."""
-        ...
-
-    def current_version(self, trainer_version: int) -> int:
-        """The version a step trains at now (the objective's) and the one a metrics record names."""
-        ...
-
-    async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
-        """Admit the prompts the staleness rule allows; `pending_dropped`: dropped groups of the open batch."""
-        ...
-
-    async def new_dead_letters(self, state: TrainerState) -> list[DeadLetterEntry]:
-        """Dead letters stored since `state.dead_letter_seq` (which moves past them); live only."""
-        ...
-
-    async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]: ...
-
-    async def refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
-        """A group this model can never train: live, dead-letter it; from a catch-up or a replay, nothing."""
-        ...
-
-    @property
-    def exhausted(self) -> bool:
-        """No group will ever come again (the end of a replayed range)."""
-        ...
-
-    async def keep_alive(self) -> None:
-        """Reset the ack wait of held groups during a long wait for the rest of a batch."""
-        ...
-
-    async def publish(self, state: TrainerState) -> None:
-        """Make the step's weights the next version; returns only once generators can find them."""
-        ...
-
-    async def ack(self, seqs: Sequence[int]) -> None: ...
-
-    async def give_back(self) -> None:
-        """Nak every held group for immediate redelivery (the step was abandoned)."""
-        ...
-
-    async def queue_depth(self) -> int | None: ...
-
-    async def checkpoint(self, state: TrainerState, handled: RecentIds, *, final: bool) -> None: ...
-
-    def forged_counts(self) -> dict[str, int]:
-        """Counts of forged input refused so far, by metric name (forged dead letters; forged versions)."""
-        ...
-
-    async def close(self) -> None: ...
 
 
 # ---- live -------------------------------------------------------------------------------------------------

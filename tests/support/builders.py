@@ -27,7 +27,8 @@ from actors.servers import open_run_store, resolve_servers
 from actors.trainer.backends import TrainingBackend, build_backend
 from actors.trainer.loop import Trainer
 from actors.trainer.runtime import open_trainer
-from actors.trainer.sessions import LiveSession, RunLink, build_weight_publisher
+from actors.trainer.session_protocol import RunLink
+from actors.trainer.sessions import LiveSession, build_weight_publisher
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
 from pipeline.tasks import get_task

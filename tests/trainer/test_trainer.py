@@ -25,7 +25,8 @@ from actors.trainer.loop import Trainer
 from actors.trainer.objective import CorrectedObjective
 from actors.trainer.replay_session import ReplaySession
 from actors.trainer.runtime import open_trainer
-from actors.trainer.sessions import LiveSession, RunLink
+from actors.trainer.session_protocol import RunLink
+from actors.trainer.sessions import LiveSession
 from infra.stack import StackState
 from pipeline.config import LeewayConfig, load_config
 from pipeline.rl.batching import GroupPolicy, prepare_group
