@@ -157,13 +157,14 @@ class SandboxPool:
             self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
-        """Kill sandboxes no request has used for ``idle_timeout_s`` (an episode that hung between commands)."""
+        """Kill sandboxes no request has used for ``idle_timeout_s`` (an episode that hung between commands); a sandbox
+        still starting (a slow start on a loaded machine) is not idle."""
         idle = self.settings.idle_timeout_s
         while self._live:
             await asyncio.sleep(min(idle / 4, 30.0))
             now = time.monotonic()
             for box in list(self._live):
-                if box.alive and now - box.last_used > idle and not box.busy:
+                if box.started_s is not None and box.alive and now - box.last_used > idle and not box.busy:
                     log.warning("sandbox %s: idle for %.0f s, reaped", box.spec.label, now - box.last_used)
                     self.stats.reaped += 1
                     await box.kill(f"reaped after {idle:g} s idle")

@@ -68,6 +68,21 @@ def test_an_idle_sandbox_is_reaped_and_its_next_request_is_sandbox_lost() -> Non
     asyncio.run(go())
 
 
+def test_a_sandbox_still_starting_is_never_reaped_as_idle() -> None:
+    """Every start takes longer than this idle timeout; the reaper, looking every 0.25 ms, must wait for it to end."""
+
+    async def go() -> None:
+        pool = SandboxPool(PoolSettings(starts_per_s=0, cpus=0.01, memory_mb=16, idle_timeout_s=0.001))
+        async with pool.sandbox(SandboxSpec(label="slow-start")) as box:
+            assert box.started_s is not None and box.started_s > 0.001
+            while box.alive:  # once started and idle, it is reaped
+                await asyncio.sleep(0.01)
+        assert (pool.stats.started, pool.stats.start_failed, pool.stats.reaped) == (1, 0, 1)
+        await pool.close()
+
+    asyncio.run(go())
+
+
 def test_every_sandbox_is_torn_down_when_its_block_ends_however_it_ends() -> None:
     async def go() -> list[int]:
         pool = SandboxPool(PoolSettings(starts_per_s=0, cpus=0.01, memory_mb=16))
