@@ -1,6 +1,7 @@
 # The two set-up commands of the README. Each creates .venv and installs what is missing.
 #   make demo  - install, then run the demo on the embedded servers
 #   make test  - install with the dev extra, then run the test suite (what .ci/run does)
+#   make test-fast - the same without the `slow` tests (whole runs, chaos, the fleet): a developer's loop
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -m "not gpu"
 
-.PHONY: install install-dev install-envs demo reasoning test lint clean
+.PHONY: install install-dev install-envs demo reasoning test test-fast lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -52,6 +53,9 @@ reasoning: install-envs
 
 test: install-dev
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: install-dev
+	$(BIN)/pytest -m "not gpu and not slow"
 
 lint: install-dev
 	$(BIN)/ruff check .
