@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
@@ -148,11 +148,3 @@ async def running_generator(cfg: LeewayConfig, generator_id: str, engine: Any = 
         finally:
             rt.generator.request_stop()
             await asyncio.wait_for(task, timeout=WAIT_S)
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-    """Return once `predicate()` holds; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
