@@ -329,11 +329,19 @@ async def _take_until(
 ) -> list[PromptLease]:
     """Take prompts (as a generator would, never heartbeating them) until one is `wanted`; all of them."""
     taken: list[PromptLease] = []
-    deadline = time.monotonic() + WAIT_S
-    while not any(wanted(lease) for lease in taken):
-        assert time.monotonic() < deadline and proc.poll() is None, f"no wanted prompt among {len(taken)} taken"
-        taken += await queue.take(max_prompts=2, timeout_s=0.5)
+
+    async def took_it() -> bool:
+        assert proc.poll() is None, f"the victim exited with {proc.returncode}"
+        taken.extend(await queue.take(max_prompts=2, timeout_s=0.5))
+        return any(wanted(lease) for lease in taken)
+
+    await until(took_it, what="a wanted prompt", detail=lambda: f"{len(taken)} taken", poll_s=0)
     return taken
+
+
+PROCESS_START_S = 180.0
+"""Generous bound on a generator process starting (torch imported, engine built) and taking a prompt: seconds
+on an idle machine, over a minute on 2 cores busy with other test runs; the wait ends when it happens."""
 
 
 def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_partial_group(stack, tmp_path) -> None:
@@ -366,14 +374,18 @@ def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_part
             with open(log_path, "wb") as log:
                 victim = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
             try:
-                info: Any = None
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and victim.poll() is None:
-                    info = await trainer.js.consumer_info(trainer.names.prompt_stream, trainer.names.generator_consumer)
-                    if info.num_ack_pending == 1:
-                        break
-                    await asyncio.sleep(0.1)
-                assert info is not None and info.num_ack_pending == 1, log_path.read_text()[-3000:]
+
+                async def victim_holds_the_prompt() -> bool:
+                    assert victim.poll() is None, "the victim exited:\n" + log_path.read_text()[-3000:]
+                    return (await trainer.prompt_consumer()).num_ack_pending == 1
+
+                await until(
+                    victim_holds_the_prompt,
+                    what="the victim generator to take the prompt",
+                    timeout_s=PROCESS_START_S,
+                    detail=lambda: log_path.read_text()[-3000:],
+                    poll_s=0.1,
+                )
                 # a probe taken after the victim's prompt and never heartbeated: when the queue hands it out
                 # again, its ack wait ran out, and so did the victim's prompt's, which only heartbeats held
                 (probe_id,) = await trainer.admit(1, policy_version=0)
