@@ -2,6 +2,7 @@
 #   make demo  - install (with the plots extra: the run's report.png), then run the demo on the embedded servers
 #   make test  - install with the dev extra (every other extra and the test tools), then run the test suite
 #                (what .ci/run does)
+#   make test-fast - the same without the `slow` tests (whole runs, chaos, the fleet): a developer's loop
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -m "not gpu"
 
-.PHONY: install install-dev install-envs demo reasoning test lint clean
+.PHONY: install install-dev install-envs demo reasoning test test-fast lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,6 +54,9 @@ reasoning: install-envs
 
 test: install-dev
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-fast: install-dev
+	$(BIN)/pytest -m "not gpu and not slow"
 
 lint: install-dev
 	$(BIN)/ruff check .

@@ -1,7 +1,8 @@
 """Chaos on the demo, over a run of `CHAOS_STEPS` steps: a seeded schedule of SIGKILLs of the trainer and the
 generators, and once each: nats-server SIGKILLed and restarted, SeaweedFS SIGKILLed and restarted, SeaweedFS
-stopped (SIGSTOP) for two minutes, and JetStream's store made small and filled until it refuses writes. No
-human steps in: the trainer ends by itself at max_steps.
+stopped (SIGSTOP: every request hangs) until a trainer write to it has failed and is retried under the trainer's
+outage budget, and JetStream's store made small and filled until it refuses writes. No human steps in: the
+trainer ends by itself at max_steps.
 
 The schedule is driven by progress, not by the clock: each event waits until the trainer has committed a
 few more steps since the last one (read from `metrics.jsonl`), so a slow machine gets the same chaos per
@@ -19,7 +20,6 @@ import os
 import random
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from pipeline.wire.names import RunNames
 from tests.support.chaos import Servers
 from tests.support.runs import leeway_argv
 from tests.support.stacks import running_stack
+from tests.support.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = 20261130
@@ -44,8 +45,13 @@ CHAOS_STEPS = 250
 for this long (6 digits saturate near step 200: every group then agrees, is filtered, and steps starve)."""
 TRAINER_KILLS = 4
 GENERATOR_KILLS = 4
-S3_STOP_S = 120.0
-"""How long SeaweedFS is stopped (the issue asks for two minutes)."""
+S3_OVERRIDES = ("store.read_timeout_s=5", "store.max_retries=1")
+"""A request to the stopped store times out after 5 s, not 60: a plain one fails after 2 tries (about 10 s), a
+conditional one (a manifest, LATEST) after its own 9 (`storage/s3.py`, about 45-65 s with their backoff)."""
+OUTAGE_BUDGET_S = 120.0
+"""The trainer's store-write budgets (`outages.publish_s`, `outages.checkpoint_s`; 600 s by default): one
+failed try of a publish or checkpoint (parts, then a conditional manifest write: at most about 75 s with
+`S3_OVERRIDES`) and its retry fit; a budget that ran out would end the run, and fail the test."""
 LEASE_OVERRIDES = ("trainer.lease_ttl_s=3", "trainer.lease_heartbeat_s=1")
 """A SIGKILLed trainer's lease is stale after 3 s, not the default 20: its restart takes it over quickly."""
 STEPS_BETWEEN_EVENTS = (4, 12)
@@ -123,14 +129,14 @@ class Roles:
         """Until each named current process has said it serves (a SIGTERM during start-up, before the role
         installs its handler, would end it with -15 instead of a clean stop)."""
         every = {"trainer": READY_TRAINER, **dict.fromkeys(self.generators, READY_GENERATOR)}
-        markers = {name: every[name] for name in names}
-        deadline = time.monotonic() + PROGRESS_TIMEOUT_S
-        for name, marker in markers.items():
-            path = self.logs / f"{name}.log"
-            while marker not in path.read_bytes()[self.log_offsets[name] :]:
-                self.check_alive()
-                assert time.monotonic() < deadline, f"{name} never became ready\n{self.tails()}"
-                time.sleep(0.2)
+        for name in names:
+            path, marker, offset = self.logs / f"{name}.log", every[name], self.log_offsets[name]
+            wait_until(
+                lambda: marker in path.read_bytes()[offset:] or self.check_alive(),  # noqa: B023 (waited for here)
+                what=f"{name} to become ready",
+                timeout_s=PROGRESS_TIMEOUT_S,
+                detail=self.tails,
+            )
 
     def check_alive(self) -> None:
         procs = {"trainer": self.trainer, **self.generators}
@@ -146,11 +152,13 @@ class Roles:
 
 
 def _wait_for_steps(run_dir: Path, target: int, roles: Roles) -> None:
-    deadline = time.monotonic() + PROGRESS_TIMEOUT_S
-    while _committed_steps(run_dir) < target:
-        roles.check_alive()
-        assert time.monotonic() < deadline, f"no progress to step {target}\n{roles.tails()}"
-        time.sleep(0.2)
+    wait_until(
+        lambda: _committed_steps(run_dir) >= target or roles.check_alive(),
+        what=f"progress to step {target}",
+        timeout_s=PROGRESS_TIMEOUT_S,
+        detail=roles.tails,
+        poll_s=0.2,
+    )
 
 
 @pytest.fixture
@@ -185,6 +193,9 @@ def test_chaos_trains_every_admitted_prompt_once_or_says_why(tmp_path: Path, cha
             "engine.sampling.max_new_tokens=8",
             "weights.grace_s=5",
             "logging.level=INFO",
+            f"outages.publish_s={OUTAGE_BUDGET_S}",
+            f"outages.checkpoint_s={OUTAGE_BUDGET_S}",
+            *S3_OVERRIDES,
             *LEASE_OVERRIDES,
         ],
         environ={},
@@ -251,9 +262,14 @@ def _run_chaos(run_dir: Path, roles: Roles, servers: Servers, rng: random.Random
         elif event == "s3-kill":
             servers.restart("seaweed")
         elif event == "s3-stop":
+            # the outage: a store that takes requests and never answers, until a trainer write has timed out and
+            # is retried under its budget (about 10 s; it was a fixed 120 s, which a publish rode out in one try)
+            offset = _log_size(roles, "trainer")
             servers.pause("seaweed")
-            time.sleep(S3_STOP_S)  # the outage itself: two minutes of a store that takes requests and never answers
-            servers.resume("seaweed")
+            try:
+                _wait_for_log(roles, {"trainer": offset}, f"(try 1, budget {OUTAGE_BUDGET_S:.0f} s:".encode())
+            finally:
+                servers.resume("seaweed")
         elif event == "jetstream-full":
             servers.limit_jetstream_store()
             offsets = {name: _log_size(roles, name) for name in ["trainer", *roles.generators]}
@@ -279,11 +295,15 @@ def _log_size(roles: Roles, name: str) -> int:
 
 def _wait_for_log(roles: Roles, offsets: dict[str, int], marker: bytes) -> None:
     """Until one of the roles' logs (from its offset) holds `marker`."""
-    deadline = time.monotonic() + PROGRESS_TIMEOUT_S
-    while not any(marker in (roles.logs / f"{n}.log").read_bytes()[o:] for n, o in offsets.items()):
-        roles.check_alive()
-        assert time.monotonic() < deadline, f"no role logged {marker!r}\n{roles.tails()}"
-        time.sleep(0.2)
+    wait_until(
+        lambda: (
+            any(marker in (roles.logs / f"{n}.log").read_bytes()[o:] for n, o in offsets.items()) or roles.check_alive()
+        ),
+        what=f"a role to log {marker!r}",
+        timeout_s=PROGRESS_TIMEOUT_S,
+        detail=roles.tails,
+        poll_s=0.2,
+    )
 
 
 def _check_records(cfg: LeewayConfig, run_dir: Path, config_path: Path, export: Path, events: list[str]) -> None:

@@ -5,11 +5,15 @@ the metrics tail, the address order, the config section.
 
 Integration part: `fleet up` runs the demo with a trainer and 2 generators; `fleet status --json` lists
 every role with node and version; `fleet scale` to 3, a generator actor SIGKILLed and restarted by Ray,
-`fleet scale` to 1, the trainer actor SIGKILLed and restarted with `--resume`; the trainer ends at
-max_steps and stops the generators; every trained group was trained once and is in the stream, no
-prompt was lost, the reward reaches the demo's 0.8; `fleet down` leaves no process of the run. A second
-test: `fleet up` without a cluster or stack starts both (and 2 trainer ranks), `down` stops them.
-Every phase waits for an event (a report, a restart), never a duration.
+`fleet scale` to 1, the trainer actor SIGKILLed and restarted with `--resume`; the resumed trainer takes
+its steps past the killed one's and is stopped, which stops the generators; every trained group was
+trained once and is in the stream, every generator's groups were trained, no prompt was lost; `fleet
+down` leaves no process of the run. A second test: `fleet up` without a cluster or stack starts both (and
+2 trainer ranks), `down` stops them. Every phase waits for an event (a report, a restart), never a duration.
+
+The fleet runs the processes `leeway run` runs (`leeway trainer`, `leeway generator`) under Ray actors, so
+the run is a plumbing run: that the demo learns is proven by
+`tests/launcher/test_run.py::test_short_demo_learns_within_the_cap`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from actors.fleet import placement
 from actors.fleet.commands import FleetState, resolve_address
 from actors.fleet.roles import RoleActor, RoleSpec, last_metrics_record
 from actors.launcher.run import read_metrics
-from actors.tools.bench.e2e import steps_to_target
 from infra.stack import StackState
 from pipeline.config import ConfigError, LeewayConfig, load_config
 from tests.support.runs import (
@@ -44,22 +47,21 @@ from tests.support.runs import (
     recorded_groups,
     unconsumed_from,
 )
+from tests.support.waits import wait_until
 
 EVENT_DEADLINE_S = 180.0
 """Generous bound on one event of the run (a report, a restart); each wait ends as soon as it happens."""
 RUN_DEADLINE_S = 600.0
-"""Generous bound on the whole demo through the fleet (140-260 s on 2 cores shared with other test runs)."""
+"""Generous bound on the whole run through the fleet; each of its waits ends on an event."""
 CLI_DEADLINE_S = 240.0
 STATUS_POLL_S = 1.0
 """How often the test asks the fleet for its status while it waits for an event."""
-TARGET_REWARD = 0.8
-"""What the demo reaches through `leeway run` (configs/demo.yaml, after ~190-210 of its 250 steps); the fleet must
-reach it too (smoothed as `leeway bench e2e` does)."""
-FLEET_STREAM_BYTES = 512 * 1024 * 1024
-"""Trajectory stream size of the end-to-end fleet test, which checks every trained group is still in it."""
 FLEET_DEMO_STEPS = 300
-"""The demo's 250 steps plus a margin: asynchronous runs vary (`leeway bench e2e` saw one of five learn slower),
-and scaling to 3 generators on 2 cores raises staleness for a while. The test stops the trainer at the target."""
+"""A `trainer.max_steps` the run does not reach: the test stops the trainer once the resumed one is past the
+killed one's steps by `RESUMED_STEPS`."""
+RESUMED_STEPS = 5
+"""Steps the resumed trainer takes past the killed one's last: more than the groups outstanding at the kill
+((max_staleness + 1) x batch_groups, 3 steps' worth), so every generator's groups were decided by then."""
 
 
 # ------------------------------------------------------------------------------------------- unit
@@ -230,13 +232,17 @@ def _wait_status(
     """Poll the fleet's status (this process is a driver of the cluster) until `predicate` holds."""
     from actors.fleet.commands import collect_status
 
-    deadline = time.monotonic() + timeout_s
-    while True:
+    roles: dict[str, dict[str, Any]] = {}
+
+    def holds() -> bool:
+        nonlocal roles
         roles = {r["name"]: r for r in collect_status()}
-        if predicate(roles):
-            return roles
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s: {roles}\n{_log_tails(run_dir)}"
-        time.sleep(STATUS_POLL_S)
+        return predicate(roles)
+
+    wait_until(
+        holds, what=what, timeout_s=timeout_s, detail=lambda: f"{roles}\n{_log_tails(run_dir)}", poll_s=STATUS_POLL_S
+    )
+    return roles
 
 
 def _log_tails(run_dir: Path) -> str:
@@ -247,6 +253,10 @@ def _log_tails(run_dir: Path) -> str:
 def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The trainer's records so far (complete lines only: the trainer may be writing one)."""
     return read_metrics(run_dir / "metrics.jsonl", 0)[0]
+
+
+def _last_step(records: list[dict[str, Any]]) -> int:
+    return int(records[-1]["step"]) if records else 0
 
 
 def _gone(pid: int) -> bool:
@@ -282,9 +292,7 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
             "fleet.trainer_restart=resume",
             "trainer.lease_ttl_s=3",  # the SIGKILLed trainer's lease is taken over by its restart within seconds
             "trainer.lease_heartbeat_s=1",
-            # The whole stream is read back at the end: past the target almost every group agrees and is
-            # filtered (tens of thousands in 300 steps), more than COMMON's 64 MiB keeps.
-            f"stream.max_bytes={FLEET_STREAM_BYTES}",
+            "trainer.checkpoint_every=5",  # the resumed trainer redoes at most 4 steps of the killed one's
         ],
         environ={},
     )
@@ -326,16 +334,18 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
             run_dir,
         )
         seen_pids |= {int(roles["gen-0"]["pid"]), int(roles["gen-0"]["actor_pid"])}
-        deadline = time.monotonic() + EVENT_DEADLINE_S
-        while not _gone(int(victim["pid"])):  # the killed actor's generator drains (parent-death SIGTERM)
-            assert time.monotonic() < deadline, "the generator of the killed actor outlived it"
-            time.sleep(0.2)
+        wait_until(
+            lambda: _gone(int(victim["pid"])),
+            what="the killed actor's generator to drain (parent-death SIGTERM)",
+            timeout_s=EVENT_DEADLINE_S,
+        )
 
         shrunk = _fleet("scale", str(config_path), "--address", address, "--generators", "1")
         assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
         assert "gen-2 stopped (exit 0)" in shrunk.stdout and "gen-1 stopped (exit 0)" in shrunk.stdout, shrunk.stdout
 
         trainer = roles["trainer-0"]  # fleet.trainer_restart: resume
+        killed_at_step = _last_step(_metrics(run_dir))
         os.kill(int(trainer["actor_pid"]), signal.SIGKILL)
         roles = _wait_status(
             "the trainer restarted by Ray",
@@ -345,13 +355,17 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
         assert _gone(int(trainer["pid"])), "the new trainer started before the old one exited"
         seen_pids |= {int(roles["trainer-0"]["pid"]), int(roles["trainer-0"]["actor_pid"])}
 
-        def reached_or_ended(r: dict[str, dict[str, Any]]) -> bool:
+        def past_the_killed_or_ended(r: dict[str, dict[str, Any]]) -> bool:
             ended = r.get("trainer-0", {}).get("state") != "running"
-            return ended or steps_to_target(_metrics(run_dir), TARGET_REWARD) is not None
+            return ended or _last_step(_metrics(run_dir)) >= killed_at_step + RESUMED_STEPS
 
-        # past the target nearly every group is filtered: the steps left prove nothing more, so the trainer
-        # is stopped cleanly (SIGTERM: it finishes or abandons its step, checkpoints and ends normally)
-        roles = _wait_status("the target reward", reached_or_ended, run_dir, RUN_DEADLINE_S)
+        # then the trainer is stopped cleanly (SIGTERM: it finishes or abandons its step, checkpoints and ends)
+        roles = _wait_status(
+            f"step {killed_at_step + RESUMED_STEPS} of the resumed trainer",
+            past_the_killed_or_ended,
+            run_dir,
+            RUN_DEADLINE_S,
+        )
         if roles["trainer-0"]["state"] == "running":
             os.kill(int(roles["trainer-0"]["pid"]), signal.SIGTERM)
         roles = _wait_status(
@@ -387,10 +401,7 @@ def test_fleet_runs_the_demo_scales_restarts_and_leaves_nothing(
     lost = admitted - (set(trained) | set(dropped) | queued | unconsumed)
     assert not lost, f"{len(lost)} of {len(admitted)} admitted prompts lost: {sorted(lost)[:10]}"
 
-    reached = steps_to_target(records, TARGET_REWARD)
-    rewards = [round(float(r["reward/unfiltered_mean"]), 3) for r in records]
-    print(f"fleet demo: {elapsed:.0f} s, smoothed reward {TARGET_REWARD} at step {reached}, last {rewards[-5:]}")
-    assert reached is not None, f"the fleet never reached reward {TARGET_REWARD}: {rewards}"
+    print(f"fleet demo: {elapsed:.0f} s, {steps} steps, the trainer killed at step {killed_at_step}")
 
 
 @pytest.mark.slow

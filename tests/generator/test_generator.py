@@ -43,8 +43,8 @@ from tests.support.generators import (
     generator_cfg,
     running_generator,
     unique_run,
-    until,
 )
+from tests.support.waits import until
 
 # ---- pure pieces --------------------------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ def test_a_generator_started_before_the_trainer_waits_for_version_0_then_publish
             prompt_ids = await trainer.admit(3, policy_version=0)
             admitted_at_s = time.time()
             # the generator's next report, made after the prompts were queued: running, nothing taken
-            await until(lambda: any(r["time_s"] > admitted_at_s for r in reports))
+            await until(lambda: any(r["time_s"] > admitted_at_s for r in reports), what="a report after the admission")
             report = next(r for r in reports if r["time_s"] > admitted_at_s)
             assert (report["version"], report["newest_known_version"], report["rollouts_in_flight"]) == (-1, -1, 0)
             info = await trainer.prompt_consumer()
@@ -159,11 +159,15 @@ def test_a_generator_started_before_the_trainer_waits_for_version_0_then_publish
                 assert set(group.status) <= {"ok", "truncated", "format_error"}
                 assert set(group.reward_source) == {"verifier"} and not np.isnan(group.reward).any()
                 assert all((_loss_versions(group, i) == 0).all() for i in range(group.num_samples))
-            await until(lambda: bool(reports) and reports[-1]["groups_published"] == 3, timeout_s=10)
+            await until(
+                lambda: bool(reports) and reports[-1]["groups_published"] == 3,
+                what="a report of 3 groups published",
+                timeout_s=10,
+            )
             report = reports[-1]
             assert report["generator_id"] == "early" and report["version"] == 0 and report["weight_pulls"] == 1
             assert report["tokens_generated"] > 0 and 0.0 <= report["idle_fraction_total"] <= 1.0
-            await until(lambda: rt.generator.metrics.groups_published == 3)
+            await until(lambda: rt.generator.metrics.groups_published == 3, what="3 groups published")
             info = await trainer.js.consumer_info(trainer.names.prompt_stream, trainer.names.generator_consumer)
             assert info.num_pending == 0
 
@@ -244,7 +248,7 @@ def test_a_version_published_mid_generation_switches_versions_inside_sequences_w
             await trainer.publish(0)
             assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
             await trainer.publish(1)
-            await until(lambda: rt.weights.newest_known >= 1)
+            await until(lambda: rt.weights.newest_known >= 1, what="version 1 known")
             hook.release.set()
             groups = await trainer.groups(2)
             switched = 0
@@ -279,7 +283,7 @@ def test_abort_in_flight_naks_a_batch_that_crosses_the_cap_and_redoes_it_with_fr
             await trainer.publish(0)
             assert await asyncio.to_thread(hook.reached.wait, WAIT_S)
             await trainer.publish(1)
-            await until(lambda: rt.weights.newest_known >= 1)
+            await until(lambda: rt.weights.newest_known >= 1, what="version 1 known")
             hook.release.set()
             groups = await trainer.groups(2)
             assert sorted(g.group_id for g in groups) == sorted(prompt_ids)
@@ -302,7 +306,7 @@ def test_a_late_generator_catches_up_through_the_delta_chain_and_syncs_past_the_
             for version in range(4):
                 await trainer.publish(version, announce=False)
             async with running_generator(cfg, "late") as rt:
-                await until(lambda: rt.weights.engine_version == 3)
+                await until(lambda: rt.weights.engine_version == 3, what="the engine at version 3")
                 first = rt.weights.last_pull
                 assert first is not None and first.full  # newest snapshot (v0) + the deltas after it
                 for version in range(4, 7):
@@ -325,11 +329,19 @@ async def _take_until(
 ) -> list[PromptLease]:
     """Take prompts (as a generator would, never heartbeating them) until one is `wanted`; all of them."""
     taken: list[PromptLease] = []
-    deadline = time.monotonic() + WAIT_S
-    while not any(wanted(lease) for lease in taken):
-        assert time.monotonic() < deadline and proc.poll() is None, f"no wanted prompt among {len(taken)} taken"
-        taken += await queue.take(max_prompts=2, timeout_s=0.5)
+
+    async def took_it() -> bool:
+        assert proc.poll() is None, f"the victim exited with {proc.returncode}"
+        taken.extend(await queue.take(max_prompts=2, timeout_s=0.5))
+        return any(wanted(lease) for lease in taken)
+
+    await until(took_it, what="a wanted prompt", detail=lambda: f"{len(taken)} taken", poll_s=0)
     return taken
+
+
+PROCESS_START_S = 180.0
+"""Generous bound on a generator process starting (torch imported, engine built) and taking a prompt: seconds
+on an idle machine, over a minute on 2 cores busy with other test runs; the wait ends when it happens."""
 
 
 def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_partial_group(stack, tmp_path) -> None:
@@ -362,14 +374,18 @@ def test_a_generator_killed_mid_rollout_leaves_its_prompt_to_another_and_no_part
             with open(log_path, "wb") as log:
                 victim = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
             try:
-                info: Any = None
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline and victim.poll() is None:
-                    info = await trainer.js.consumer_info(trainer.names.prompt_stream, trainer.names.generator_consumer)
-                    if info.num_ack_pending == 1:
-                        break
-                    await asyncio.sleep(0.1)
-                assert info is not None and info.num_ack_pending == 1, log_path.read_text()[-3000:]
+
+                async def victim_holds_the_prompt() -> bool:
+                    assert victim.poll() is None, "the victim exited:\n" + log_path.read_text()[-3000:]
+                    return (await trainer.prompt_consumer()).num_ack_pending == 1
+
+                await until(
+                    victim_holds_the_prompt,
+                    what="the victim generator to take the prompt",
+                    timeout_s=PROCESS_START_S,
+                    detail=lambda: log_path.read_text()[-3000:],
+                    poll_s=0.1,
+                )
                 # a probe taken after the victim's prompt and never heartbeated: when the queue hands it out
                 # again, its ack wait ran out, and so did the victim's prompt's, which only heartbeats held
                 (probe_id,) = await trainer.admit(1, policy_version=0)

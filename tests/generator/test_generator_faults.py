@@ -6,8 +6,9 @@
   pull still run, and the hung sample is an infra_error;
 - a version the store does not have (a stale KV announcement, a prompt admitted by an earlier run) is
   not waited for while holding prompts: a WARNING names the run, the version and LATEST;
-- a version that cannot be pulled is not waited for while holding prompts past a bound: they are handed
-  back, an ERROR says why, and the generator takes prompts again once it has the version.
+- a version that cannot be pulled (another model's) is not waited for while holding prompts past a bound:
+  they are handed back, an ERROR says why, and the generator takes prompts again once it reaches the version
+  (the run's next one).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pipeline.tasks.char_tokenizer import PAD_ID
 from pipeline.wire.announce import announce_version
 from pipeline.wire.headers import H_DLQ_MSG_ID, H_DLQ_REASON
 from pipeline.wire.prompt_queue import queue_prompt
+from storage.weights import WeightPublisher
 from tests.support.generators import (
     MODEL,
     TOKENIZER,
@@ -36,9 +38,9 @@ from tests.support.generators import (
     generator_cfg,
     running_generator,
     unique_run,
-    until,
 )
 from tests.support.tasks import VERIFIER_CALLS, VERIFIER_RELEASE
+from tests.support.waits import until
 
 DIGIT_ID = TOKENIZER.token_to_id("1")
 
@@ -75,7 +77,7 @@ def test_prompts_that_can_never_run_are_dead_lettered_alone_and_their_batch_is_p
             good += await trainer.admit(1, policy_version=0)  # one batch: good, poison, poison, good
             async with running_generator(cfg, "poisoned") as rt:
                 groups = await trainer.groups(2)
-                await until(lambda: rt.generator.metrics.groups_published == 2)
+                await until(lambda: rt.generator.metrics.groups_published == 2, what="2 groups published")
                 assert sorted(g.group_id for g in groups) == sorted(good)
                 dead = await _prompt_dead_letters(trainer)
                 assert dead == {"poison-oov": "invalid_token_ids", "poison-long": "prompt_too_long"}
@@ -120,11 +122,8 @@ def test_a_prompt_whose_rollout_fails_is_naked_alone_while_the_rest_of_its_batch
                 async def breaker_dead() -> bool:
                     return (await _prompt_dead_letters(trainer)).get("breaker") == "max_deliveries"
 
-                for _ in range(int(WAIT_S / 0.1)):
-                    if await breaker_dead():
-                        break
-                    await asyncio.sleep(0.1)
-                assert await breaker_dead()  # nak'ed alone each time, until the queue's delivery limit
+                # nak'ed alone each time, until the queue's delivery limit
+                await until(breaker_dead, what="the breaking prompt dead-lettered at max_deliveries")
             assert await trainer.stored_groups() == 2
 
     asyncio.run(main())
@@ -159,7 +158,7 @@ def test_a_hung_verifier_blocks_neither_the_next_generate_call_nor_a_weight_pull
                     assert list(group.status) == ["infra_error"] * 2 and list(group.reward_source) == ["none"] * 2
                     assert not VERIFIER_RELEASE.is_set() and len(VERIFIER_CALLS) >= 2
                     await asyncio.wait_for(trainer.publish(1), WAIT_S)
-                    await until(lambda: rt.weights.engine_version == 1)  # a weight pull ran
+                    await until(lambda: rt.weights.engine_version == 1, what="a weight pull")
                     (group,) = await asyncio.wait_for(trainer.groups(1), WAIT_S)  # so did the next generate
                     assert group.group_id == second and list(group.status) == ["infra_error"] * 2
                     assert all(name.startswith("leeway-verifier") for name in VERIFIER_CALLS)
@@ -181,7 +180,9 @@ def test_a_stale_kv_announcement_is_reported_and_never_waited_for(stack, caplog)
         async with FakeTrainer(cfg) as trainer:
             await announce_version(trainer.kv, 7)  # left from an earlier run: the store has no version at all
             async with running_generator(cfg, "stale-kv") as rt:
-                await until(lambda: bool(_warnings(caplog, "KV announces version 7")))
+                await until(
+                    lambda: bool(_warnings(caplog, "KV announces version 7")), what="the warning about version 7"
+                )
                 (message,) = _warnings(caplog, "KV announces version 7")
                 assert repr(cfg.run.name) in message and "LATEST is missing" in message
                 assert "purge" in message and "new run.name" in message
@@ -209,18 +210,17 @@ def test_a_prompt_admitted_at_a_version_the_store_lacks_is_released_with_a_warni
                 (good,) = await trainer.admit(1, policy_version=0)
                 (group,) = await trainer.groups(1)
                 assert group.group_id == good
-                await until(lambda: bool(_warnings(caplog, "prompts admitted at version 9")))
+                await until(
+                    lambda: bool(_warnings(caplog, "prompts admitted at version 9")), what="the warning about version 9"
+                )
                 message = _warnings(caplog, "prompts admitted at version 9")[0]
                 assert repr(cfg.run.name) in message and "LATEST is 0" in message and "from-an-earlier-run" in message
 
                 async def stale_dead() -> bool:
                     return (await _prompt_dead_letters(trainer)).get(stale.prompt_id) == "max_deliveries"
 
-                for _ in range(int(WAIT_S / 0.1)):
-                    if await stale_dead():
-                        break
-                    await asyncio.sleep(0.1)
-                assert await stale_dead()  # released each time, never held: the queue's limit ends it
+                # released each time, never held: the queue's limit ends it
+                await until(stale_dead, what="the stale prompt dead-lettered at max_deliveries")
                 assert (await trainer.prompt_consumer()).num_ack_pending == 0
             assert await trainer.stored_groups() == 1
 
@@ -228,22 +228,6 @@ def test_a_prompt_admitted_at_a_version_the_store_lacks_is_released_with_a_warni
 
 
 # ---- a version that cannot be pulled -------------------------------------------------------------------
-
-
-class _PullsFail:
-    """Wraps the runtime's weight source: LATEST reads work, every pull fails while `failing` is set."""
-
-    def __init__(self, source: object) -> None:
-        self.source = source
-        self.failing = True
-
-    def latest(self) -> int | None:
-        return self.source.latest()  # type: ignore[attr-defined]
-
-    def pull(self, version: int) -> object:
-        if self.failing:
-            raise ValueError(f"manifest of version {version} is for another model")
-        return self.source.pull(version)  # type: ignore[attr-defined]
 
 
 def test_a_generator_that_cannot_pull_its_prompts_version_hands_them_back_and_says_why(stack, caplog) -> None:
@@ -259,13 +243,13 @@ def test_a_generator_that_cannot_pull_its_prompts_version_hands_them_back_and_sa
         async with FakeTrainer(cfg) as trainer:
             await trainer.publish(0)
             async with running_generator(cfg, "cannot-pull") as rt:
-                await until(lambda: rt.weights.engine_version == 0)
+                await until(lambda: rt.weights.engine_version == 0, what="the engine at version 0")
                 assert rt.generator.weight_pull_timeout_s == 0.5  # from the config
-                broken = _PullsFail(rt.weights._source)
-                rt.weights._source = broken
-                await trainer.publish(1)
+                await _publish_another_models_version(trainer, 1)  # every pull of version 1 is refused
                 (prompt_id,) = await trainer.admit(1, policy_version=1)  # needs version 1 (max_staleness 0)
-                await until(lambda: rt.generator.metrics.weight_pull_timeouts == 1)  # was: held forever
+                await until(
+                    lambda: rt.generator.metrics.weight_pull_timeouts == 1, what="a weight pull timeout"
+                )  # was: held forever
                 assert rt.generator.metrics.weights_stuck == 1
                 for _ in range(100):  # handed back: another generator (here the test's own queue) takes it
                     leases = await trainer.queue.take(timeout_s=0.2)
@@ -274,12 +258,24 @@ def test_a_generator_that_cannot_pull_its_prompts_version_hands_them_back_and_sa
                 assert [(x.prompt.prompt_id, x.num_delivered) for x in leases] == [(prompt_id, 2)]
                 await leases[0].release()  # ... and gives it back unrun
                 assert any("another model" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
-                broken.failing = False  # fixed: the generator gets version 1 on its own, then takes prompts again
+                await trainer.publish(2)  # fixed: the generator gets the run's version 2, then takes prompts again
                 (group,) = await trainer.groups(1)
-                assert group.group_id == prompt_id and rt.weights.engine_version == 1
+                assert group.group_id == prompt_id and rt.weights.engine_version == 2
                 assert rt.generator.metrics.weights_stuck == 0
 
     asyncio.run(main())
+
+
+async def _publish_another_models_version(trainer: FakeTrainer, version: int) -> None:
+    """Publish `version` of another model into the run's store (a second trainer with another
+    `model.name_or_path`): its manifest carries another model-config hash, which subscribers refuse."""
+    other = WeightPublisher(trainer.store, trainer.cfg.run.name, model_config_hash="another", dtype=torch.float32)
+    try:
+        tensors = {name: t.clone() for name, t in trainer.versions[0].items()}
+        await asyncio.to_thread(other.publish, version, tensors)
+        await announce_version(trainer.kv, version)
+    finally:
+        other.close()
 
 
 def test_background_loops_stop_even_when_a_cancel_arrives_with_a_reply() -> None:

@@ -23,6 +23,7 @@ import pytest
 from infra.orphans import ORPHAN_GRACE_S, PARENT_GRACE_ENV, PARENT_PID_ENV
 from infra.process import is_running, spawn_child, start_ticks
 from infra.stack import StackState, load_state, stack_status
+from tests.support.runs import children_of as _children_of
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -48,21 +49,6 @@ def _alive(pid: int, ticks: int | None) -> bool:
     if stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X"):
         return False
     return ticks is None or start_ticks(pid) == ticks
-
-
-def _children_of(pid: int) -> dict[int, int | None]:
-    """pid -> start ticks of every direct child of `pid` right now."""
-    out: dict[int, int | None] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-            out[int(entry.name)] = start_ticks(int(entry.name))
-    return out
 
 
 def _wait_gone(processes: dict[int, int | None], what: str, within_s: float = GONE_DEADLINE_S) -> None:

@@ -60,6 +60,7 @@ from tests.support.runs import (
     shared_stack_config,
     unconsumed_from,
 )
+from tests.support.runs import children_of as _children_of
 
 DEMO_STEPS = 120
 """The demo's reward sits near chance (~0.08) for its first ~60 steps, then climbs (0.15 by step 100)."""
@@ -328,21 +329,6 @@ def _wait_gone(pids: list[int], timeout_s: float = GONE_DEADLINE_S) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)], "processes left running"
-
-
-def _children_of(pid: int) -> dict[int, int | None]:
-    """pid -> start ticks of every direct child of `pid` right now."""
-    out: dict[int, int | None] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid:
-            out[int(entry.name)] = start_ticks(int(entry.name))
-    return out
 
 
 def _last_step(records: list[dict[str, Any]]) -> int:

@@ -12,8 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -24,6 +22,7 @@ from infra import nats_server
 from infra.process import ProcessInfo, is_running
 from infra.stack import StackState, load_state
 from pipeline.wire.jetstream import connect
+from tests.support.waits import wait_until
 
 SERVER_TIMEOUT_S = 240.0
 """A generous bound on a server going away or answering again; only a broken machine gets near it."""
@@ -64,7 +63,11 @@ class Servers:
         """SIGKILL the server's process group and wait until it and its ports are gone."""
         os.killpg(self._pid(name), signal.SIGKILL)
         ports = self.ports[name]
-        _until(lambda: not self._alive(name) and all(_port_free(p) for p in ports), f"{name} to go away")
+        wait_until(
+            lambda: not self._alive(name) and all(_port_free(p) for p in ports),
+            what=f"{name} to go away",
+            timeout_s=SERVER_TIMEOUT_S,
+        )
 
     def start(self, name: str) -> None:
         """Start the server again on its argv (same config, ports and data) and wait until it answers."""
@@ -76,7 +79,11 @@ class Servers:
         self.current[name] = proc
         self.restarted.append(proc)
         probe = self._probe_nats if name == "nats" else self._probe_s3
-        _until(lambda: proc.poll() is None and probe() is None, f"the restarted {name} to answer")
+        wait_until(
+            lambda: proc.poll() is None and probe() is None,
+            what=f"the restarted {name} to answer",
+            timeout_s=SERVER_TIMEOUT_S,
+        )
 
     def restart(self, name: str) -> None:
         self.kill(name)
@@ -166,13 +173,6 @@ async def _delete_filler(state: StackState) -> None:
         await nc.jetstream().delete_stream(FILLER_STREAM)
     finally:
         await nc.drain()
-
-
-def _until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + SERVER_TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {SERVER_TIMEOUT_S:.0f} s for {what}"
-        time.sleep(0.1)
 
 
 def _port_of(url: str) -> int:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from pipeline.wire.prompts import Prompt
 from pipeline.wire.trajectories import ensure_trajectory_streams
 from pipeline.wire.trajectory import TrajectoryGroup
 from storage.weights import WeightPublisher
+from tests.support.waits import until
 
 TOKENIZER = load_char_tokenizer()
 MODEL = "tiny-llama-2x64"
@@ -119,15 +119,19 @@ class FakeTrainer:
 
     async def groups(self, count: int, timeout_s: float = WAIT_S) -> list[TrajectoryGroup]:
         out: list[TrajectoryGroup] = []
-        deadline = time.monotonic() + timeout_s
-        while len(out) < count and time.monotonic() < deadline:
+
+        async def fetched_all() -> bool:
             try:
                 deliveries = await self.consumer.fetch(count - len(out), timeout_s=0.5)
             except asyncio.TimeoutError:  # nats-py may raise a bare one that transport does not catch
-                continue
+                return False
             out.extend(d.group for d in deliveries)
             await self.consumer.ack([d.seq for d in deliveries])
-        assert len(out) == count, f"expected {count} groups within {timeout_s} s, got {len(out)}"
+            return len(out) == count
+
+        await until(
+            fetched_all, what=f"{count} groups", timeout_s=timeout_s, detail=lambda: f"got {len(out)}", poll_s=0
+        )
         return out
 
     async def stored_groups(self) -> int:
@@ -148,11 +152,3 @@ async def running_generator(cfg: LeewayConfig, generator_id: str, engine: Any = 
         finally:
             rt.generator.request_stop()
             await asyncio.wait_for(task, timeout=WAIT_S)
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-    """Return once `predicate()` holds; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,12 +28,7 @@ from actors.trainer.backends.torch_backend import TorchBackend
 VOCAB = 32
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _backend(seed: int) -> TorchBackend:

@@ -35,12 +35,7 @@ LENGTHS = [5, 19, 3, 12, 8, 27, 6, 11]
 SPECS = ["tiny-llama-2x64", "tiny-gpt2-2x64"]
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _backend(spec: str, **kwargs: object) -> TorchBackend:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -19,13 +17,7 @@ VOCAB = 32
 SPEC = "tiny-llama-2x64"
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The tiny model is dominated by thread hand-off on a shared 2-core machine; the caller picks threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _backend(seed: int = 0, **kwargs: object) -> TorchBackend:
