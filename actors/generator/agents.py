@@ -117,10 +117,7 @@ class AgentRunner:
             reward, status = 0.0, "format_error"
         else:
             reward, status = float(outcome.reward), "ok"  # type: ignore[arg-type]
-        return [
-            run.sample(_trajectory(b), f"{session_id}-b{b.branch}", reward, status, outcome.info, b.branch)
-            for b in branches
-        ]
+        return [run.sample(b, f"{session_id}-b{b.branch}", reward, status, outcome.info, b.branch) for b in branches]
 
     async def _attempt(
         self, prompt: Prompt, client: openai.AsyncOpenAI, ctx: AgentContext, sandboxed: Any
@@ -154,7 +151,7 @@ class AgentRunner:
         template and its generation prompt), without loss tokens."""
         if branches:
             first = branches[0]
-            return run.sample(_trajectory(first), run.episode_id, None, "infra_error", info, first.branch)
+            return run.sample(first, run.episode_id, None, "infra_error", info, first.branch)
         ids = prompt_token_ids(run.prompt, self.service.tokenizer, self.service.template)
         info = {**info, "error": info.get("error") or "agent made no request"}
         prompt_only = Trajectory.of([Turn.context("prompt", ids)])
@@ -205,14 +202,3 @@ def _unusable(outcome: object) -> tuple[InfraReason, str] | None:
     if problem := reward_problem(outcome.reward):
         return InfraReason.REWARD_INVALID, f"agent: {problem}"
     return None
-
-
-def _trajectory(branch: BranchSample) -> Trajectory:
-    return Trajectory(
-        branch.tokens,
-        branch.loss_mask,
-        branch.logprobs,
-        branch.versions,
-        branch.finish_reason,  # type: ignore[arg-type]
-        branch.num_turns,
-    )

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.rl.engine_records import GenerateResult
-from pipeline.rl.turns import Turn, assemble
+from pipeline.rl.turns import Trajectory, Turn, assemble
 
 
 @dataclass
@@ -52,17 +52,12 @@ class Branch:
         return bool(self.turns) and self.turns[-1].kind == "policy" and self.turns[-1].finish_reason == "length"
 
 
-@dataclass
-class BranchSample:
-    """One branch as training arrays (`pipeline.rl.turns.assemble`), before the episode's reward is known."""
+@dataclass(frozen=True)
+class BranchSample(Trajectory):
+    """One branch as a trajectory (`pipeline.rl.turns.Trajectory`), before the episode's reward is known, and its
+    index among the conversation's branches."""
 
     branch: int
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: str
-    num_turns: int
 
 
 class Conversation:
