@@ -23,8 +23,9 @@ class InfraReason(str, Enum):
     SANDBOX_START_FAILED = "sandbox_start_failed"
     SANDBOX_START_TIMEOUT = "sandbox_start_timeout"
     SANDBOX_LOST = "sandbox_lost"
-    # the verifier (a task's tests, an environment's verdict)
+    # the verifier (a task's tests, an environment's verdict, a scorer worker)
     VERIFIER_TIMEOUT = "verifier_timeout"
+    SCORER_LOST = "scorer_lost"
     VERIFIER_CRASHED = "verifier_crashed"
     REWARD_MISSING = "reward_missing"
     REWARD_INVALID = "reward_invalid"
@@ -47,9 +48,12 @@ class InfraReason(str, Enum):
         return self.value
 
 
-POLICY_FAILURES = frozenset({"format_error", "agent_timeout"})
-"""Failure names a generator also counts that are the policy's own (reward 0, trained on): a malformed reply, and an
-agent past its time limit where `rollout.agent_timeout_is` is ``policy``."""
+POLICY_FAILURES = frozenset({"format_error", "agent_timeout", "scorer_timeout", "sandbox_broken"})
+"""Failure names a generator also counts that are the policy's own (reward 0, trained on): a malformed reply, an
+agent past its time limit where `rollout.agent_timeout_is` is ``policy``, a scorer killed at its deadline (or for
+what it used) on the policy's answer, and a sandbox the agent's own commands broke (its supervisor killed, its
+directories made unusable). A hostile answer must never turn into a masked, re-run ``infra_error``: re-runs select
+for success."""
 
 FAILURE_NAMES = frozenset(r.value for r in InfraReason) | POLICY_FAILURES
 """Every name a generator's ``failure_reasons`` count may carry."""

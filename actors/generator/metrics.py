@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.failures import POLICY_FAILURES
 from pipeline.rl.engine_records import Generate, GenerateRequest, GenerateResult, SamplingParams
 from pipeline.wire.announce import GENERATOR_REPORT_INTERVAL_S
 
@@ -171,9 +172,9 @@ class GeneratorMetrics:
         """Count the typed failures of a published group's samples: ``(status, info)`` of each."""
         for status, info in infos:
             reason = info.get("infra_reason") if status == "infra_error" else info.get("error")
-            if status == "format_error":
+            if status == "format_error" and reason not in POLICY_FAILURES:
                 reason = "format_error"
-            if isinstance(reason, str) and (status == "infra_error" or reason in ("agent_timeout", "format_error")):
+            if isinstance(reason, str) and (status == "infra_error" or reason in POLICY_FAILURES):
                 self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
             self.retried_episodes += max(int(info.get("attempts", 1)) - 1, 0)
 
