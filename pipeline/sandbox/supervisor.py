@@ -79,6 +79,7 @@ def _exec(request):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=_cpu_limit,
         )
     except OSError as exc:  # no process left under the limit, no such cwd: the command failed, the sandbox lives
         return {
@@ -468,12 +469,22 @@ LIMITS = {
 
 
 def _limit(limits):
-    """Everything this process starts inherits these."""
+    """Everything this process starts inherits these; the CPU seconds are each command's (`_cpu_limit`), never this
+    process's own, or a sandbox that lives long (or makes it reap a storm of orphans) would see it killed."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for name, value in limits.items():
         if name in LIMITS:
             which, unit = LIMITS[name]
-            resource.setrlimit(which, (int(value) * unit, int(value) * unit))
+            if which == resource.RLIMIT_CPU:
+                CONFIG["cpu_s"] = int(value) * unit
+            else:
+                resource.setrlimit(which, (int(value) * unit, int(value) * unit))
+
+
+def _cpu_limit():
+    """A command's CPU limit, set in its process between fork and exec (this process is single-threaded)."""
+    if "cpu_s" in CONFIG:
+        resource.setrlimit(resource.RLIMIT_CPU, (CONFIG["cpu_s"], CONFIG["cpu_s"]))
 
 
 def _protect():
