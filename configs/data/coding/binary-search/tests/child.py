@@ -1,10 +1,10 @@
 """The untrusted half of a coding task's verifier: imports /app/solution.py and answers the calls `checker.py` sends.
 
 It runs inside a bubblewrap sandbox of its own that `checker.py` starts (its own user, PID, mount, network and IPC
-namespaces; only /usr, a read-only /app and a private /tmp: no /tests, no /logs, no other process), with no secret
-and no expected value in its memory. Whatever the solution does to this process (patches builtins, replaces this
-module's functions, prints, exits, forks) it can only change the data this process sends back, and the checker
-compares that data with expected values it alone holds. Its source arrives as the first line on stdin (JSON), so
+namespaces; only /usr, a read-only /app and a private /tmp: no /tests, no /logs, no /proc, no other process),
+with no secret and no expected value in its memory. Whatever the solution does to this process (patches builtins,
+replaces this module's functions, prints, exits, forks) it can only change the data this process sends back, and
+the checker compares that data with expected values it alone holds. Its source arrives as the first line on stdin (JSON), so
 nothing of /tests is mounted here.
 
 Protocol, one JSON object per line: first ``{"ready": true}`` or ``{"import_error": "..."}``; then for each request
@@ -102,7 +102,11 @@ def main():
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     for line in requests:
-        replies.write(json.dumps(answer(solution, json.loads(line))) + "\n")
+        try:
+            reply = json.dumps(answer(solution, json.loads(line)))
+        except (ValueError, RecursionError) as exc:  # an int too long to write, a structure too deep
+            reply = json.dumps({"error": f"the result is not plain data: {exc}"})
+        replies.write(reply + "\n")
         replies.flush()
 
 

@@ -11,6 +11,6 @@ chmod -R u+rwX /logs/verifier 2>/dev/null
 rm -rf /logs/verifier
 mkdir -p /logs/verifier && echo 0 > /logs/verifier/reward.txt || exit 1
 cd /
-if python3 -I /tests/checker.py /tests/cases.py 10; then
+if timeout -k 1 25 python3 -I /tests/checker.py /tests/cases.py 10; then
   echo 1 > /logs/verifier/reward.txt
 fi

@@ -3,8 +3,8 @@ which it never imports; exit 0 only when every check passed. Run by tests/test.s
 current directory and no user site on its path, no PYTHON* variable read).
 
 The solution runs in `child.py`, inside a bubblewrap sandbox nested in the verifier's: its own user, PID, mount,
-network and IPC namespaces, only /usr, a read-only /app and a private /tmp (no /tests, no /logs, no other
-process in view), killed with this process (``--die-with-parent``) and at the deadline. The cases file calls the
+network and IPC namespaces, only /usr, a read-only /app and a private /tmp (no /tests, no /logs, no /proc, no
+other process in view), killed with this process (``--die-with-parent``) and at the deadline. The cases file calls the
 solution's functions through a stand-in module ``solution`` (``from solution import f`` works as before): each call
 crosses as typed JSON, the result comes back as plain data (a value that is not is a failed check), exceptions
 come back as their nearest built-in class, changes to the arguments are mirrored onto the caller's objects and a
@@ -57,7 +57,7 @@ def _system_argv(bwrap):
             argv += ["--ro-bind", path, path]
     for name in ETC_FILES:
         argv += ["--ro-bind-try", "/etc/" + name, "/etc/" + name]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += ["--dev", "/dev", "--tmpfs", "/tmp"]  # no /proc: nothing to look at (and a nested one may be refused)
     argv += ["--ro-bind", "/app", "/app"] if os.path.isdir("/app") else ["--dir", "/app"]
     argv += ["--remount-ro", "/", "--chdir", "/app", "--clearenv"]
     for key, value in (("PATH", SYSTEM_PATH), ("HOME", "/tmp"), ("LANG", "C.UTF-8")):
@@ -114,11 +114,24 @@ class Child:
         return bytes(self._stderr).decode(errors="replace").strip()[-STDERR_TAIL:]
 
     def _send(self, line):
-        try:
-            self.proc.stdin.write(line.encode() + b"\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self.fail(f"the solution's process is gone: {self.stderr_tail()}")
+        """One request line, written before the deadline (a stopped child that never reads cannot block us)."""
+        data = memoryview(line.encode() + b"\n")
+        fd = self.proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_WRITE)
+            while data:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    self.fail("sending a call: past the deadline")
+                if not selector.select(left):
+                    continue
+                try:
+                    data = data[os.write(fd, data[: 1 << 16]) :]
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    self.fail(f"the solution's process is gone: {self.stderr_tail()}")
 
     def _receive(self, what):
         """One reply line as a JSON object, read before the deadline (an endless loop is killed, not waited for)."""
