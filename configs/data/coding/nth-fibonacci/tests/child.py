@@ -4,8 +4,8 @@ It runs inside a bubblewrap sandbox of its own that `checker.py` starts (its own
 namespaces; only /usr, a read-only /app and a private /tmp: no /tests, no /logs, no /proc, no other process),
 with no secret and no expected value in its memory. Whatever the solution does to this process (patches builtins,
 replaces this module's functions, prints, exits, forks) it can only change the data this process sends back, and
-the checker compares that data with expected values it alone holds. Its source arrives as the first line on stdin (JSON), so
-nothing of /tests is mounted here.
+the checker compares that data with expected values it alone holds. Its source arrives as the first line on stdin
+(JSON), so nothing of /tests is mounted here.
 
 Protocol, one JSON object per line: first ``{"ready": true}`` or ``{"import_error": "..."}``; then for each request
 ``{"call": NAME, "args": [ARG, ...]}`` one reply: ``{"result": VALUE, "same": I or null, "args": {I: ARG}}`` (``same``:
