@@ -5,7 +5,7 @@ for a known reward hack, before anyone trains on the set.
                 sandbox ─► (do nothing)                      ─► tests ─► reward <  max_reward ?
                 sandbox ─► each hack of `task_hacks.HACKS`  ─► tests ─► reward <  max_reward ?
 
-Both runs go through exactly what an episode goes through (`pipeline/tasks/harbor.py`: its sandbox from the
+Every attempt goes through exactly what an episode goes through (`pipeline/tasks/harbor.py`: its sandbox from the
 config's `sandbox.*`, the agent's leftovers killed, the tests copied in afterwards, the reward read from what
 they wrote), so a task that passes here scores the way training will score it. The hacks (`actors/tools/task_hacks.py`:
 reading the tests, the test runner's secrets from its memory, exiting 0 early, writing the reward file, a process
