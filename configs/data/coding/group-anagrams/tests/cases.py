@@ -1,0 +1,50 @@
+"""The group-anagrams task's cases: run by tests/checker.py, which alone holds the expected values, against
+/app/solution.py in a sandbox of its own (`solution` here stands in for it; standard library only)."""
+
+import reprlib
+
+from solution import group_anagrams
+
+PASSED = 0
+
+
+def same(got, want):
+    """Equal with the same types all the way down (an object claiming to equal everything does not pass)."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want, strict=True))
+    if isinstance(want, dict):
+        return all(type(k) is str for k in got) and set(got) == set(want) and all(same(got[k], want[k]) for k in want)
+    return got == want
+
+
+def check(got, want, label):
+    global PASSED
+    if not same(got, want):
+        raise AssertionError(f"{label}: expected {want!r:.300}, got {got!r:.300}")
+    PASSED += 1
+
+
+def run_cases(cases):
+    """Each (args, want): group_anagrams(*args) must be exactly want (the label is made before the call)."""
+    for args, want in cases:
+        name = "group_anagrams(" + ", ".join(reprlib.repr(a) for a in args) + ")"
+        check(group_anagrams(*args), want, name)
+
+
+run_cases(
+    [
+        ((["eat", "tea", "tan", "ate", "nat", "bat"],), [["ate", "eat", "tea"], ["bat"], ["nat", "tan"]]),
+        ((["a", "a", "b"],), [["a", "a"], ["b"]]),
+        (([],), []),
+        ((["", ""],), [["", ""]]),
+        ((["abc"],), [["abc"]]),
+        ((["b", "a"],), [["a"], ["b"]]),
+        ((["ab", "ba", "Ab"],), [["Ab"], ["ab", "ba"]]),
+        ((["listen", "silent", "enlist", "google", "gogole"],), [["enlist", "listen", "silent"], ["gogole", "google"]]),
+        ((["éta", "tea", "até"],), [["até", "éta"], ["tea"]]),
+    ]
+)
+
+print(f"group-anagrams: all {PASSED} checks passed")
