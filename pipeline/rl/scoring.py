@@ -256,7 +256,7 @@ async def run_group(
         scoring = {"tokenizer": tokenizer, "group_id": group_id, "verifiers": verifiers}
         return await score_group(task, prompt, prompt_ids, results, sampling, **scoring)  # type: ignore[arg-type]
     scorer = Scorer(task, prompt, sampling, tokenizer, verifiers, group_id)
-    limits = EpisodeLimits(env_timeout_s, max_turns, max_total_tokens, strict_truncation)
+    limits = EpisodeLimits(env_timeout_s, max_turns, max_total_tokens, strict_truncation, task.reward_range)
     episodes = Episodes(generate, sampling, tokenizer, limits, template)
 
     async def episode(i: int) -> Sample:

@@ -26,27 +26,22 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 
 from pipeline.failures import InfraFailure, InfraReason
 from pipeline.sandbox import SandboxError, SandboxSpec
 from pipeline.sandbox.pool import SandboxPool
 from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.chat_tokenizer import load_chat_template_text, load_chat_tokenizer
-from pipeline.tasks.environment import Environment, EnvStep
+from pipeline.tasks.environment import Environment, EnvStep, Hook
 from pipeline.tasks.files import shuffled_epochs
+from pipeline.tasks.harbor_dirs import HarborTaskDir, admission_wait_s, hook_deadlines, load_task_dirs
 from pipeline.tasks.settings import TaskSettings
 from pipeline.wire.prompts import Prompt
 
@@ -77,54 +72,6 @@ class EpisodeFailure(InfraFailure):
         super().__init__(detail, reason=reason)
 
 
-@dataclass(frozen=True)
-class HarborTaskDir:
-    name: str
-    path: Path
-    instruction: str
-    agent_timeout_s: float
-    verifier_timeout_s: float
-    cpus: float | None
-    memory_mb: int | None
-    tags: tuple[str, ...]
-
-
-def load_task_dir(path: Path) -> HarborTaskDir:
-    """One task directory, checked (an error names the file)."""
-    for needed in ("instruction.md", "task.toml", "tests/test.sh"):
-        if not (path / needed).is_file():
-            raise ValueError(f"harbor task {path}: {needed} is missing")
-    try:
-        meta = tomllib.loads((path / "task.toml").read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"harbor task {path / 'task.toml'}: {exc}") from exc
-    agent, verifier, environment = (meta.get(k) or {} for k in ("agent", "verifier", "environment"))
-    tags = (meta.get("metadata") or {}).get("tags") or []
-    try:
-        return HarborTaskDir(
-            name=path.name,
-            path=path,
-            instruction=(path / "instruction.md").read_text().strip(),
-            agent_timeout_s=float(agent.get("timeout_sec", 600.0)),
-            verifier_timeout_s=float(verifier.get("timeout_sec", 600.0)),
-            cpus=None if environment.get("cpus") is None else float(environment["cpus"]),
-            memory_mb=None if environment.get("memory_mb") is None else int(environment["memory_mb"]),
-            tags=tuple(str(t) for t in tags),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"harbor task {path / 'task.toml'}: {exc}") from exc
-
-
-def load_task_dirs(root: str | Path) -> list[HarborTaskDir]:
-    root = Path(root)
-    if not root.is_dir():
-        raise ValueError(f"harbor: task.args.path {root} is not a directory")
-    tasks = [load_task_dir(p) for p in sorted(root.iterdir()) if p.is_dir() and (p / "task.toml").exists()]
-    if not tasks:
-        raise ValueError(f"harbor: task.args.path {root} holds no task directory (a subdirectory with task.toml)")
-    return tasks
-
-
 class HarborTask(Task):
     """Harbor task directories played by the shell agent in sandboxes; see the module docstring."""
 
@@ -152,7 +99,19 @@ class HarborTask(Task):
         self._pool: SandboxPool | None = None
 
     def configure(self, settings: TaskSettings) -> None:
-        """Take the run's `sandbox.*` and `rollout.*` settings (`pipeline.tasks.task_for` calls this)."""
+        """Take the run's `sandbox.*` and `rollout.*` settings (`pipeline.tasks.task_for` calls this); a deadline
+        that is not finite and above zero is refused by name (config fields check ``> 0``, which ``inf`` passes)."""
+        deadlines = {
+            "sandbox.command_timeout_s": settings.command_timeout_s,
+            "sandbox.start_timeout_s": settings.sandbox.start_timeout_s,
+        }
+        for name, value in deadlines.items():
+            if not 0 < value < math.inf:
+                raise ValueError(f"harbor: {name} must be finite and > 0, got {value!r}")
+        if not 0 <= admission_wait_s(settings) < math.inf:
+            raise ValueError(
+                f"harbor: the sandbox pool's admission wait must be finite, got {admission_wait_s(settings)!r}"
+            )
         self.settings = settings
 
     def _prompt(self, task: HarborTaskDir) -> Prompt:
@@ -203,6 +162,10 @@ class HarborEpisode(Environment):
         self.box: SupervisedSandbox | None = None
         self._deadline = 0.0
         self.commands = 0
+
+    def hook_timeout_s(self, hook: Hook) -> float:
+        """Each hook's deadline from the task's own timeouts and the run's sandbox settings (`hook_deadlines`)."""
+        return hook_deadlines(self.dir, self.task.settings)[hook]
 
     async def opening(self) -> EnvStep:
         spec = SandboxSpec(

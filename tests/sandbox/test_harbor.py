@@ -6,7 +6,9 @@ the shipped set and catches a broken oracle and tests that pay for nothing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -165,7 +167,7 @@ def _episode_with(
                     tokenizer=task.tokenizer,
                     verifiers=verifiers,
                     template=template,
-                    env_timeout_s=120.0,
+                    env_timeout_s=0.001,  # Harbor declares its own hook deadlines: this one never applies
                     max_turns=8,
                     infra_retries=infra_retries,
                     strict_truncation=strict_truncation,
@@ -341,3 +343,75 @@ def test_what_the_agent_leaves_in_its_home_does_not_run_inside_the_tests(tmp_pat
     )
     planted, _ = _episode(_one_task(tmp_path), [[plant, "DONE"]])
     assert planted.reward == 0.0
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ("[verifier]\ntimeout_sec = nan\n", "[verifier] timeout_sec"),
+        ("[verifier]\ntimeout_sec = inf\n", "[verifier] timeout_sec"),
+        ("[agent]\ntimeout_sec = -5.0\n", "[agent] timeout_sec"),
+        ("[agent]\ntimeout_sec = 0\n", "[agent] timeout_sec"),
+        ("[agent]\ntimeout_sec = '60'\n", "[agent] timeout_sec"),
+        ("[environment]\ncpus = -inf\n", "[environment] cpus"),
+        ("[environment]\nmemory_mb = 0\n", "[environment] memory_mb"),
+        ("[environment]\nmemory_mb = 512.5\n", "[environment] memory_mb"),
+    ],
+)
+def test_a_task_toml_with_a_nan_inf_or_non_positive_timeout_or_limit_is_refused_by_file_and_field(
+    tmp_path: Path, toml: str, field: str
+) -> None:
+    root = _one_task(tmp_path, **{"task.toml": toml})
+    with pytest.raises(ValueError, match=r"task\.toml: \[") as refused:
+        HarborTask(str(root))
+    assert field in str(refused.value) and str(root / "reverse-words" / "task.toml") in str(refused.value)
+
+
+def test_a_task_directory_holding_a_symlink_is_refused_naming_the_link(tmp_path: Path) -> None:
+    secret = tmp_path / "host-secret"
+    secret.write_text("AWS_SECRET_ACCESS_KEY=...")
+    cases = {"instruction.md": secret, "tests/test_solution.py": secret, "tests/data": tmp_path}
+    for relative, target in cases.items():
+        root = _one_task(tmp_path / relative.replace("/", "_"))
+        link = root / "reverse-words" / relative
+        if link.exists():
+            link.unlink()
+        link.symlink_to(target)
+        with pytest.raises(ValueError, match="is a symlink") as refused:
+            HarborTask(str(root))
+        assert str(link) in str(refused.value)
+    inside = _one_task(tmp_path / "inside")  # even a link that stays inside the task directory
+    (inside / "reverse-words" / "tests" / "again.sh").symlink_to("test.sh")
+    with pytest.raises(ValueError, match="again.sh"):
+        HarborTask(str(inside))
+    linked_task = tmp_path / "linked"
+    linked_task.mkdir()
+    (linked_task / "reverse-words").symlink_to(_one_task(tmp_path / "real") / "reverse-words")
+    with pytest.raises(ValueError, match="is a symlink"):
+        HarborTask(str(linked_task))
+
+
+def test_each_hook_deadline_comes_from_task_toml_and_the_config_never_a_fixed_minute(tmp_path: Path) -> None:
+    """A verifier allowed 15 minutes gets them: `final` and `step` (which runs the tests on DONE) are given more
+    than the tests' own timeout, so only the tests' deadline (a typed ``verifier_timeout``) can cut them."""
+    root = _one_task(tmp_path, **{"task.toml": "[verifier]\ntimeout_sec = 900.0\n[agent]\ntimeout_sec = 30.0\n"})
+    task = HarborTask(str(root))
+    cfg = load_config(None, ["sandbox.command_timeout_s=45", "sandbox.start_timeout_s=20"], environ={})
+    task.configure(TaskSettings.from_config(cfg))
+    episode = task.environment(next(iter(task.prompts())))
+    deadlines = {hook: episode.hook_timeout_s(hook) for hook in ("opening", "step", "final", "aclose")}
+    assert deadlines["final"] > 900 + 20 and deadlines["step"] > deadlines["final"] + 30  # command: the agent's 30
+    assert 20 < deadlines["opening"] < 900 and deadlines["aclose"] > 0
+    shorter = HarborTask(str(_one_task(tmp_path / "short", **{"task.toml": "[verifier]\ntimeout_sec = 5.0\n"})))
+    shorter.configure(TaskSettings.from_config(cfg))
+    assert shorter.environment(next(iter(shorter.prompts()))).hook_timeout_s("final") < deadlines["final"] - 800
+    for field, value in (("command_timeout_s", math.inf), ("start_timeout_s", math.nan)):
+        settings = TaskSettings.from_config(cfg)
+        if field == "command_timeout_s":
+            settings = dataclasses.replace(settings, command_timeout_s=value)
+        else:
+            settings = dataclasses.replace(
+                settings, sandbox=dataclasses.replace(settings.sandbox, start_timeout_s=value)
+            )
+        with pytest.raises(ValueError, match=f"sandbox.{field}"):
+            task.configure(settings)
