@@ -330,25 +330,32 @@ class SandboxConfig(Section):
     """Accept the local backend (also what `auto` falls back to without bubblewrap); logged as a warning."""
     max_concurrent: int = Field(8, ge=1)
     """Sandboxes a generator holds at once; an episode waits for a slot before its sandbox starts."""
-    starts_per_s: float = Field(4.0, ge=0)
+    starts_per_s: float = Field(4.0, ge=0, allow_inf_nan=False)
     """Sandbox starts per second at most (admission in waves, so a fleet never starts them all at once); 0: no limit."""
-    cpus: float = Field(1.0, gt=0)
+    cpus: float = Field(1.0, gt=0, allow_inf_nan=False)
     """CPUs each sandbox reserves out of the machine's (a start waits until they are free)."""
+    cpu_quota: float = Field(1.0, ge=0, le=1024, allow_inf_nan=False)
+    """CPUs one sandbox may keep busy at most (a CFS quota on its cgroup, where the host gives one); 0: no quota."""
     memory_mb: int = Field(1024, ge=32)
-    """Memory each sandbox reserves out of the machine's, and the address-space limit of each of its processes."""
+    """Memory each sandbox reserves out of the machine's: the limit of the whole sandbox, its tmpfs files included,
+    where the host gives it a cgroup (else of each process's address space only)."""
     max_processes: int = Field(128, ge=8)
     """Processes and threads inside one sandbox (a fork bomb stops here)."""
     max_file_mb: int = Field(256, ge=1)
-    """Largest file a sandboxed process may write."""
+    """Largest file a sandboxed process may write, and the bound of a tree exported from a sandbox."""
     max_open_files: int = Field(256, ge=16)
     """Open files of each sandboxed process."""
     cpu_time_s: int = Field(600, ge=1)
     """CPU seconds of each sandboxed process."""
-    start_timeout_s: float = Field(60.0, gt=0)
+    disk_mb: int = Field(256, ge=1)
+    """Size of each of a sandbox's writable directories (/tmp, /dev/shm, /app, /logs: tmpfs under bwrap)."""
+    start_timeout_s: float = Field(60.0, gt=0, le=3600, allow_inf_nan=False)
     """A sandbox not up within this is `sandbox_start_timeout` (infra_error)."""
-    command_timeout_s: float = Field(60.0, gt=0)
+    admission_timeout_s: float = Field(1800.0, gt=0, le=86400, allow_inf_nan=False)
+    """Longest an episode waits for a sandbox slot and its reservation before its start is `sandbox_start_timeout`."""
+    command_timeout_s: float = Field(60.0, gt=0, le=86400, allow_inf_nan=False)
     """Longest a single agent command may run (within the task's agent timeout)."""
-    idle_timeout_s: float = Field(900.0, gt=0)
+    idle_timeout_s: float = Field(900.0, gt=0, le=86400, allow_inf_nan=False)
     """A sandbox no command has used for this long is reaped (its episode becomes `sandbox_lost`)."""
     dir: str | None = None
     """Where sandboxes' private directories are made on the host. None: the system temp directory."""

@@ -4,6 +4,7 @@ unisolated local one, and the pool that admits them in waves (`pipeline/sandbox/
 from pipeline.sandbox.base import (
     ExecResult,
     Sandbox,
+    SandboxBroken,
     SandboxError,
     SandboxLimits,
     SandboxLost,
@@ -16,6 +17,7 @@ from pipeline.sandbox.base import (
 __all__ = [
     "ExecResult",
     "Sandbox",
+    "SandboxBroken",
     "SandboxError",
     "SandboxLimits",
     "SandboxLost",

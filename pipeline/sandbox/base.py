@@ -2,9 +2,13 @@
 its `ExecResult`, what it is made of (`SandboxSpec`, `SandboxLimits`) and the typed ways it fails.
 
 A sandbox holds model-written code, which is hostile: no network, no credentials, no view of the run's files, and
-limits on what it can use. A command that fails is an `ExecResult` with its exit code (the policy's business); a
-sandbox that could not start or died is a `SandboxError`, an `pipeline.failures.InfraFailure` whose ``reason`` is
-one of the failure taxonomy's `InfraReason`s, so the episode becomes an ``infra_error`` and never scores 0.
+limits on what it can use, per sandbox (memory, processes, CPU, the size of its writable directories). A command
+that fails is an `ExecResult` with its exit code (the policy's business). A sandbox that could not start, or died
+of something that was not the policy's doing (the host closed or reaped it, it died before any command of the
+policy ran), is a `SandboxError`: a `pipeline.failures.InfraFailure` whose ``reason`` is one of the taxonomy's
+`InfraReason`s, so the episode becomes an ``infra_error``, masked and re-run. A sandbox that died or whose channel
+to the host was tampered with once a command of the policy had run is `SandboxBroken`: the policy's failure
+(``sandbox_broken``, reward 0, trained on), because re-running what a hostile command broke would select for it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,18 @@ class SandboxLost(SandboxError):
     reason = InfraReason.SANDBOX_LOST
 
 
+class SandboxBroken(RuntimeError):
+    """The sandbox died, stopped answering or sent the host something that was not the reply to its request, after
+    a command of the policy had run in it and without the host causing it: the policy's failure, never a masked
+    re-run. ``name`` is its failure name (in `pipeline.failures.POLICY_FAILURES`); the sandbox is killed."""
+
+    name = "sandbox_broken"
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(f"{self.name}: {detail}")
+
+
 class SandboxRefused(ValueError):
     """The configuration asks for a backend this machine cannot give, or an unisolated one not allowed."""
 
@@ -60,18 +76,30 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-sandbox limits, applied as rlimits to everything inside (and its processes run as a uid of their own
-    when the generator runs as root, so the process limit is the sandbox's alone)."""
+    """Per-sandbox limits. Where a cgroup is writable (`pipeline/sandbox/cgroups.py`: cgroup v2 when delegated,
+    else v1's memory, pids and cpu controllers, i.e. a root generator) memory, processes and CPU are the whole
+    sandbox's; rlimits on every process inside are always set as the floor. Without a cgroup (an unprivileged
+    generator without delegation) only the rlimits hold, and they are per process: two processes may together use
+    twice ``memory_mb``, and the CPU quota is gone (``cpu_time_s`` still ends any one process). The sandbox's
+    processes run as a uid of their own when the generator is root (`pipeline/sandbox/uids.py`), so the process
+    rlimit is the sandbox's alone."""
 
     memory_mb: int = 1024
-    """Address space of each process (RLIMIT_AS)."""
+    """Memory of the whole sandbox, its tmpfs files included (the cgroup's limit; past it the kernel kills its
+    largest process), and the address space of each process (RLIMIT_AS)."""
     max_processes: int = 128
-    """Processes and threads of the sandbox (RLIMIT_NPROC of its own uid): a fork bomb stops here."""
+    """Processes and threads of the sandbox (the cgroup's pids limit, and RLIMIT_NPROC of its own uid): a fork
+    bomb stops here."""
     max_file_mb: int = 256
     """Largest file a process may write (RLIMIT_FSIZE)."""
     max_open_files: int = 256
     cpu_time_s: int = 600
     """CPU seconds of each process (RLIMIT_CPU): an endless loop left in the background dies here at the latest."""
+    cpu_quota: float = 0.0
+    """CPUs the whole sandbox may keep busy (a CFS quota through its cgroup); 0: no quota."""
+    disk_mb: int = 256
+    """Size of each of its writable directories (``/tmp``, ``/dev/shm`` and the spec's ``writable``: tmpfs of
+    this size under bwrap, whose pages count as the sandbox's memory too)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +112,11 @@ class SandboxSpec:
     """Sandbox path -> host directory, bound read-only (a task's tests, its oracle solution)."""
     writable: tuple[str, ...] = ("/app", "/logs")
     """Sandbox directories that start empty and writable, private to this sandbox (besides /tmp)."""
+    imports: Mapping[str, Path] = field(default_factory=dict)
+    """Sandbox directory (one of ``writable``) -> a host tar file that `SupervisedSandbox.export_tree` made: unpacked
+    into that empty directory before the sandbox is handed out, safely (members with absolute paths, "..", a path
+    through a symlink or a type other than file, directory or symlink are skipped). How a verifier gets only the
+    agent's ``/app`` in a fresh sandbox."""
     env: Mapping[str, str] = field(default_factory=dict)
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     label: str = ""
@@ -103,7 +136,8 @@ class Sandbox(Protocol):
     async def exec(
         self, command: str, *, timeout_s: float, cwd: str | None = None, env: Mapping[str, str] | None = None
     ) -> ExecResult:
-        """Run ``bash -c command``; a failing command is an `ExecResult`, a dead sandbox `SandboxLost`."""
+        """Run ``bash -c command``; a failing command is an `ExecResult`, a dead sandbox `SandboxLost` (or
+        `SandboxBroken` when the policy's commands broke it)."""
         ...
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int | None = None) -> None: ...

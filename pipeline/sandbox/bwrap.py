@@ -1,12 +1,16 @@
 """The bubblewrap backend: a sandbox in new user, mount, PID, network, IPC, UTS and cgroup namespaces.
 
 What is inside: the system's directories read-only (``/usr`` and the merged-usr links, a few files of ``/etc``),
-a private ``/proc``, ``/dev`` and ``/tmp``, the spec's writable directories (``/app``, ``/logs``: empty, private
-to this sandbox) and its read-only binds (a task's tests). What is not: the network (a network namespace of its
-own has only a loopback that is down, so not even the run's NATS or S3 on 127.0.0.1 is reachable), the
-generator's environment (no S3 or NATS credentials), its home, the run's directory and the stack's, any other
-process. It dies with the generator (``--die-with-parent``, so a SIGKILLed generator leaves nothing running),
-and runs as a uid of its own when the generator is root, under the spec's rlimits.
+a private ``/proc`` and a read-only ``/dev``, size-limited tmpfs for ``/tmp``, ``/dev/shm`` and the spec's
+writable directories (``/app``, ``/logs``: empty, private to this sandbox, ``limits.disk_mb`` each; the host
+sees none of them on disk: `SupervisedSandbox.export_tree` and `SandboxSpec.imports` move a tree out and in) and
+its read-only binds (a task's tests). What is not: the network (a network namespace of its own has only a
+loopback that is down, so not even the run's NATS or S3 on 127.0.0.1 is reachable), the generator's environment
+(no S3 or NATS credentials), its home, the run's directory and the stack's, any other process. The supervisor is
+the PID namespace's init (``--as-pid-1``: no signal from inside reaches it, and its killall is one
+``kill(-1)``); it dies with the generator (``--die-with-parent``, so a SIGKILLed generator leaves nothing
+running), and runs as a uid of its own and in a cgroup of its own where the host allows (a root generator), under
+the spec's limits.
 """
 
 from __future__ import annotations
@@ -52,8 +56,10 @@ def require_bwrap() -> str:
 class BwrapSandbox(SupervisedSandbox):
     backend = "bwrap"
 
+    def _scope(self) -> str:
+        return "namespace"
+
     def _argv(self, supervisor: list[str]) -> list[str]:
-        assert self.root is not None
         argv = [require_bwrap(), "--ro-bind", "/usr", "/usr"]
         for name in SYSTEM_LINKS:
             path = Path("/") / name
@@ -63,14 +69,17 @@ class BwrapSandbox(SupervisedSandbox):
                 argv += ["--ro-bind", str(path), f"/{name}"]
         for name in ETC_FILES:
             argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self.root / "tmp"), "/tmp"]
-        for path in self.spec.writable:
-            argv += ["--bind", str(self.root / path.strip("/").replace("/", "_")), path]
+        size = str(self.spec.limits.disk_mb << 20)
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        for path in ("/dev/shm", "/tmp", *self.spec.writable):
+            argv += ["--size", size, "--tmpfs", path]
         for inside, host in self.spec.binds.items():
             argv += ["--ro-bind", str(host), inside]
-        argv += ["--remount-ro", "/"]  # the root itself (bwrap's tmpfs holding the mount points) is not writable
+        # the root itself (bwrap's tmpfs holding the mount points) and /dev's are not writable: unbounded otherwise
+        argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
         argv += [
             "--unshare-all",
+            "--as-pid-1",
             "--die-with-parent",
             "--new-session",
             "--cap-drop",

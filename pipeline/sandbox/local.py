@@ -1,6 +1,8 @@
 """The unisolated backend: the supervisor runs as a plain child process, in a private directory, with the
-generator's uid (or the sandbox's own when root), rlimits and a cleared environment, and nothing else: the
-network, the file system and the other processes are all in view. Refused unless ``sandbox.allow_unisolated:
+generator's uid (or the sandbox's own when root, and its cgroup where one is writable), rlimits and a cleared
+environment, and nothing else: the network, the file system and the other processes are all in view, and the
+agent's processes can write the supervisor's channel (it is not a PID namespace's init), so a verdict from it
+proves nothing. Its killall kills the uid's processes (root) or stops then kills the supervisor's descendants. Refused unless ``sandbox.allow_unisolated:
 true`` (`pipeline/sandbox/pool.py`), and logged as such. Sandbox paths are not mounted: a writable directory
 such as ``/app`` is ``<root>/app`` on the host, which is where commands start; a task that names absolute paths
 in its commands (Harbor's ``/tests``, ``/logs``) needs bwrap or docker.
@@ -27,6 +29,12 @@ class LocalSandbox(SupervisedSandbox):
 
     def _argv(self, supervisor: list[str]) -> list[str]:
         return supervisor
+
+    def _private_dirs(self) -> tuple[str, ...]:
+        return ("tmp", *(p.strip("/").replace("/", "_") for p in self.spec.writable))
+
+    def _path(self, path: str) -> str:
+        return self.host_path(path)
 
     def _cwd(self) -> str | None:
         return self.host_path(self.spec.workdir)

@@ -4,7 +4,8 @@ every sandbox when its episode ends (`SandboxPool.sandbox` is a context manager)
 
 At scale the sandbox fleet is what breaks first (cold starts, neighbours starving each other, thousands of
 starts at once): a generator that admits its episodes all at once would start every sandbox in the same second.
-Here an episode waits for its slot, its reservation and its turn in the wave, and only then starts.
+Here an episode waits for its slot, its reservation and its turn in the wave, and only then starts; a wait for the
+slot and the reservation past ``admission_timeout_s`` is `SandboxStartTimeout`, so no episode waits forever.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from pipeline.sandbox.base import SandboxLimits, SandboxRefused, SandboxSpec
+from pipeline.sandbox.base import SandboxLimits, SandboxRefused, SandboxSpec, SandboxStartTimeout
 from pipeline.sandbox.bwrap import BwrapSandbox, bwrap_binary
 from pipeline.sandbox.local import LocalSandbox
 from pipeline.sandbox.supervised import SupervisedSandbox
@@ -41,6 +42,8 @@ class PoolSettings:
     memory_mb: int = 1024
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     start_timeout_s: float = 60.0
+    admission_timeout_s: float = 1800.0
+    """Longest an episode waits for its slot and reservation: past it, `SandboxStartTimeout` (it never waits forever)."""
     idle_timeout_s: float = 600.0
     base_dir: Path | None = None
 
@@ -103,27 +106,43 @@ class SandboxPool:
     @contextlib.asynccontextmanager
     async def sandbox(self, spec: SandboxSpec) -> AsyncIterator[SupervisedSandbox]:
         """A started sandbox for the ``async with`` block, torn down when it ends, however it ends."""
-        async with self._slots:
-            await self._reserve()
+        await self._admit()
+        try:
+            box = self._new(spec)
+            await self._wave_turn()
+            self._live.add(box)
+            self._ensure_reaper()
             try:
-                box = self._new(spec)
-                await self._wave_turn()
-                self._live.add(box)
-                self._ensure_reaper()
                 try:
-                    try:
-                        await box.start()
-                    except Exception:
-                        self.stats.start_failed += 1
-                        raise
-                    self.stats.started += 1
-                    self.stats.start_s.append(box.started_s or 0.0)
-                    yield box
-                finally:
-                    self._live.discard(box)
-                    await asyncio.shield(box.close())
+                    await box.start()
+                except Exception:
+                    self.stats.start_failed += 1
+                    raise
+                self.stats.started += 1
+                self.stats.start_s.append(box.started_s or 0.0)
+                yield box
             finally:
-                await self._release()
+                self._live.discard(box)
+                await asyncio.shield(box.close())
+        finally:
+            await self._release()
+
+    async def _admit(self) -> None:
+        """Take a slot and the reservation, or `SandboxStartTimeout` after ``admission_timeout_s``."""
+        waited = time.monotonic()
+        try:
+            async with asyncio.timeout(self.settings.admission_timeout_s):
+                await self._slots.acquire()
+                try:
+                    await self._reserve()
+                except BaseException:
+                    self._slots.release()
+                    raise
+        except TimeoutError:
+            raise SandboxStartTimeout(
+                f"waited {time.monotonic() - waited:.0f} s for a sandbox slot and its reservation "
+                f"(sandbox.admission_timeout_s = {self.settings.admission_timeout_s:g}; {self.live} live)"
+            ) from None
 
     async def _reserve(self) -> None:
         async with self._room:
@@ -134,6 +153,7 @@ class SandboxPool:
             self._memory_free -= self.settings.memory_mb
 
     async def _release(self) -> None:
+        self._slots.release()
         async with self._room:
             self._cpus_free += self.settings.cpus
             self._memory_free += self.settings.memory_mb

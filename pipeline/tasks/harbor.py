@@ -220,7 +220,7 @@ class HarborEpisode(Environment):
         assert self.box is not None
         box = self.box
         try:
-            await box.kill_processes()
+            await box.kill_all()
             await box.exec("rm -rf /logs/verifier /logs/home /tests/* && mkdir -p /logs/home", timeout_s=30)
             for path in sorted((self.dir.path / "tests").rglob("*")):
                 if path.is_file():

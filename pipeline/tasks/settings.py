@@ -49,8 +49,11 @@ class TaskSettings:
                 max_file_mb=s.max_file_mb,
                 max_open_files=s.max_open_files,
                 cpu_time_s=s.cpu_time_s,
+                cpu_quota=s.cpu_quota,
+                disk_mb=s.disk_mb,
             ),
             start_timeout_s=s.start_timeout_s,
+            admission_timeout_s=s.admission_timeout_s,
             idle_timeout_s=s.idle_timeout_s,
             base_dir=None if s.dir is None else Path(s.dir),
         )

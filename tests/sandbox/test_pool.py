@@ -1,14 +1,17 @@
 """The sandbox pool: at most max_concurrent at once, starts in waves of starts_per_s, reservations out of the
-machine's CPUs and memory, an idle sandbox reaped (its next request is sandbox_lost), every sandbox torn down
-when its block ends or the pool closes, and the unisolated backend refused unless allowed."""
+machine's CPUs and memory, a wait for a slot bounded (sandbox_start_timeout, naming the wait), an idle sandbox
+reaped (its next request is sandbox_lost), every sandbox torn down when its block ends or the pool closes, the
+unisolated backend refused unless allowed, and sandbox timeouts and limits that are nan, inf or negative refused."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from pydantic import ValidationError
 
-from pipeline.sandbox import SandboxLost, SandboxRefused, SandboxSpec
+from pipeline.config_sections import SandboxConfig
+from pipeline.sandbox import SandboxLost, SandboxRefused, SandboxSpec, SandboxStartTimeout
 from pipeline.sandbox.local import LocalSandbox
 from pipeline.sandbox.pool import PoolSettings, SandboxPool
 from pipeline.sandbox.supervised import uid_processes
@@ -114,3 +117,49 @@ def test_the_unisolated_backend_is_refused_unless_allowed() -> None:
 
     out = asyncio.run(go())
     assert out.startswith("here\n") and "leeway-sandbox-" in out  # its private directory stands for /app
+
+
+def test_waiting_for_a_slot_is_bounded_and_the_wait_is_named() -> None:
+    async def go() -> None:
+        pool = SandboxPool(
+            PoolSettings(
+                backend="local",
+                allow_unisolated=True,
+                max_concurrent=1,
+                cpus=0.01,
+                memory_mb=16,
+                admission_timeout_s=0.2,
+            )
+        )
+        holding, done = asyncio.Event(), asyncio.Event()
+
+        async def holder() -> None:
+            async with pool.sandbox(SandboxSpec(label="holder")):
+                holding.set()
+                await done.wait()
+
+        task = asyncio.ensure_future(holder())
+        await holding.wait()
+        with pytest.raises(SandboxStartTimeout, match="waited .* for a sandbox slot"):
+            async with pool.sandbox(SandboxSpec(label="never")):
+                pass
+        done.set()
+        await task
+        async with pool.sandbox(SandboxSpec(label="after")) as box:  # the slot it waited for was never taken
+            assert (await box.exec("echo ok", timeout_s=30)).stdout == "ok\n"
+        await pool.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("field", ["start_timeout_s", "admission_timeout_s", "command_timeout_s", "idle_timeout_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, 0.0])
+def test_sandbox_timeouts_must_be_finite_and_positive(field: str, value: float) -> None:
+    with pytest.raises(ValidationError, match=field):
+        SandboxConfig(**{field: value})
+
+
+def test_sandbox_limits_reject_nan_inf_and_negatives() -> None:
+    for field, value in (("starts_per_s", float("nan")), ("cpus", float("inf")), ("cpu_quota", -1.0), ("disk_mb", 0)):
+        with pytest.raises(ValidationError, match=field):
+            SandboxConfig(**{field: value})
