@@ -17,11 +17,15 @@ them and never a fixed minute that masks a long test run as an ``infra_error``.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import stat
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pipeline.sandbox.supervised import KILL_S, REPLY_MARGIN_S, TEARDOWN_S, TREE_S
 
 if TYPE_CHECKING:
     from pipeline.tasks.environment import Hook
@@ -34,11 +38,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 DEFAULT_TIMEOUT_S = 600.0
 """Harbor's default for ``[agent] timeout_sec`` and ``[verifier] timeout_sec``."""
-SANDBOX_OP_S = 60.0
-"""Bound on one sandbox operation task.toml sets no deadline for (killing its processes, exporting /app, reading
-the reward, a teardown); each has a deadline of its own inside the sandbox code, this only sizes the backstop."""
-REPLY_MARGIN_S = 10.0
-"""What a command's reply may take beyond the command's own timeout (`pipeline.sandbox.supervised`'s margin)."""
+READ_S = 10.0
+"""Reading the reward file through the supervisor (a small file; its reply margin is on top)."""
 
 
 @dataclass(frozen=True)
@@ -136,15 +137,21 @@ def hook_deadlines(task: HarborTaskDir, settings: TaskSettings) -> dict[Hook, fl
     """The longest each hook of one episode of `task` may take: the sum of the deadlines of what it does.
 
     ``opening`` waits for a slot and starts the agent's sandbox; ``step`` runs one command and, on DONE, the
-    verifier (``final`` alone); ``final`` hands /app over (kill, export, close), starts the verifier's sandbox,
-    runs the tests and reads the reward; ``aclose`` tears a sandbox down. A non-finite setting is refused at
-    `pipeline.tasks.harbor.HarborTask.configure`, so these are finite."""
-    start = admission_wait_s(settings) + settings.sandbox.start_timeout_s + SANDBOX_OP_S
-    command = min(settings.command_timeout_s, task.agent_timeout_s) + REPLY_MARGIN_S
-    verifier = 3 * SANDBOX_OP_S + start + task.verifier_timeout_s + REPLY_MARGIN_S + 3 * SANDBOX_OP_S
-    return {"opening": start, "step": command + verifier, "final": verifier, "aclose": SANDBOX_OP_S}
+    verifier (``final`` alone); ``final`` hands /app over (kill, export, close), waits for a slot, starts the
+    verifier's sandbox with /app imported, runs the tests, kills what they left and reads the reward; ``aclose``
+    tears a sandbox down. Each part is a deadline the sandbox code enforces (`pipeline.sandbox.supervised`'s
+    request deadlines plus its reply margin), so the sum is reached only when one of them failed. A non-finite
+    setting is refused at `pipeline.tasks.harbor.HarborTask.configure`, so these are finite."""
+    request = partial(operator.add, REPLY_MARGIN_S)  # a request's own deadline, and its reply's margin
+    start = admission_wait_s(settings) + settings.sandbox.start_timeout_s
+    command = request(min(settings.command_timeout_s, task.agent_timeout_s))
+    hand_over = request(KILL_S) + request(TREE_S) + TEARDOWN_S
+    tests = start + request(TREE_S) + request(task.verifier_timeout_s) + request(KILL_S) + request(READ_S)
+    verifier = hand_over + tests + TEARDOWN_S
+    return {"opening": start + TEARDOWN_S, "step": command + verifier, "final": verifier, "aclose": TEARDOWN_S}
 
 
 def admission_wait_s(settings: TaskSettings) -> float:
-    """How long a sandbox may wait for its slot in the pool before the pool gives up (its admission limit)."""
-    return 0.0
+    """How long a sandbox may wait for its slot in the pool before the pool gives up (``sandbox.admission_timeout_s``:
+    `SandboxStartTimeout`, an infra failure)."""
+    return settings.sandbox.admission_timeout_s

@@ -27,11 +27,13 @@ from pipeline.config import LeewayConfig, load_config
 from pipeline.rl.scoring import run_group
 from pipeline.tasks import TaskSettings, VerifierPool
 from pipeline.tasks.harbor import HarborTask
-from pipeline.wire.trajectory import Sample
+from pipeline.wire.trajectory import Sample, TrajectoryGroup
 from tests.support.runs import REPO, leeway_argv
 
 CODING = REPO / "configs" / "data" / "coding"
 SOLVE = "```bash\n" + (CODING / "reverse-words" / "solution" / "solve.sh").read_text() + "\n```"
+KILL_SUPERVISOR = "kill -9 $PPID; kill -9 1; echo sent"
+"""An agent command that kills the sandbox's supervisor (the process that runs its commands)."""
 WRONG = "```bash\necho 'def reverse_words(s): return s' > /app/solution.py\n```"
 
 
@@ -74,7 +76,11 @@ class _Agent:
 
 
 def _episode(
-    root: Path, scripts: Sequence[Sequence[str]], *sets: str, on_reply: Callable[..., None] | None = None
+    root: Path,
+    scripts: Sequence[Sequence[str]],
+    *sets: str,
+    on_reply: Callable[..., None] | None = None,
+    max_turns: int = 8,
 ) -> tuple[Sample, HarborTask]:
     cfg = load_config(None, ["sandbox.starts_per_s=0", *sets], environ={})
     task = HarborTask(str(root))
@@ -85,6 +91,7 @@ def _episode(
         on_reply,
         infra_retries=cfg.rollout.infra_retries,
         strict_truncation=cfg.rollout.strict_truncation,
+        max_turns=max_turns,
     )
 
 
@@ -94,17 +101,66 @@ def test_the_reward_is_what_the_tests_wrote_after_the_agents_commands(tmp_path: 
     assert (solved.status, solved.reward, solved.reward_source) == ("ok", 1.0, "verifier")
     wrong, _ = _episode(root, [[WRONG, "DONE"]])
     assert (wrong.status, wrong.reward) == ("ok", 0.0)
-    nothing, _ = _episode(root, [["DONE"]])
-    assert nothing.reward == 0.0
-    # a background job that keeps writing the reward file is killed before the tests run
-    cheat = "```bash\n(while true; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; done) &\n```"
-    cheated, _ = _episode(root, [[cheat, "DONE"]])
-    assert cheated.reward == 0.0
     # the tests were never in view of the agent
     peek = "```bash\nls /tests; cat /tests/test.sh\n```"
     peeked, task = _episode(root, [[peek, "DONE"]])
     transcript = task.tokenizer.decode([int(t) for t in peeked.tokens], skip_special_tokens=False)
     assert "reward.txt" not in transcript.split("ls /tests")[1] and peeked.reward == 0.0
+
+
+FORGE = """```bash
+mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && echo '{"reward": 1}' > /logs/verifier/reward.json
+(while true; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; sleep 0.01; done) &
+setsid bash -c 'while true; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.01; done' &
+chmod 000 /logs; echo forged
+```"""
+
+
+def test_a_reward_the_agent_forges_or_a_process_it_leaves_rewriting_it_never_counts(tmp_path: Path) -> None:
+    """The agent writes the reward files, leaves two processes (one in a session of its own) rewriting them and
+    makes /logs unusable: the verifier runs in a sandbox of its own with a fresh /logs, so the reward is the
+    tests' 0 (the /app it left holds a wrong solution), never 1 and never a masked infra_error."""
+    forged, _ = _episode(_one_task(tmp_path), [[WRONG, FORGE, "DONE"]], "rollout.infra_retries=0")
+    assert (forged.status, forged.reward, forged.reward_source) == ("ok", 0.0, "verifier")
+    assert "error" not in forged.info and forged.info["verifier_exit"] == 0
+
+
+def test_an_agent_that_kills_its_supervisor_scores_zero_never_a_masked_rerun(tmp_path: Path) -> None:
+    """From inside, the supervisor (the PID namespace's init) shrugs off the agent's signals: the tests score the
+    wrong solution 0. A supervisor that dies anyway once a command of the policy ran (killed here from the host,
+    not through the host's API, as if a command had done it) is the policy's ``sandbox_broken``: reward 0, not
+    re-run, whatever ``rollout.infra_retries`` says; re-running it would select for the hack."""
+    root = _one_task(tmp_path)
+    killer = "```bash\n" + KILL_SUPERVISOR + "\n```"
+    tried, _ = _episode(root, [[WRONG, killer, "DONE"]], "rollout.infra_retries=1")
+    assert (tried.status, tried.reward, tried.info["attempts"]) == ("ok", 0.0, 1) and "error" not in tried.info
+    cfg = load_config(None, ["sandbox.starts_per_s=0"], environ={})
+    task = HarborTask(str(root))
+    task.configure(TaskSettings.from_config(cfg))
+
+    def kill_supervisor(attempt: int, turn: int) -> None:
+        if turn == 1:  # after the solution is written, before DONE
+            for box in list(task.pool._live):
+                assert box._proc is not None
+                os.kill(box._proc.pid, signal.SIGKILL)
+
+    broken, _ = _episode_with(task, [[SOLVE, "DONE"]], kill_supervisor, infra_retries=1)
+    assert (broken.status, broken.reward, broken.info["error"], broken.info["attempts"]) == (
+        "ok",
+        0.0,
+        "sandbox_broken",
+        1,
+    )
+
+
+def test_a_nan_reward_on_a_cut_episode_fails_that_sample_alone(tmp_path: Path) -> None:
+    """The turn limit cuts the episode before DONE: the tests judge it (`final`) and write NaN; the sample is a
+    typed reward_invalid (its group still validates), not a NaN that loses the whole group."""
+    nan = "#!/bin/bash\nmkdir -p /logs/verifier; echo nan > /logs/verifier/reward.txt\n"
+    root = _one_task(tmp_path, **{"tests/test.sh": nan})
+    cut, _ = _episode(root, [[SOLVE, "DONE"]], "rollout.infra_retries=0", max_turns=1)
+    assert (cut.status, cut.reward, cut.info["infra_reason"]) == ("infra_error", None, "reward_invalid")
+    TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="gen", samples=[cut])
 
 
 def test_a_reply_without_command_or_done_is_told_or_with_strict_format_ends_at_zero(tmp_path: Path) -> None:
@@ -121,9 +177,8 @@ def test_a_sandbox_killed_mid_episode_is_sandbox_lost_rerun_and_never_scores_zer
 
     def kill_first_attempt(attempt: int, turn: int) -> None:
         if attempt == 0 and turn == 1:  # after the solution is written, before DONE: the sandbox dies
-            for box in list(holder["task"].pool._live):
-                assert box._proc is not None
-                os.killpg(box._proc.pid, signal.SIGKILL)
+            for box in list(holder["task"].pool._live):  # the host kills it (`kill`: not the policy's doing)
+                asyncio.run(box.kill("killed by the test"))
 
     cfg_sets = ("rollout.infra_retries=1",)
     cfg = load_config(None, ["sandbox.starts_per_s=0", *cfg_sets], environ={})
@@ -148,6 +203,7 @@ def _episode_with(
     *,
     infra_retries: int,
     strict_truncation: bool = False,
+    max_turns: int = 8,
 ) -> tuple[Sample, HarborTask]:
     """One episode of the task's first prompt, played by the scripted `_Agent`, through the real rollout."""
     agent = _Agent(task, scripts, on_reply)
@@ -168,7 +224,7 @@ def _episode_with(
                     verifiers=verifiers,
                     template=template,
                     env_timeout_s=0.001,  # Harbor declares its own hook deadlines: this one never applies
-                    max_turns=8,
+                    max_turns=max_turns,
                     infra_retries=infra_retries,
                     strict_truncation=strict_truncation,
                 )
@@ -287,6 +343,17 @@ async def _idle_agent(prompt: Any, client: Any, ctx: Any) -> Any:
     return AgentOutcome(1.0)  # claims success, wrote nothing: the tests say 0
 
 
+async def _breaking_agent(prompt: Any, client: Any, ctx: Any) -> Any:
+    """Writes the oracle, then its sandbox's supervisor dies (killed from here, as if a command had done it) and
+    its next command meets a broken sandbox: the policy's failure, 0, whatever the agent claims."""
+    from pipeline.tasks.agents import AgentOutcome
+
+    await _oracle_agent(prompt, client, ctx)
+    os.kill(ctx.sandbox._proc.pid, signal.SIGKILL)
+    await ctx.sandbox.exec("echo still here", timeout_s=10)
+    return AgentOutcome(1.0)
+
+
 async def _slow_agent(prompt: Any, client: Any, ctx: Any) -> Any:
     await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "12>"}])
     await ctx.sandbox.exec("sleep 1000", timeout_s=600)
@@ -308,6 +375,7 @@ def test_an_agent_function_works_in_the_episodes_sandbox_and_the_tests_score_it(
             for name, agent, timeout_is in (
                 ("oracle", _oracle_agent, "policy"),
                 ("idle", _idle_agent, "policy"),
+                ("breaker", _breaking_agent, "policy"),
                 ("slow-policy", _slow_agent, "policy"),
                 ("slow-infra", _slow_agent, "infra"),
             ):
@@ -321,16 +389,17 @@ def test_an_agent_function_works_in_the_episodes_sandbox_and_the_tests_score_it(
                     sandboxes=task.environment,
                     agent_timeout_is=timeout_is,
                 )
-                out[name] = await runner.group(prompt, 2)
+                out[name] = await runner.group(prompt, 1)
         await task.aclose()
         return out
 
     runs = asyncio.run(go())
-    assert [(x.status, x.reward) for x in runs["oracle"]] == [("ok", 1.0)] * 2
+    assert [(x.status, x.reward) for x in runs["oracle"]] == [("ok", 1.0)]
     assert all(x.info["wrote"] and x.loss_mask.sum() > 0 for x in runs["oracle"])
-    assert [(x.status, x.reward) for x in runs["idle"]] == [("ok", 0.0)] * 2
-    assert [(x.status, x.reward) for x in runs["slow-policy"]] == [("ok", 0.0)] * 2
-    assert [(x.status, x.info["infra_reason"]) for x in runs["slow-infra"]] == [("infra_error", "agent_timeout")] * 2
+    assert [(x.status, x.reward) for x in runs["idle"]] == [("ok", 0.0)]
+    assert [(x.status, x.reward, x.info["error"]) for x in runs["breaker"]] == [("ok", 0.0, "sandbox_broken")]
+    assert [(x.status, x.reward) for x in runs["slow-policy"]] == [("ok", 0.0)]
+    assert [(x.status, x.info["infra_reason"]) for x in runs["slow-infra"]] == [("infra_error", "agent_timeout")]
 
 
 def test_what_the_agent_leaves_in_its_home_does_not_run_inside_the_tests(tmp_path: Path) -> None:
@@ -396,12 +465,13 @@ def test_each_hook_deadline_comes_from_task_toml_and_the_config_never_a_fixed_mi
     than the tests' own timeout, so only the tests' deadline (a typed ``verifier_timeout``) can cut them."""
     root = _one_task(tmp_path, **{"task.toml": "[verifier]\ntimeout_sec = 900.0\n[agent]\ntimeout_sec = 30.0\n"})
     task = HarborTask(str(root))
-    cfg = load_config(None, ["sandbox.command_timeout_s=45", "sandbox.start_timeout_s=20"], environ={})
+    sets = ["sandbox.command_timeout_s=45", "sandbox.start_timeout_s=20", "sandbox.admission_timeout_s=30"]
+    cfg = load_config(None, sets, environ={})
     task.configure(TaskSettings.from_config(cfg))
     episode = task.environment(next(iter(task.prompts())))
     deadlines = {hook: episode.hook_timeout_s(hook) for hook in ("opening", "step", "final", "aclose")}
     assert deadlines["final"] > 900 + 20 and deadlines["step"] > deadlines["final"] + 30  # command: the agent's 30
-    assert 20 < deadlines["opening"] < 900 and deadlines["aclose"] > 0
+    assert 20 + 30 < deadlines["opening"] < 900 and deadlines["aclose"] > 0
     shorter = HarborTask(str(_one_task(tmp_path / "short", **{"task.toml": "[verifier]\ntimeout_sec = 5.0\n"})))
     shorter.configure(TaskSettings.from_config(cfg))
     assert shorter.environment(next(iter(shorter.prompts()))).hook_timeout_s("final") < deadlines["final"] - 800
