@@ -153,6 +153,16 @@ def test_an_agent_that_kills_its_supervisor_scores_zero_never_a_masked_rerun(tmp
     )
 
 
+def test_an_app_the_agent_made_unreadable_or_too_big_to_hand_over_scores_zero_never_infra(tmp_path: Path) -> None:
+    root = _one_task(tmp_path)
+    locked = "```bash\nchmod 000 /app/solution.py; mkdir /app/d; touch /app/d/f; chmod 000 /app/d /app\n```"
+    unreadable, _ = _episode(root, [[SOLVE, locked, "DONE"]], "rollout.infra_retries=0")
+    assert (unreadable.status, unreadable.reward) == ("ok", 0.0), unreadable.info
+    big = "```bash\nfor i in 1 2 3; do head -c 900000 /dev/urandom > /app/blob$i; done; ls /app\n```"
+    too_big, _ = _episode(root, [[SOLVE, big, "DONE"]], "rollout.infra_retries=0", "sandbox.max_file_mb=1")
+    assert (too_big.status, too_big.reward, too_big.info["error"]) == ("ok", 0.0, "sandbox_broken")
+
+
 def test_a_nan_reward_on_a_cut_episode_fails_that_sample_alone(tmp_path: Path) -> None:
     """The turn limit cuts the episode before DONE: the tests judge it (`final`) and write NaN; the sample is a
     typed reward_invalid (its group still validates), not a NaN that loses the whole group."""
