@@ -209,13 +209,14 @@ class SupervisedSandbox:
             _killpg(proc.pid)
         if proc is not None:
             await proc.wait()
+        gone = True
         if self.uid is not None:
-            await asyncio.to_thread(_wait_uid_gone, self.uid, TEARDOWN_S, self.spec.label)
+            gone = await asyncio.to_thread(_wait_uid_gone, self.uid, TEARDOWN_S, self.spec.label)
         if self.cgroup is not None:
             await asyncio.to_thread(self.cgroup.remove)
             self.cgroup = None
         if self._lease is not None:
-            self._lease.release()
+            self._lease.release(gone=gone)
             self._lease = None
         if self.root is not None:
             await asyncio.to_thread(shutil.rmtree, self.root, True)
@@ -435,13 +436,13 @@ def _killpg(pid: int) -> None:
         pass
 
 
-def _wait_uid_gone(uid: int, timeout_s: float, label: str) -> None:
-    """Kill what is left of a sandbox's uid and wait until the kernel has reaped it all."""
+def _wait_uid_gone(uid: int, timeout_s: float, label: str) -> bool:
+    """Kill what is left of a sandbox's uid and wait until the kernel has reaped it all; False if it did not."""
     deadline = time.monotonic() + timeout_s
     while True:
         left = uid_processes(uid)
         if not left:
-            return
+            return True
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -449,5 +450,5 @@ def _wait_uid_gone(uid: int, timeout_s: float, label: str) -> None:
                 pass
         if time.monotonic() > deadline:
             log.error("sandbox %s: processes %s of uid %d are still there after %g s", label, left, uid, timeout_s)
-            return
+            return False
         time.sleep(0.01)

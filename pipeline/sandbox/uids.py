@@ -4,8 +4,10 @@ A sandbox's processes run as a uid nothing else on the host uses, so its process
 every process of that uid) are its own. Taking one still in use would be worse than none: closing one sandbox
 would kill another's processes. So a uid is leased: a lock file per uid in a root-only host directory, held
 (``flock``) for the sandbox's life by the process that owns it, across every generator and test on the host (the
-kernel drops the lock when that process dies, however it dies), and taken only once /proc shows no live process
-of that uid (a sandbox of a generator killed with SIGKILL may take a moment to go).
+kernel drops the lock when that process dies, however it dies). A lease released by its owner once none of the
+uid's processes were left marks its file ``free``; one whose owner died holding it does not, and its uid is taken
+again only once /proc shows no live process of it (a sandbox of a generator killed with SIGKILL may take a moment
+to go). Scanning /proc on every start would cost 10-20 ms on a busy host.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ UID_COUNT = 100_000
 BLOCK = 100
 """Each generator process starts its search at a block of its own (by pid), so two rarely contend for a lock."""
 LOCK_DIR = Path("/run/leeway-sandbox-uids")
+FREE = b"free"
 
 
 class UidLease:
@@ -31,8 +34,11 @@ class UidLease:
         self.uid = uid
         self._fd: int | None = fd
 
-    def release(self) -> None:
+    def release(self, *, gone: bool = False) -> None:
+        """Give the uid back; ``gone``: the owner saw none of its processes left, so the next taker need not look."""
         if self._fd is not None:
+            if gone:
+                os.pwrite(self._fd, FREE, 0)
             os.close(self._fd)  # closing the only descriptor of the open file drops its flock
             self._fd = None
 
@@ -51,9 +57,11 @@ def allocate_uid(lock_dir: Path = LOCK_DIR) -> UidLease | None:
         except BlockingIOError:  # another sandbox holds it
             os.close(fd)
             continue
-        if uid_processes(uid):  # free by its lock, but something of it still lives: never hand it out
+        if os.pread(fd, len(FREE), 0) != FREE and uid_processes(uid):  # its owner died holding it, and it still lives
             os.close(fd)
             continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, b"held", 0)
         return UidLease(uid, fd)
     raise OSError(f"no free sandbox uid in {UID_BASE}..{UID_BASE + UID_COUNT - 1}")
 

@@ -88,8 +88,9 @@ def test_a_dead_sandbox_is_sandbox_lost_not_a_failed_command() -> None:
             await box.close()
         other = await _sandbox()
         try:  # its supervisor dies before any command of the policy ran: nothing the policy did, so infra
-            assert other._proc is not None
-            os.killpg(other._proc.pid, signal.SIGKILL)
+            assert other._proc is not None and other.uid is not None
+            os.killpg(other._proc.pid, signal.SIGKILL)  # bwrap's outer process: the supervisor follows it
+            assert _wait_gone(other.uid) == []
             with pytest.raises(SandboxLost, match="died"):
                 await other.write_file("/app/task.txt", "the task")
         finally:
