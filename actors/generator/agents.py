@@ -7,7 +7,10 @@ shared tokens trained once) that all carry the run's reward, the episode id (the
 branch index. A run that raised, timed out (``task.agent_timeout_s``) or returned no reward is one
 ``infra_error`` sample (reward None: masked from loss and baseline) whose ``info["infra_reason"]`` is an
 `pipeline.failures.InfraReason`: the exception's own (`InfraFailure.reason`: a sandbox lost, a verifier timed out),
-else ``agent_timeout``, ``agent_error``, or ``reward_invalid`` for a reward that is not a finite number. A run that
+else ``agent_timeout``, ``agent_error``, or ``reward_invalid`` for a reward that is not a finite number. A sandboxed
+run (a Harbor task's) is scored by the task's tests in a sandbox of their own once the agent returns
+(`HarborEpisode.verify`), and a sandbox the agent's own commands broke (`SandboxBroken`) is the policy's failure:
+reward 0, ``info["error"] = "sandbox_broken"``. A run that
 made no request at all leaves a sample of its prompt as rendered for the model (`prompt_token_ids`, the
 endpoint's chat template; no loss tokens) so the group keeps one sample per run. Every sample is made by
 `pipeline.rl.scoring.build_sample`.
@@ -20,7 +23,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx2
@@ -32,8 +35,10 @@ from pipeline.failures import InfraFailure, InfraReason
 from pipeline.rl.prompt_ids import prompt_token_ids
 from pipeline.rl.scoring import build_sample, failure_info
 from pipeline.rl.turns import Trajectory, Turn
+from pipeline.sandbox.base import SandboxBroken
 from pipeline.tasks import reward_problem
 from pipeline.tasks.agents import AgentContext, AgentFunction, AgentOutcome
+from pipeline.tasks.environment import Hook
 from pipeline.wire.prompts import Prompt
 from pipeline.wire.trajectory import Sample, Status
 
@@ -124,19 +129,24 @@ class AgentRunner:
     ) -> tuple[AgentOutcome | None, tuple[InfraReason, str] | None]:
         """The agent's run (in its sandbox, scored by the sandbox's tests when it has one): its outcome, or why it
         is an ``infra_error``, as (reason, error)."""
+        timeout_s = self.timeout_s if sandboxed is None else min(self.timeout_s, sandboxed.dir.agent_timeout_s)
         try:
             if sandboxed is not None:
-                await sandboxed.opening()
+                await _hook(sandboxed, "opening", sandboxed.opening)
                 ctx = dataclasses.replace(ctx, sandbox=sandboxed.box)
-            outcome = await asyncio.wait_for(self.agent(prompt, client, ctx), timeout=self.timeout_s)
+            outcome = await asyncio.wait_for(self.agent(prompt, client, ctx), timeout=timeout_s)
             if sandboxed is not None and isinstance(outcome, AgentOutcome) and outcome.status != "format_error":
-                verdict = await sandboxed.verify()  # the tests, not the agent, score a sandboxed run
+                # the tests, not the agent, score a sandboxed run, in a sandbox of their own (`HarborEpisode.verify`)
+                verdict = await _hook(sandboxed, "final", sandboxed.verify)
                 outcome = AgentOutcome(verdict.reward, info={**outcome.info, **verdict.info})
             return outcome, _unusable(outcome)
+        except SandboxBroken as exc:  # the agent's own commands broke its sandbox: the policy's failure, reward 0
+            verdict = sandboxed.broken(exc)
+            return AgentOutcome(verdict.reward, info=verdict.info), None
         except asyncio.TimeoutError:
             if sandboxed is not None and self.agent_timeout_is == "policy":  # the policy's failure: reward 0
                 return AgentOutcome(0.0, info={"error": InfraReason.AGENT_TIMEOUT.value}), None
-            detail = f"the agent ran past task.agent_timeout_s = {self.timeout_s}"
+            detail = f"the agent ran past its timeout ({timeout_s:g} s: task.agent_timeout_s, [agent] timeout_sec)"
             return None, (InfraReason.AGENT_TIMEOUT, f"{InfraReason.AGENT_TIMEOUT.value}: {detail}")
         except InfraFailure as exc:  # a sandbox's or verifier's typed failure; its message names the reason
             log.warning("agent run %s failed: %s", ctx.session_id, exc)
@@ -189,6 +199,16 @@ class _Run:
             episode_id=self.episode_id,
             branch=branch,
         )
+
+
+async def _hook(sandboxed: Any, hook: Hook, call: Callable[[], Awaitable[Any]]) -> Any:
+    """A sandboxed episode's `opening` or `verify` under the deadline the episode declares for it (its task's
+    timeouts: `HarborEpisode.hook_timeout_s`); past it, an ``environment_timeout``, never the agent's timeout."""
+    try:
+        return await asyncio.wait_for(call(), timeout=sandboxed.hook_timeout_s(hook))
+    except asyncio.TimeoutError:
+        detail = f"the sandbox's {hook} ran past its deadline"
+        raise InfraFailure(detail, reason=InfraReason.ENVIRONMENT_TIMEOUT) from None
 
 
 def _unusable(outcome: object) -> tuple[InfraReason, str] | None:

@@ -13,19 +13,24 @@ An environment message is appended only when a policy reply follows it. The limi
 ``max_turns`` replies and ``max_total_tokens`` tokens; a reply cut by its length ends the episode (``truncated``,
 later turns dropped), and under ``strict_truncation`` scores 0.
 
-An environment hook that raises or runs past ``env_timeout_s`` ends the episode as an ``infra_error`` named by
-`failure_reason`: an `pipeline.failures.InfraFailure`'s own ``reason`` (a sandbox lost, a verifier timed out), a
-timeout ``environment_timeout``, any other exception ``environment_error``. So does a done step whose reward is
-not a finite number (``reward_invalid``) and chat messages the template cannot append (``not_bridged``).
+Each hook runs under its deadline: the one the environment declares (`Environment.hook_timeout_s`: a Harbor
+sandbox's, from its task.toml and the run's sandbox settings), else ``env_timeout_s``. A hook that raises or runs
+past it ends the episode as an ``infra_error`` named by `failure_reason`: an `pipeline.failures.InfraFailure`'s
+own ``reason`` (a sandbox lost, a verifier timed out), a timeout ``environment_timeout``, any other exception
+``environment_error``. So do chat messages the template cannot append (``not_bridged``) and an environment's
+reward (a done step's, or a cut episode's ``final`` verdict) that is not a finite number (``reward_invalid``) or
+lies outside the task's ``reward_range`` (``reward_out_of_range``): that sample alone, never its group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -34,7 +39,7 @@ from pipeline.rl.engine_records import Generate, GenerateRequest, SamplingParams
 from pipeline.rl.env_messages import NotBridged, step_ids
 from pipeline.rl.turns import Turn, decode
 from pipeline.tasks import Prompt, Task, reward_problem
-from pipeline.tasks.environment import Environment, EnvStep
+from pipeline.tasks.environment import Environment, EnvStep, Hook
 from pipeline.wire.trajectory import Status
 
 if TYPE_CHECKING:
@@ -44,9 +49,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENV_TIMEOUT_S = 60.0
-"""Default limit on one `Environment` hook call; past it the sample is an ``infra_error``."""
+"""Limit on one hook call of an `Environment` that declares no deadline of its own (`Environment.hook_timeout_s`);
+past it the sample is an ``infra_error``."""
 MAX_TURNS = 8
 """Default number of policy replies in a multi-turn episode; an episode still running after it is truncated."""
+
+T = TypeVar("T")
 
 EnvironmentFactory = Callable[[Prompt], Environment]
 """Builds a fresh environment per sample (the samples of a group run side by side)."""
@@ -60,13 +68,16 @@ def environment_factory(task: Task) -> EnvironmentFactory | None:
 @dataclass(frozen=True)
 class EpisodeLimits:
     env_timeout_s: float = ENV_TIMEOUT_S
-    """Limit on one environment hook call (``opening``, ``step``, ``final``, ``aclose``)."""
+    """Limit on one environment hook call (``opening``, ``step``, ``final``, ``aclose``) of an environment that
+    declares none (`Environment.hook_timeout_s`)."""
     max_turns: int = MAX_TURNS
     """Policy replies; an episode still running after them is cut."""
     max_total_tokens: int | None = None
     """Tokens of the whole episode, prompt included; a reply gets at most what is left."""
     strict_truncation: bool = False
     """A reply that fills its token limit scores 0 (`rollout.strict_truncation`)."""
+    reward_range: tuple[float, float] | None = None
+    """The task's `Task.reward_range`: an environment's reward outside it fails its sample."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,7 @@ class Episodes:
             return await self._turns(environment, prompt_ids, trajectory_id)
         finally:
             try:
-                await asyncio.wait_for(environment.aclose(), timeout=self.limits.env_timeout_s)
+                await self._hook(environment, "aclose", environment.aclose)
             except Exception:  # the sample is already decided; a failed close only costs the environment's slot
                 logger.warning("closing the environment of trajectory %s failed", trajectory_id, exc_info=True)
 
@@ -127,7 +138,7 @@ class Episodes:
         pending: list[int] = []
         gen_s = 0.0
         try:
-            first = await asyncio.wait_for(environment.opening(), timeout=limits.env_timeout_s)
+            first = await self._hook(environment, "opening", environment.opening)
             pending = [] if first is None else step_ids(first, self.tokenizer, self.template, None)
         except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
             logger.exception("environment failed to open trajectory %s", trajectory_id)
@@ -148,48 +159,72 @@ class Episodes:
             if result.finish_reason == "length" and limits.strict_truncation:  # rollout.strict_truncation
                 return EpisodeEnd(turns, gen_s, reward=0.0, status="truncated", info={"strict": "length"})
             if result.finish_reason != "stop":  # "length": later turns are dropped; "abort": not scored
-                return await self._cut(environment, turns, gen_s)
+                return await self._cut(environment, turns, gen_s, trajectory_id)
             reply_ids = turns[-1].without_stop(self.sampling.stop_token_ids)
             try:
-                step = await asyncio.wait_for(
-                    environment.step(decode(self.tokenizer, reply_ids), reply_ids), timeout=limits.env_timeout_s
-                )
+                text = decode(self.tokenizer, reply_ids)
+                step = await self._hook(environment, "step", partial(environment.step, text, reply_ids))
             except Exception as exc:  # a boundary we own: environment failures are infrastructure failures
                 logger.exception("environment failed in trajectory %s", trajectory_id)
                 return _failed(turns, gen_s, exc)
             if step.done:
-                return _done(step, turns, gen_s, trajectory_id)
+                return _verdict(step, turns, gen_s, trajectory_id, limits.reward_range, cut=False)
             try:
                 pending = step_ids(step, self.tokenizer, self.template, turns[-1].token_ids)
             except NotBridged as exc:
                 logger.warning("environment of trajectory %s: %s; infra_error", trajectory_id, exc)
                 failure = InfraFailure(str(exc), reason=InfraReason.NOT_BRIDGED)
                 return EpisodeEnd(turns, gen_s, info=dict(step.info), failure=failure)
-        return await self._cut(environment, turns, gen_s)
+        return await self._cut(environment, turns, gen_s, trajectory_id)
 
-    async def _cut(self, environment: Environment, turns: list[Turn], gen_s: float) -> EpisodeEnd:
+    async def _cut(self, environment: Environment, turns: list[Turn], gen_s: float, trajectory_id: str) -> EpisodeEnd:
         """An episode cut by a limit (a reply's length, the turns, the tokens): ``truncated``, scored by the
         environment's own ``final()`` when it gives a verdict (a sandbox's tests), else by the task's verifier."""
         if turns[-1].finish_reason in ("abort", "prompt_too_long"):
             return EpisodeEnd(turns, gen_s, truncated=True)
         try:
-            step = await asyncio.wait_for(environment.final(), timeout=self.limits.env_timeout_s)
+            step = await self._hook(environment, "final", environment.final)
         except Exception as exc:  # a boundary we own, as for step()
+            logger.exception("environment failed to judge the cut trajectory %s", trajectory_id)
             return _failed(turns, gen_s, exc)
         if step is None:
             return EpisodeEnd(turns, gen_s, truncated=True)
-        reward = 0.0 if step.status == "format_error" else float(step.reward or 0.0)
-        return EpisodeEnd(turns, gen_s, reward=reward, status="truncated", info=dict(step.info))
+        return _verdict(step, turns, gen_s, trajectory_id, self.limits.reward_range, cut=True)
+
+    async def _hook(self, environment: Environment, hook: Hook, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` (one of the environment's hooks) under its deadline: the environment's own, else the rollout's;
+        a declared deadline that is not finite and above zero is the environment's error."""
+        declared = environment.hook_timeout_s(hook)
+        if declared is None:
+            return await asyncio.wait_for(call(), timeout=self.limits.env_timeout_s)
+        if isinstance(declared, bool) or not isinstance(declared, (int, float)) or not 0 < declared < math.inf:
+            raise ValueError(f"{type(environment).__name__}.hook_timeout_s({hook!r}) = {declared!r}: not finite > 0")
+        return await asyncio.wait_for(call(), timeout=float(declared))
 
 
-def _done(step: EnvStep, turns: list[Turn], gen_s: float, trajectory_id: str) -> EpisodeEnd:
-    """A done step: its reward and status when it has a reward (a format error scores 0), else the verifier's."""
+def _verdict(
+    step: EnvStep,
+    turns: list[Turn],
+    gen_s: float,
+    trajectory_id: str,
+    reward_range: tuple[float, float] | None,
+    *,
+    cut: bool,
+) -> EpisodeEnd:
+    """A done step's (``cut``: a cut episode's `Environment.final`) reward and status when it has a reward (a
+    format error scores 0), else the task's verifier scores it. A reward that is not a finite number, or outside
+    the task's range, fails this sample alone: the group's validation would refuse a NaN for all of them."""
     if step.reward is None:
-        return EpisodeEnd(turns, gen_s)
-    problem = None if step.status == "format_error" else reward_problem(step.reward)
-    if problem is not None:  # a broken environment fails its sample, not the group's validation
+        return EpisodeEnd(turns, gen_s, truncated=cut)
+    if step.status == "format_error":
+        return EpisodeEnd(turns, gen_s, reward=0.0, status="format_error", info=dict(step.info))
+    problem, reason = reward_problem(step.reward), InfraReason.REWARD_INVALID
+    if problem is None and reward_range is not None and not reward_range[0] <= float(step.reward) <= reward_range[1]:
+        problem = f"reward {step.reward!r} is outside the task's range [{reward_range[0]}, {reward_range[1]}]"
+        reason = InfraReason.REWARD_OUT_OF_RANGE
+    if problem is not None:
         logger.warning("environment of trajectory %s: %s; infra_error", trajectory_id, problem)
-        failure = InfraFailure(problem, reason=InfraReason.REWARD_INVALID)
+        failure = InfraFailure(problem, reason=reason)
         return EpisodeEnd(turns, gen_s, info=dict(step.info), failure=failure)
-    reward = 0.0 if step.status == "format_error" else float(step.reward)
-    return EpisodeEnd(turns, gen_s, reward=reward, status=step.status, info=dict(step.info))
+    status: Status = "truncated" if cut else step.status
+    return EpisodeEnd(turns, gen_s, reward=float(step.reward), status=status, info=dict(step.info))

@@ -7,7 +7,8 @@ Status of a sample:
   turn is generated, and the sample is still scored by the verifier.
 - ``format_error``: the verifier (or environment) rejected the format: reward 0, trained on.
 - ``infra_error``: the verifier or environment raised, timed out, or gave a reward that is not a finite
-  number (NaN, inf: `pipeline.tasks.reward_problem`): reward None, ``reward_source = none``; the trainer masks
+  number (NaN, inf: `pipeline.tasks.reward_problem`) or lies outside the task's ``reward_range`` (an
+  environment's done step and a cut episode's ``final`` verdict alike): reward None, ``reward_source = none``; the trainer masks
   it out of the loss and the group baseline, and the group's other samples are unaffected. Its
   ``info["infra_reason"]`` names why (`pipeline.failures.InfraReason`, `failure_info`).
 - ``aborted``: the engine aborted the generation: reward None, never scored.
@@ -256,7 +257,7 @@ async def run_group(
         scoring = {"tokenizer": tokenizer, "group_id": group_id, "verifiers": verifiers}
         return await score_group(task, prompt, prompt_ids, results, sampling, **scoring)  # type: ignore[arg-type]
     scorer = Scorer(task, prompt, sampling, tokenizer, verifiers, group_id)
-    limits = EpisodeLimits(env_timeout_s, max_turns, max_total_tokens, strict_truncation)
+    limits = EpisodeLimits(env_timeout_s, max_turns, max_total_tokens, strict_truncation, task.reward_range)
     episodes = Episodes(generate, sampling, tokenizer, limits, template)
 
     async def episode(i: int) -> Sample:

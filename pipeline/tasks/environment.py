@@ -10,6 +10,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+Hook = Literal["opening", "step", "final", "aclose"]
+"""The environment calls the rollout makes, each under a deadline (`Environment.hook_timeout_s`)."""
+
 
 @dataclass(frozen=True)
 class EnvStep:
@@ -34,7 +37,9 @@ class Environment(ABC):
     one per sample (`Task.environment`). The rollout calls, in order: `opening` once, then `step` after each policy
     reply until a step is ``done`` or a limit cuts the episode (then `final`), and `aclose` however the episode ended.
     A hook raising an `pipeline.failures.InfraFailure` names the sample's ``infra_error`` by its ``reason``; any
-    other exception is an ``environment_error``, a hook past the rollout's timeout an ``environment_timeout``."""
+    other exception is an ``environment_error``, a hook past its deadline (`hook_timeout_s`) an
+    ``environment_timeout``. A reward a hook returns is checked like a verifier's: not a finite number
+    (``reward_invalid``) or outside the task's ``reward_range`` (``reward_out_of_range``) fails its sample alone."""
 
     @abstractmethod
     async def step(self, reply_text: str, reply_ids: np.ndarray) -> EnvStep:
@@ -48,6 +53,15 @@ class Environment(ABC):
     async def final(self) -> EnvStep | None:
         """The verdict on an episode cut by a limit before a step said ``done`` (a sandbox's tests: the reward of
         a truncated sample), or None: the task's verifier scores the completion."""
+        return None
+
+    def hook_timeout_s(self, hook: Hook) -> float | None:
+        """The longest `hook` may take, when this environment knows it, or None: the rollout's ``env_timeout_s``.
+
+        An environment whose operations have deadlines of their own (a sandbox's: a command's, the tests', a wait
+        for a slot, all from its task and the run's config) declares their sum here, so a task whose tests may
+        run ten minutes is not cut at a fixed minute; the rollout's deadline is then a backstop that fires only
+        when an inner deadline failed to. Must be finite and above zero."""
         return None
 
     async def aclose(self) -> None:

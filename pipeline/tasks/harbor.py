@@ -11,42 +11,51 @@ A task directory, as Harbor lays it out (the format, not the package, which need
 
 An episode: a sandbox starts (`pipeline/sandbox/`, admitted by the generator's pool), the built-in shell agent plays
 (the model replies with one fenced ``bash`` block per turn, the sandbox runs it in ``/app``, its exit code and
-output come back as the next user message; ``DONE`` ends), then every process the agent left is killed, the tests
-are copied into ``/tests`` (the agent never saw them), ``/tests/test.sh`` runs, and the reward is what it wrote.
-Failures are typed (`EpisodeFailure`, an `InfraFailure` whose ``reason`` is an `InfraReason`): the sandbox's
-(``sandbox_start_failed``, ``sandbox_start_timeout``, ``sandbox_lost``) and the verifier's (``verifier_timeout``,
-``verifier_crashed``, ``reward_missing``) are infrastructure: the rollout re-runs the episode
-(``rollout.infra_retries``) and then sends an ``infra_error``, masked, never a 0. ``agent_timeout`` is the policy's
-(reward 0) unless ``rollout.agent_timeout_is: infra``. A reply with neither a command nor DONE is a format error:
-the agent is told, or with ``rollout.strict_format`` the episode ends with reward 0.
+output come back as the next user message; ``DONE`` ends), then the verifier, which the agent never shares: every
+process of the agent's sandbox is killed as a group, its ``/app`` exported and the sandbox closed (its PID
+namespace and uid gone); a fresh sandbox from the same pool gets only that ``/app``, the task's tests read-only at
+``/tests`` (the agent never saw them) and an empty ``/logs``; ``/tests/test.sh`` runs under ``[verifier]
+timeout_sec``, every process left is killed, and the reward is what the tests wrote to ``/logs/verifier``, read
+through that sandbox's supervisor. Nothing the agent wrote to its own ``/logs`` or left running can reach it.
+
+Failures are typed. The sandbox's (``sandbox_start_failed``, ``sandbox_start_timeout``, ``sandbox_lost``) and the
+verifier's (``verifier_timeout``, ``verifier_crashed``, ``reward_missing``) are infrastructure (`EpisodeFailure`,
+an `InfraFailure` whose ``reason`` is an `InfraReason`): the rollout re-runs the episode (``rollout.infra_retries``)
+and then sends an ``infra_error``, masked, never a 0. A sandbox its own processes broke (`SandboxBroken`: its
+supervisor killed, its channel tampered with, an ``/app`` that cannot be exported) is the policy's failure,
+``sandbox_broken``: reward 0, never a masked re-run, which would select for the episodes whose hack paid.
+``agent_timeout`` is the policy's (reward 0) unless ``rollout.agent_timeout_is: infra``. A reply with neither a
+command nor DONE is a format error: the agent is told, or with ``rollout.strict_format`` the episode ends with
+reward 0. Each hook's deadline comes from task.toml and the run's sandbox settings (`hook_deadlines`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
+import math
+import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
 from pipeline.failures import InfraFailure, InfraReason
-from pipeline.sandbox import SandboxError, SandboxSpec
+from pipeline.sandbox import ExecResult, SandboxError, SandboxSpec
+from pipeline.sandbox.base import SandboxBroken
 from pipeline.sandbox.pool import SandboxPool
 from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.chat_tokenizer import load_chat_template_text, load_chat_tokenizer
-from pipeline.tasks.environment import Environment, EnvStep
+from pipeline.tasks.environment import Environment, EnvStep, Hook
 from pipeline.tasks.files import shuffled_epochs
+from pipeline.tasks.harbor_dirs import HarborTaskDir, admission_wait_s, hook_deadlines, load_task_dirs
 from pipeline.tasks.settings import TaskSettings
 from pipeline.wire.prompts import Prompt
 
@@ -62,6 +71,9 @@ SHELL_AGENT_PROMPT = (
 COMMAND = re.compile(r"```(?:bash|sh)?[ \t]*\n(.*?)```", re.DOTALL)
 DONE = re.compile(r"(?m)^\s*DONE\s*$")
 REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
+VERIFIER_COMMAND = "mkdir -p /logs/verifier /logs/home && exec bash /tests/test.sh"
+SANDBOX_BROKEN = "sandbox_broken"
+"""The policy failure (`pipeline.failures.POLICY_FAILURES`) of a sandbox the agent's own processes broke."""
 VERIFIER_ENV = {"HOME": "/logs/home", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 """The tests run with a fresh home and no user site-packages: nothing the agent left in its home (a
 ``usercustomize.py``) runs inside them."""
@@ -75,54 +87,6 @@ class EpisodeFailure(InfraFailure):
 
     def __init__(self, reason: InfraReason, detail: str) -> None:
         super().__init__(detail, reason=reason)
-
-
-@dataclass(frozen=True)
-class HarborTaskDir:
-    name: str
-    path: Path
-    instruction: str
-    agent_timeout_s: float
-    verifier_timeout_s: float
-    cpus: float | None
-    memory_mb: int | None
-    tags: tuple[str, ...]
-
-
-def load_task_dir(path: Path) -> HarborTaskDir:
-    """One task directory, checked (an error names the file)."""
-    for needed in ("instruction.md", "task.toml", "tests/test.sh"):
-        if not (path / needed).is_file():
-            raise ValueError(f"harbor task {path}: {needed} is missing")
-    try:
-        meta = tomllib.loads((path / "task.toml").read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"harbor task {path / 'task.toml'}: {exc}") from exc
-    agent, verifier, environment = (meta.get(k) or {} for k in ("agent", "verifier", "environment"))
-    tags = (meta.get("metadata") or {}).get("tags") or []
-    try:
-        return HarborTaskDir(
-            name=path.name,
-            path=path,
-            instruction=(path / "instruction.md").read_text().strip(),
-            agent_timeout_s=float(agent.get("timeout_sec", 600.0)),
-            verifier_timeout_s=float(verifier.get("timeout_sec", 600.0)),
-            cpus=None if environment.get("cpus") is None else float(environment["cpus"]),
-            memory_mb=None if environment.get("memory_mb") is None else int(environment["memory_mb"]),
-            tags=tuple(str(t) for t in tags),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"harbor task {path / 'task.toml'}: {exc}") from exc
-
-
-def load_task_dirs(root: str | Path) -> list[HarborTaskDir]:
-    root = Path(root)
-    if not root.is_dir():
-        raise ValueError(f"harbor: task.args.path {root} is not a directory")
-    tasks = [load_task_dir(p) for p in sorted(root.iterdir()) if p.is_dir() and (p / "task.toml").exists()]
-    if not tasks:
-        raise ValueError(f"harbor: task.args.path {root} holds no task directory (a subdirectory with task.toml)")
-    return tasks
 
 
 class HarborTask(Task):
@@ -152,7 +116,16 @@ class HarborTask(Task):
         self._pool: SandboxPool | None = None
 
     def configure(self, settings: TaskSettings) -> None:
-        """Take the run's `sandbox.*` and `rollout.*` settings (`pipeline.tasks.task_for` calls this)."""
+        """Take the run's `sandbox.*` and `rollout.*` settings (`pipeline.tasks.task_for` calls this); a deadline
+        that is not finite and above zero is refused by name (config fields check ``> 0``, which ``inf`` passes)."""
+        deadlines = {
+            "sandbox.command_timeout_s": settings.command_timeout_s,
+            "sandbox.start_timeout_s": settings.sandbox.start_timeout_s,
+            "sandbox.admission_timeout_s": admission_wait_s(settings),
+        }
+        for name, value in deadlines.items():
+            if not 0 < value < math.inf:
+                raise ValueError(f"harbor: {name} must be finite and > 0, got {value!r}")
         self.settings = settings
 
     def _prompt(self, task: HarborTaskDir) -> Prompt:
@@ -194,22 +167,24 @@ class HarborTask(Task):
 
 
 class HarborEpisode(Environment):
-    """One attempt at one task: its sandbox lives from `opening` to `aclose`."""
+    """One attempt at one task: the agent's sandbox lives from `opening` until `verify` hands its /app over (or
+    `aclose`); the verifier's sandbox only while the tests run."""
 
     def __init__(self, task: HarborTask, task_dir: HarborTaskDir) -> None:
         self.task = task
         self.dir = task_dir
         self._stack = contextlib.AsyncExitStack()
         self.box: SupervisedSandbox | None = None
+        """The agent's sandbox, from `opening` until `verify` closes it."""
         self._deadline = 0.0
         self.commands = 0
 
+    def hook_timeout_s(self, hook: Hook) -> float:
+        """Each hook's deadline from the task's own timeouts and the run's sandbox settings (`hook_deadlines`)."""
+        return hook_deadlines(self.dir, self.task.settings)[hook]
+
     async def opening(self) -> EnvStep:
-        spec = SandboxSpec(
-            workdir="/app",
-            writable=("/app", "/logs", "/tests"),
-            label=self.dir.name,
-        )
+        spec = SandboxSpec(workdir="/app", writable=("/app", "/logs"), label=self.dir.name)
         try:
             self.box = await self._stack.enter_async_context(self.task.pool.sandbox(spec))
         except SandboxError as exc:
@@ -232,6 +207,8 @@ class HarborEpisode(Environment):
         self.commands += 1
         try:
             result = await self.box.exec(found.group(1), timeout_s=min(self.task.settings.command_timeout_s, left))
+        except SandboxBroken as exc:
+            return self.broken(exc)
         except SandboxError as exc:
             raise EpisodeFailure(exc.reason, exc.detail) from exc
         if result.timed_out and time.monotonic() >= self._deadline:
@@ -248,47 +225,104 @@ class HarborEpisode(Environment):
             raise EpisodeFailure(InfraReason.AGENT_TIMEOUT, f"{self.dir.name}: past [agent] timeout_sec")
         return EnvStep(done=True, reward=0.0, info={"error": "agent_timeout", "commands": self.commands})
 
+    def broken(self, exc: SandboxBroken) -> EnvStep:
+        """The sandbox's own processes broke it (killed its supervisor, made /app unreadable or too big): the
+        policy's failure, reward 0, never a masked re-run (re-runs select for success)."""
+        log.warning("harbor %s: %s; reward 0 (sandbox_broken)", self.dir.name, exc)
+        info = {"error": SANDBOX_BROKEN, "detail": str(exc), "commands": self.commands}
+        return EnvStep(done=True, reward=0.0, info=info)
+
     async def final(self) -> EnvStep:
         """The episode was cut by a turn or token limit before DONE: the tests judge what the agent left."""
         return await self.verify()
 
     async def verify(self) -> EnvStep:
-        """Kill what the agent left, copy the tests in, run them; the reward is what they wrote."""
-        assert self.box is not None
-        box = self.box
+        """The agent's turn is over: every process of its sandbox is killed, its /app exported and the sandbox
+        closed (its PID namespace and uid gone); then the tests run in a fresh sandbox holding only that /app, the
+        task's tests read-only at /tests and an empty /logs, and the reward is what they wrote there."""
+        base = self.task.settings.sandbox.base_dir
+        with tempfile.TemporaryDirectory(prefix="leeway-verify-", dir=base) as tmp:
+            app = Path(tmp) / "app.tar"
+            broken = await self._hand_over(app)
+            if broken is not None:
+                return broken
+            return await self._run_tests(app, await asyncio.to_thread(_readable_tests, self.dir.path / "tests", tmp))
+
+    async def _hand_over(self, app: Path) -> EnvStep | None:
+        """Kill the agent's processes, export its /app to `app`, close its sandbox; None, or the broken verdict."""
+        box, self.box = self.box, None
+        assert box is not None, "verify before opening"
         try:
             await box.kill_all()
-            await box.exec("rm -rf /logs/verifier /logs/home /tests/* && mkdir -p /logs/home", timeout_s=30)
-            for path in sorted((self.dir.path / "tests").rglob("*")):
-                if path.is_file():
-                    inside = "/tests/" + path.relative_to(self.dir.path / "tests").as_posix()
-                    await box.write_file(inside, path.read_bytes(), mode=0o755)
-            ran = await box.exec("bash /tests/test.sh", timeout_s=self.dir.verifier_timeout_s, env=VERIFIER_ENV)
-            if ran.timed_out:
-                raise EpisodeFailure(
-                    InfraReason.VERIFIER_TIMEOUT, f"{self.dir.name}: past {self.dir.verifier_timeout_s:g} s"
-                )
-            reward = await self._reward(ran.exit_code, ran.stderr)
+            await box.export_tree("/app", app)
+        except SandboxBroken as exc:
+            return self.broken(exc)
+        except OSError as exc:  # the supervisor could not read /app: the agent made it unreadable or removed it
+            return self.broken(SandboxBroken(f"{box.spec.label}: /app cannot be exported: {exc}"))
+        except SandboxError as exc:
+            raise EpisodeFailure(exc.reason, exc.detail) from exc
+        finally:
+            await self._stack.aclose()
+        return None
+
+    async def _run_tests(self, app: Path, tests: Path) -> EnvStep:
+        """``test.sh`` in a sandbox of its own under ``[verifier] timeout_sec``; the reward read once every process
+        in it is gone. A verifier that cannot score (no start, past its time, no reward) is infrastructure."""
+        spec = SandboxSpec(
+            workdir="/app",
+            writable=("/app", "/logs"),
+            binds={"/tests": tests},
+            imports={"/app": app},
+            label=f"{self.dir.name}-verifier",
+        )
+        timeout_s = self.dir.verifier_timeout_s
+        try:
+            async with self.task.pool.sandbox(spec) as box:
+                ran = await box.exec(VERIFIER_COMMAND, timeout_s=timeout_s, env=VERIFIER_ENV)
+                if ran.timed_out:
+                    raise EpisodeFailure(InfraReason.VERIFIER_TIMEOUT, f"{self.dir.name}: past {timeout_s:g} s")
+                await box.kill_all()
+                reward = await _reward(box, self.dir.name, ran)
+        except SandboxBroken as exc:  # the agent's code, run by the tests, broke the verifier's sandbox
+            return self.broken(exc)
         except SandboxError as exc:
             raise EpisodeFailure(exc.reason, exc.detail) from exc
         return EnvStep(done=True, reward=reward, info={"commands": self.commands, "verifier_exit": ran.exit_code})
 
-    async def _reward(self, exit_code: int, stderr: str) -> float:
-        assert self.box is not None
-        for path in REWARD_FILES:
-            try:
-                raw = (await self.box.read_file(path, max_bytes=1 << 16)).decode(errors="replace").strip()
-            except FileNotFoundError:
-                continue
-            try:
-                return _parse_reward(raw, path)
-            except ValueError as exc:
-                raise EpisodeFailure(InfraReason.VERIFIER_CRASHED, f"{self.dir.name}: {exc}") from exc
-        reason = InfraReason.VERIFIER_CRASHED if exit_code != 0 else InfraReason.REWARD_MISSING
-        raise EpisodeFailure(reason, f"{self.dir.name}: no reward file (test.sh exit {exit_code}): {stderr[-300:]}")
-
     async def aclose(self) -> None:
+        self.box = None
         await self._stack.aclose()
+
+
+async def _reward(box: SupervisedSandbox, name: str, ran: ExecResult) -> float:
+    """The reward the tests wrote (reward.txt, else reward.json), read through the verifier's supervisor."""
+    for path in REWARD_FILES:
+        try:
+            raw = (await box.read_file(path, max_bytes=1 << 16)).decode(errors="replace").strip()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise EpisodeFailure(InfraReason.VERIFIER_CRASHED, f"{name}: {exc}") from exc
+        try:
+            return _parse_reward(raw, path)
+        except ValueError as exc:
+            raise EpisodeFailure(InfraReason.VERIFIER_CRASHED, f"{name}: {exc}") from exc
+    reason = InfraReason.VERIFIER_CRASHED if ran.exit_code != 0 else InfraReason.REWARD_MISSING
+    raise EpisodeFailure(reason, f"{name}: no reward file (test.sh exit {ran.exit_code}): {ran.stderr[-300:]}")
+
+
+def _readable_tests(source: Path, tmp: str) -> Path:
+    """A copy of the task's tests the verifier's sandbox (a uid of its own) can read, to bind read-only at /tests:
+    the task directory itself may sit where that uid cannot pass (a home directory, a 0700 temp directory).
+    ``tmp`` itself lets it through to the copy without listing what else is there (the /app tar)."""
+    os.chmod(tmp, 0o711)
+    copy = Path(tmp) / "tests"
+    shutil.copytree(source, copy, symlinks=True)
+    for top, _dirs, files in os.walk(copy):
+        os.chmod(top, 0o755)
+        for name in files:
+            os.chmod(os.path.join(top, name), 0o755)
+    return copy
 
 
 def _parse_reward(raw: str, path: str) -> float:
