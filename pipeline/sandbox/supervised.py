@@ -335,7 +335,11 @@ class SupervisedSandbox:
             proc = self._proc
             if self._broken is not None:
                 raise SandboxBroken(f"{self.backend} sandbox {self.spec.label}: {self._broken}")
-            if proc is None or proc.returncode is not None or self._lost is not None:
+            if proc is not None and proc.returncode is not None and self._lost is None:
+                # it ended on its own between requests (the host neither closed nor killed it): judged like a death
+                # in the middle of one, so the policy cannot turn a break into a masked re-run by its timing
+                raise await self._fail(f"it died (exit {proc.returncode}) between requests: {await self._stderr()}")
+            if proc is None or self._lost is not None:
                 raise SandboxLost(f"{self.backend} sandbox {self.spec.label}: {self._lost or 'it is not running'}")
             assert proc.stdin is not None and proc.stdout is not None
             rid = secrets.token_hex(16)

@@ -133,17 +133,12 @@ def test_a_reward_the_agent_forges_or_a_process_it_leaves_rewriting_it_never_cou
 def test_an_agent_that_kills_its_supervisor_scores_zero_never_a_masked_rerun(tmp_path: Path) -> None:
     """From inside, the supervisor (the PID namespace's init) shrugs off the agent's signals: the sandbox goes on
     and the tests score the wrong solution 0, with no re-run. (A supervisor that dies anyway once a command of
-    the policy ran is ``sandbox_broken``: the agent-function test below and the xfail after this one.)"""
+    the policy ran is ``sandbox_broken``: the agent-function test below and the next one.)"""
     killer = "```bash\n" + KILL_SUPERVISOR + "\n```"
     tried, _ = _episode(_one_task(tmp_path), [[WRONG, killer, "DONE"]], "rollout.infra_retries=1")
     assert (tried.status, tried.reward, tried.info["attempts"]) == ("ok", 0.0, 1) and "error" not in tried.info
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pipeline/sandbox/supervised.py: a request to a supervisor whose exit the host has already seen raises "
-    "SandboxLost ('it is not running') even after a command of the policy ran; it must be SandboxBroken",
-)
 def test_a_supervisor_that_died_between_commands_is_the_policys_even_once_the_host_saw_it_exit(tmp_path: Path) -> None:
     cfg = load_config(None, ["sandbox.starts_per_s=0"], environ={})
     task = HarborTask(str(_one_task(tmp_path)))
