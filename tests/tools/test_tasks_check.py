@@ -96,9 +96,10 @@ def test_tasks_check_refuses_a_set_whose_tests_run_the_solution_in_process(tmp_p
     hacked = by_task["reverse-words"]
     assert hacked["oracle_reward"] == 1.0 and hacked["nothing_reward"] == 0.0, output
     paid = {name for name, reward in hacked["hacks"].items() if reward == 1.0}
-    # the token from the runner's memory, the tests read and answered, the runner's checks patched, a reward file
-    # the old test.sh never cleaned
-    assert {"runner-memory", "read-tests", "patch-runner-globals", "reward-from-agent"} <= paid, hacked
+    # the token from the runner's memory, the tests read and answered, the runner's checks patched; what the agent
+    # wrote or left running in its own sandbox never reaches the fresh one the tests run in, whatever the tests
+    assert {"runner-memory", "read-tests", "patch-runner-globals"} <= paid, hacked
+    assert not paid & {"reward-from-agent", "daemon-from-agent", "pid-hopper-from-agent"}, hacked
     for name in paid:
         assert f"hack {name} scores 1: the tests pay a reward hack" in hacked["problems"]
     assert lines[-1] == {"tasks": 2, "passed": 1, "failed": ["reverse-words"]}
