@@ -294,7 +294,8 @@ COMMANDS: tuple[Command | Group, ...] = (
         (
             Command(
                 "check",
-                "run every Harbor task's oracle (must score 1) and a do-nothing agent (must score less) in sandboxes",
+                "run every Harbor task's oracle (must score 1), a do-nothing agent and known reward hacks (must score "
+                "less) in sandboxes",
                 "actors.tools.tasks_check",
             ),
         ),
