@@ -53,10 +53,9 @@ from actors.servers import connect_nats, open_run_store, resolve_servers, watch_
 from infra.role_logs import configure_role_logging
 from pipeline.chat.tool_parsers import get_tool_parser
 from pipeline.config import LeewayConfig
-from pipeline.sandbox.python_worker import WorkerLimits
-from pipeline.tasks import Task, VerifierPool, task_for
+from pipeline.tasks import Task, task_for
 from pipeline.tasks.agents import load_agent
-from pipeline.tasks.scorer_recipe import registry_recipe
+from pipeline.tasks.verifiers import verifier_pool_for
 from pipeline.wire.announce import generator_metrics_subject, version_kv, watch_announcements
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue
@@ -161,7 +160,7 @@ class GeneratorRuntime:
             queue = PromptQueue(js, names, cfg.stream)
             opened.push_async_callback(_close_logged, "the prompt queue", queue.close)
             kv = await version_kv(js, names) if cfg.weights.announce else None
-            verifiers = verifier_pool(cfg, task)
+            verifiers = verifier_pool_for(cfg, task)
             opened.callback(verifiers.close)
             metrics = GeneratorMetrics(generator_id)
             weights = _weight_sync(cfg, subscriber, engine, metrics, kv)
@@ -196,20 +195,6 @@ class GeneratorRuntime:
             ]
             opened.push_async_callback(cancel_until_done, background)
             yield cls(generator, weights, engine, endpoint, service)
-
-
-def verifier_pool(cfg: LeewayConfig, task: Task) -> VerifierPool:
-    """The run's scorer workers (`generator.verifier_*`, isolation as `sandbox.backend` allows), with `task`
-    attached: rebuilt in them from `task.name` and `task.args` unless it carries its own recipe."""
-    pool = VerifierPool(
-        timeout_s=cfg.generator.verifier_timeout_s,
-        workers=cfg.generator.verifier_workers,
-        backend=cfg.sandbox.backend,
-        allow_unisolated=cfg.sandbox.allow_unisolated,
-        limits=WorkerLimits(memory_mb=cfg.generator.verifier_memory_mb),
-    )
-    pool.attach(task, registry_recipe(cfg.task.name, cfg.task.args))
-    return pool
 
 
 def _weight_sync(

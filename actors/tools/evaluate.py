@@ -259,11 +259,12 @@ async def evaluate(
 ) -> dict[str, Any]:
     """Roll out the first `eval.prompts` of `prompts` on `engine` (holding `version`) and score them; see the
     module docstring for the keys."""
-    from actors.generator.runtime import sampling_params, verifier_pool
+    from actors.generator.runtime import sampling_params
     from pipeline.rl.engine_records import GenerateRequest
     from pipeline.rl.episodes import environment_factory
     from pipeline.rl.prompt_ids import UnrunnablePrompt, checked_prompt_ids
     from pipeline.rl.scoring import run_group, score_group
+    from pipeline.tasks.verifiers import verifier_pool_for
 
     settings = cfg.eval
     k = settings.samples_per_prompt
@@ -294,7 +295,7 @@ async def evaluate(
     pass1: list[float] = []
     passk: list[float] = []
     environment = environment_factory(task)
-    with verifier_pool(cfg, task) as pool:
+    with verifier_pool_for(cfg, task) as pool:
         for n, (prompt, ids, futures) in enumerate(jobs):
             if environment is not None:  # a multi-turn task: k episodes, the engine called once per turn
                 samples = await run_group(

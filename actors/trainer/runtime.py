@@ -112,9 +112,9 @@ async def check_task(cfg: LeewayConfig, task: Task, tokenizer: Tokenizer) -> Non
         prompts = rows[:SELF_CHECK_ITEMS]
     else:
         prompts = list(itertools.islice(task.prompts(), SELF_CHECK_ITEMS))
-    from actors.generator.runtime import verifier_pool
+    from pipeline.tasks.verifiers import verifier_pool_for
 
-    with verifier_pool(cfg, task) as pool:
+    with verifier_pool_for(cfg, task) as pool:
         await require_verified_task(
             task,
             cfg.task.name,

@@ -10,7 +10,7 @@ A worker holds no object of the generator: it gets a recipe and builds the score
 
 A task with none of these (built directly, with arguments) cannot be scored in a worker: `recipe_of` says so by
 name. The factory's module must import inside a worker that sees only the interpreter, its site-packages and the
-package directories of the factory and of ``pipeline`` (`package_dirs`): a scorer must not need the run's files.
+package directories of the project and of the factory (`package_dirs`): a scorer must not need the run's files.
 """
 
 from __future__ import annotations
@@ -92,11 +92,13 @@ def recipe_of(task: Any) -> ScorerRecipe:
 
 
 def package_dirs(recipe: ScorerRecipe) -> list[Path]:
-    """The package directories a worker needs to build `recipe`: ``pipeline``'s and the factory's top package (a
-    factory named through the registry: the task's module, when it is a ``module:function`` name)."""
+    """The package directories a worker needs to build `recipe`: the project's (every package beside ``pipeline``:
+    ``actors``, ``tests``, ...; each bound alone, never the checkout that holds them) and the factory's top package
+    (a factory named through the registry: the task's module, when it is a ``module:function`` name)."""
     import pipeline
 
-    dirs = [Path(pipeline.__file__).parent]
+    root = Path(pipeline.__file__).parent.parent
+    dirs = sorted(p.parent for p in root.glob("*/__init__.py"))
     modules = [recipe.factory.partition(":")[0]]
     if recipe.factory == REGISTRY_FACTORY:
         modules.append(str(recipe.kwargs.get("name", "")).partition(":")[0])

@@ -37,10 +37,9 @@ REFUSED_EVENTS = frozenset(
         "socket.bind",
         "socket.sendto",
         "socket.getaddrinfo",
-        "ctypes.dlopen",
     }
 )
-"""Audit events a scorer never needs: running a program, reaching the network, loading native code on demand."""
+"""Audit events a scorer never needs: running a program, reaching the network."""
 
 
 class _Probe:

@@ -20,7 +20,9 @@ What a verification becomes:
 - no worker (none could start, the task's scorer cannot be built): ``infra_error`` (``scorer_lost``).
 
 An ``async def verify`` (a task whose verdict comes from elsewhere: an environment server, a sandbox's tests) is a
-client, not a scorer: it runs on the event loop under the timeout, as before. Environments of a multi-turn task
+client, not a scorer: it runs on the event loop under the timeout, as before; so does the verify of a task whose
+rewards come from an environment server (`Task.self_check` False: OpenEnv's scores a cut episode 0 and reads
+nothing). Environments of a multi-turn task
 that reads model output live in the workers too (`open_environment`, `step_environment`; `pipeline/tasks/
 skyrl_gym.py`).
 """
@@ -36,14 +38,17 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.failures import InfraReason
 from pipeline.sandbox.python_worker import Isolation, PythonWorkerLauncher, WorkerLimits, resolve_isolation
 from pipeline.tasks.base import Task, VerifierResult, reward_problem
 from pipeline.tasks.scorer_process import ScorerLost, ScorerTimeout, WorkerSlot
-from pipeline.tasks.scorer_recipe import ScorerRecipe, attach_recipe, package_dirs, recipe_of
+from pipeline.tasks.scorer_recipe import ScorerRecipe, attach_recipe, package_dirs, recipe_of, registry_recipe
 from pipeline.wire.prompts import Prompt
+
+if TYPE_CHECKING:
+    from pipeline.config import LeewayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +214,7 @@ class VerifierPool:
     ) -> VerifierResult:
         """The task's verdict on one completion; see the module docstring. `probe`: a marker the worker watches
         compiles for (the self-check's code-execution probe); ``info["evaluated_probe"]`` says it saw one."""
-        if inspect.iscoroutinefunction(task.verify):
+        if inspect.iscoroutinefunction(task.verify) or not task.self_check:
             return await self._in_loop(task, prompt, completion_text, completion_ids)
         try:
             recipe = recipe_of(task)
@@ -247,9 +252,9 @@ class VerifierPool:
         self, task: Task, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]
     ) -> VerifierResult:
         try:
-            result = await asyncio.wait_for(
-                task.verify(prompt, completion_text, completion_ids),  # type: ignore[misc]
-                timeout=self.timeout_s,
+            verdict = task.verify(prompt, completion_text, completion_ids)
+            result = (
+                await asyncio.wait_for(verdict, timeout=self.timeout_s) if inspect.isawaitable(verdict) else verdict
             )
         except asyncio.TimeoutError:
             logger.warning(
@@ -262,6 +267,20 @@ class VerifierPool:
         if not isinstance(result, VerifierResult):
             return _infra(InfraReason.VERIFIER_CRASHED, f"verifier returned {type(result).__name__}")
         return checked(task, prompt, result)
+
+
+def verifier_pool_for(cfg: LeewayConfig, task: Task) -> VerifierPool:
+    """The run's scorer workers (`generator.verifier_*`, isolation as `sandbox.backend` allows), with `task`
+    attached: rebuilt in them from `task.name` and `task.args` unless it carries its own recipe."""
+    pool = VerifierPool(
+        timeout_s=cfg.generator.verifier_timeout_s,
+        workers=cfg.generator.verifier_workers,
+        backend=cfg.sandbox.backend,
+        allow_unisolated=cfg.sandbox.allow_unisolated,
+        limits=WorkerLimits(memory_mb=cfg.generator.verifier_memory_mb),
+    )
+    pool.attach(task, registry_recipe(cfg.task.name, cfg.task.args))
+    return pool
 
 
 def checked(task: Task, prompt: Prompt, result: VerifierResult) -> VerifierResult:
