@@ -163,8 +163,13 @@ class GeneratorConfig(Section):
     """How often a generator polls LATEST when no KV announcement arrives."""
     update_mode: Literal["in_flight", "between_rollouts"] = "in_flight"
     """Apply new weights between two decode steps of running rollouts, or only between rollouts."""
-    verifier_timeout_s: float = Field(10.0, gt=0)
-    """A verifier that takes longer yields infra_error with a null reward."""
+    verifier_timeout_s: float = Field(10.0, gt=0, allow_inf_nan=False)
+    """Deadline of one verification (or environment step) in a scorer worker; past it the worker is killed and the
+    sample is the policy's failure: reward 0, ``info.error = scorer_timeout``."""
+    verifier_workers: int = Field(2, ge=1, le=64)
+    """Scorer worker processes (sandboxed: `pipeline/tasks/verifiers.py`) of a generator, a self-check or an eval."""
+    verifier_memory_mb: int = Field(2048, ge=256)
+    """Address space of each scorer worker (RLIMIT_AS)."""
     heartbeat_s: float = Field(10.0, gt=0)
     """Interval of in-progress acks on held prompts during long rollouts; must be below stream.prompt_ack_wait_s."""
     weight_pull_timeout_s: float = Field(180.0, gt=0)

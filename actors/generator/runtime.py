@@ -53,8 +53,9 @@ from actors.servers import connect_nats, open_run_store, resolve_servers, watch_
 from infra.role_logs import configure_role_logging
 from pipeline.chat.tool_parsers import get_tool_parser
 from pipeline.config import LeewayConfig
-from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, task_for
+from pipeline.tasks import Task, task_for
 from pipeline.tasks.agents import load_agent
+from pipeline.tasks.verifiers import verifier_pool_for
 from pipeline.wire.announce import generator_metrics_subject, version_kv, watch_announcements
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptQueue, ensure_prompt_queue
@@ -159,7 +160,7 @@ class GeneratorRuntime:
             queue = PromptQueue(js, names, cfg.stream)
             opened.push_async_callback(_close_logged, "the prompt queue", queue.close)
             kv = await version_kv(js, names) if cfg.weights.announce else None
-            verifiers = VerifierPool(timeout_s=cfg.generator.verifier_timeout_s, num_threads=VERIFIER_THREADS)
+            verifiers = verifier_pool_for(cfg, task)
             opened.callback(verifiers.close)
             metrics = GeneratorMetrics(generator_id)
             weights = _weight_sync(cfg, subscriber, engine, metrics, kv)

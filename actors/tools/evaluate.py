@@ -264,7 +264,7 @@ async def evaluate(
     from pipeline.rl.episodes import environment_factory
     from pipeline.rl.prompt_ids import UnrunnablePrompt, checked_prompt_ids
     from pipeline.rl.scoring import run_group, score_group
-    from pipeline.tasks import VERIFIER_THREADS, VerifierPool
+    from pipeline.tasks.verifiers import verifier_pool_for
 
     settings = cfg.eval
     k = settings.samples_per_prompt
@@ -295,7 +295,7 @@ async def evaluate(
     pass1: list[float] = []
     passk: list[float] = []
     environment = environment_factory(task)
-    with VerifierPool(timeout_s=cfg.generator.verifier_timeout_s, num_threads=VERIFIER_THREADS) as pool:
+    with verifier_pool_for(cfg, task) as pool:
         for n, (prompt, ids, futures) in enumerate(jobs):
             if environment is not None:  # a multi-turn task: k episodes, the engine called once per turn
                 samples = await run_group(

@@ -43,7 +43,7 @@ from actors.trainer.session_protocol import RunLink, Session
 from actors.trainer.sessions import build_weight_publisher
 from infra.role_logs import configure_role_logging, log_stop
 from pipeline.config import LeewayConfig
-from pipeline.tasks import VERIFIER_THREADS, Task, VerifierPool, load_prompts, task_for
+from pipeline.tasks import Task, load_prompts, task_for
 from pipeline.tasks.self_check import SELF_CHECK_ITEMS, TaskSelfCheckError, require_verified_task
 from pipeline.wire.replay import ReplaySelection
 
@@ -112,7 +112,9 @@ async def check_task(cfg: LeewayConfig, task: Task, tokenizer: Tokenizer) -> Non
         prompts = rows[:SELF_CHECK_ITEMS]
     else:
         prompts = list(itertools.islice(task.prompts(), SELF_CHECK_ITEMS))
-    with VerifierPool(timeout_s=cfg.generator.verifier_timeout_s, num_threads=VERIFIER_THREADS) as pool:
+    from pipeline.tasks.verifiers import verifier_pool_for
+
+    with verifier_pool_for(cfg, task) as pool:
         await require_verified_task(
             task,
             cfg.task.name,

@@ -9,8 +9,9 @@ Rows as for every prompts file (`pipeline.tasks.load_prompts`): a ``prompt`` and
 ``"\\frac{1}{2}"``, ``"0.5"``, ``"\\boxed{3}"``). math-verify reads the reply's final answer (``\\boxed{...}``
 first, else the last expression it can parse) and compares it with the answer symbolically, so ``1/2`` and
 ``0.5`` agree. A reply with no answer math-verify can read, or one it chokes on, is a ``format_error``
-(reward 0). math-verify's own time limits use signals, which only work on the main thread; verifiers run on
-the `VerifierPool`'s threads under its timeout, so they are switched off here.
+(reward 0). The verifier runs in a scorer worker (`pipeline/tasks/verifiers.py`), on its main thread, where
+math-verify's own signal time limits (`MATH_VERIFY_TIMEOUT_S`) work: ``\\boxed{9^{9^{9}}}`` scores 0 when they
+fire, and the worker's deadline kills what they miss. The worker builds only `MathScorer` (no prompts file).
 
 ``eval_path`` names the held-out problems (`eval_prompts`); without it the task has no eval split. The task's
 tokenizer (``tokenizer``: ``text`` or ``numeric``) is one of `char_tokenizer.alphabet_tokenizer`'s.
@@ -19,15 +20,20 @@ tokenizer (``tokenizer``: ``text`` or ``numeric``) is one of `char_tokenizer.alp
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.char_tokenizer import alphabet_tokenizer
 from pipeline.tasks.files import load_prompts, shuffled_epochs
+from pipeline.tasks.scorer_recipe import ScorerRecipe
 from pipeline.wire.prompts import Prompt
 
-logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its signal timeout is off
+logging.getLogger("math_verify").setLevel(logging.ERROR)  # off the main thread it warns on every call
+
+MATH_VERIFY_TIMEOUT_S = 3
+"""math-verify's own limit on parsing and on comparing (seconds, each; main thread only)."""
 
 
 class MathTask(Task):
@@ -35,6 +41,7 @@ class MathTask(Task):
 
     name = "math"
     reward_range = (0.0, 1.0)
+    scorer_recipe = ScorerRecipe("pipeline.tasks.math_problems:MathScorer")
 
     def __init__(self, path: str, seed: int = 0, eval_path: str | None = None, tokenizer: str = "text") -> None:
         try:
@@ -62,25 +69,36 @@ class MathTask(Task):
         return answer if answer.startswith("\\boxed") else f"\\boxed{{{answer}}}"
 
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
-        from math_verify import parse, verify
+        return score_math(prompt, completion_text)
 
-        if prompt.answer is None:
-            raise ValueError(f"math: prompt {prompt.prompt_id!r} has no answer")
-        gold = _parse(parse, prompt.answer)
-        if not gold:
-            raise ValueError(
-                f"math: math-verify cannot read the answer of prompt {prompt.prompt_id!r}: {prompt.answer!r}"
-            )
-        try:
-            given = parse(completion_text, parsing_timeout=None)
-            if not given:
-                return VerifierResult(0.0, "format_error", {"reason": "no answer math-verify can read in the reply"})
-            right = verify(gold, given, timeout_seconds=None)
-        except Exception as exc:  # math-verify choked on what the policy wrote
-            return VerifierResult(
-                0.0, "format_error", {"reason": "scorer_raised", "error": f"{type(exc).__name__}: {exc}"}
-            )
-        return VerifierResult(1.0 if right else 0.0)
+
+class MathScorer:
+    """What a scorer worker builds for the math task: its verifier alone."""
+
+    reward_range = MathTask.reward_range
+
+    def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
+        return score_math(prompt, completion_text)
+
+
+def score_math(prompt: Prompt, completion_text: str) -> VerifierResult:
+    """math-verify's verdict on the reply against the prompt's answer, with its time limits on where they work."""
+    from math_verify import parse, verify
+
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    if prompt.answer is None:
+        raise ValueError(f"math: prompt {prompt.prompt_id!r} has no answer")
+    gold = _parse(parse, prompt.answer)
+    if not gold:
+        raise ValueError(f"math: math-verify cannot read the answer of prompt {prompt.prompt_id!r}: {prompt.answer!r}")
+    try:
+        given = parse(completion_text, parsing_timeout=timeout)
+        if not given:
+            return VerifierResult(0.0, "format_error", {"reason": "no answer math-verify can read in the reply"})
+        right = verify(gold, given, timeout_seconds=timeout)
+    except Exception as exc:  # math-verify choked on what the policy wrote
+        return VerifierResult(0.0, "format_error", {"reason": "scorer_raised", "error": f"{type(exc).__name__}: {exc}"})
+    return VerifierResult(1.0 if right else 0.0)
 
 
 def _parse(parse: Any, answer: str) -> list[Any]:

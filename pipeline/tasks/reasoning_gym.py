@@ -7,7 +7,9 @@ and an eval set (the optional extra ``leeway[envs]``).
 
 reasoning-gym generates every item from its seed, so the trainer and each generator build the same items
 without shipping any data: a prompt carries its split and index (``metadata``), and the verifier scores the
-reply against that item with the dataset's own ``score_answer``. The eval set is generated from another seed
+reply against that item with the dataset's own ``score_answer``, in a scorer worker (`pipeline/tasks/verifiers.py`)
+that rebuilds the task from its arguments (`scorer_recipe`): several scorers ``eval`` or ``sympy.parse_expr`` the
+answer, and the verifier self-check refuses those (its code-execution probe). The eval set is generated from another seed
 (``eval_seed``, default ``seed + EVAL_SEED_OFFSET``) and keeps only items whose question is not in the train
 set, so an eval prompt is never trained on (`eval_prompts`).
 
@@ -44,6 +46,7 @@ from tokenizers import Tokenizer
 from pipeline.tasks.base import Task, VerifierResult
 from pipeline.tasks.char_tokenizer import ALPHABETS, alphabet_tokenizer
 from pipeline.tasks.files import shuffled_epochs
+from pipeline.tasks.scorer_recipe import ScorerRecipe
 from pipeline.wire.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,22 @@ class ReasoningGymTask(Task):
             )
         self._eval = held_out
         self.tokenizer: Tokenizer = alphabet_tokenizer(tokenizer)
+        self.scorer_recipe = ScorerRecipe(
+            "pipeline.tasks.reasoning_gym:ReasoningGymTask",
+            {
+                "dataset": dataset,
+                "size": size,
+                "eval_size": eval_size,
+                "seed": seed,
+                "eval_seed": self.eval_seed,
+                "config": args,
+                "answer_format": answer_format,
+                "tokenizer": tokenizer,
+                "chat": chat,
+                "question_format": question_format,
+            },
+        )
+        """A scorer worker rebuilds this very task (every item comes from the seeds: no file to read)."""
 
     # ---- prompts -------------------------------------------------------------------------------
 

@@ -9,7 +9,13 @@ run nothing to learn; one that raises on a malformed answer turns the policy's f
 - the reference completion (`Task.reference_completion`) must score `Task.max_reward` with status ``ok``;
 - an empty answer and a garbage answer (`GARBAGE`), each as it stands and written the way the task reads
   answers (`Task.completion_for`: inside the tags a reply is asked for), must be scored (``ok`` or
-  ``format_error``, never an ``infra_error``) below it.
+  ``format_error``, never an ``infra_error``) below it;
+- hostile answers, on the first item, in the task's format: a code-execution probe (`probe_answer`: Python that
+  names a fresh marker) that the scorer must never compile or evaluate (the scorer worker's audit hook watches
+  for the marker: "evaluates answers as code"), and huge expressions (`HUGE_ANSWERS`: ``9**9**9``,
+  ``9^{9^{9}}``) that must be scored within the pool's deadline (a scorer killed at it "times out on a huge
+  expression"). Either is refused: a policy finds such an answer, and then it runs code where the scorer runs or
+  turns every sample into a killed worker.
 
 A task that fails is refused, naming the task, the item and what went wrong, unless the user sets
 ``task.skip_self_check``. A task whose rewards come from an agent function (its own, `Task.agent`, or the one
@@ -20,6 +26,7 @@ runs inside the episode.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +40,14 @@ SELF_CHECK_ITEMS = 8
 """Prompts the self-check scores (three verifications each)."""
 GARBAGE = "zq#~ v%8 ]x"
 """A reply no task should reward: letters, signs and a digit, matching no answer format."""
+HUGE_ANSWERS = ("9**9**9", "9^{9^{9}}")
+"""Expressions whose value has hundreds of millions of digits: a scorer that evaluates them never returns."""
+
+
+def probe_answer(marker: str) -> str:
+    """Python that, compiled or evaluated anywhere, shows `marker` to the worker's audit hook (and runs nothing:
+    the worker refuses ``os.system``)."""
+    return f"__import__('os').system('echo {marker}')"
 
 
 class TaskSelfCheckError(ValueError):
@@ -103,7 +118,52 @@ async def self_check(
                         prompt.prompt_id, f"{label} {text!r} scores {result.reward}, the maximum: a reward hack"
                     )
                 )
+    if prompts:
+        failures += await hostile_check(task, prompts[0], pool, ids)
     return failures
+
+
+async def hostile_check(
+    task: Task, prompt: Prompt, pool: VerifierPool, ids: Callable[[str], list[int]]
+) -> list[SelfCheckFailure]:
+    """The hostile answers of the module docstring on one prompt; every failure found."""
+    failures: list[SelfCheckFailure] = []
+    marker = f"leeway_probe_{secrets.token_hex(8)}"
+    probe = task.completion_for(probe_answer(marker))
+    result = await pool.verify(task, prompt, probe, ids(probe), probe=marker)
+    if result.info.get("evaluated_probe"):
+        failures.append(
+            SelfCheckFailure(
+                prompt.prompt_id,
+                f"its scorer evaluates answers as code: the probe {probe!r} was compiled by it. A policy's answer "
+                "would run as code where the scorer runs",
+            )
+        )
+    failures += _hostile_verdict(task, prompt, probe, "the code-execution probe", result)
+    for expression in HUGE_ANSWERS:
+        text = task.completion_for(expression)
+        result = await pool.verify(task, prompt, text, ids(text))
+        if result.info.get("error") == "scorer_timeout":
+            failures.append(
+                SelfCheckFailure(
+                    prompt.prompt_id,
+                    f"its scorer times out on a huge expression {text!r} (killed at the {pool.timeout_s:g} s "
+                    "deadline): it evaluates the answer",
+                )
+            )
+            break
+        failures += _hostile_verdict(task, prompt, text, "a huge expression", result)
+    return failures
+
+
+def _hostile_verdict(
+    task: Task, prompt: Prompt, text: str, label: str, result: VerifierResult
+) -> list[SelfCheckFailure]:
+    if result.status == "infra_error":
+        return [SelfCheckFailure(prompt.prompt_id, f"{label} {text!r} is an infra_error ({result.info.get('error')})")]
+    if result.reward is not None and result.reward >= task.max_reward:
+        return [SelfCheckFailure(prompt.prompt_id, f"{label} {text!r} scores {result.reward}, the maximum")]
+    return []
 
 
 async def require_verified_task(

@@ -58,6 +58,7 @@ def test_a_gsm8k_multi_turn_episode_bridges_the_environment_s_messages_and_takes
     engine = _Replies(task.tokenizer, ["I think 41", "#### 42"], eos)
     sampling = SamplingParams(max_new_tokens=16, stop_token_ids=(eos,))
     with VerifierPool() as pool:
+        pool.attach(task)  # its environments live in the pool's workers
         (sample,) = asyncio.run(
             run_group(
                 engine,
@@ -91,6 +92,7 @@ def test_without_a_chat_template_the_environment_s_messages_are_an_infra_error(t
     prompt = next(p for p in itertools.islice(task.prompts(), 2) if p.prompt_id == "q-1")
     sampling = SamplingParams(max_new_tokens=16, stop_token_ids=(eos,))
     with VerifierPool() as pool:
+        pool.attach(task)  # its environments live in the pool's workers
         (sample,) = asyncio.run(
             run_group(
                 _Replies(task.tokenizer, ["no idea"], eos),

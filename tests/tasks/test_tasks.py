@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.tasks import Prompt, Task, VerifierPool, VerifierResult, get_task, load_prompts
+from pipeline.tasks import Prompt, Task, VerifierResult, get_task, load_prompts
 from pipeline.tasks.char_tokenizer import (
     BOS_ID,
     EOS_ID,
@@ -135,53 +132,6 @@ def test_get_task_resolves_builtins_and_module_functions() -> None:
         get_task("no_such_task")
     with pytest.raises(ValueError, match="cannot import"):
         get_task("tests.tasks.test_tasks:missing")
-
-
-def test_verifier_exceptions_and_timeouts_become_infra_errors_without_reward() -> None:
-    task, prompt = _SlowTask(), Prompt("p", text="x")
-    with VerifierPool(timeout_s=5) as pool:
-        raised = asyncio.run(pool.verify(task, prompt, "raise", []))
-        assert raised.reward is None and raised.status == "infra_error" and "sandbox down" in raised.info["error"]
-        assert asyncio.run(pool.verify(task, prompt, "ok", [])) == VerifierResult(1.0)
-    with VerifierPool(timeout_s=0.05) as pool:
-        late = asyncio.run(pool.verify(task, prompt, "ok", []))
-    assert late.reward is None and late.status == "infra_error" and "timed out" in late.info["error"]
-
-
-class _BlockingTask(Task):
-    """A verifier that blocks until the test sets `release`, recording the threads it ran on."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.threads: list[str] = []
-
-    def prompts(self):
-        yield Prompt("p", text="x")
-
-    def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
-        self.threads.append(threading.current_thread().name)
-        self.release.wait()
-        return VerifierResult(1.0)
-
-
-def test_hung_verifiers_hold_only_their_own_bounded_pool_never_the_default_executor() -> None:
-    task, prompt = _BlockingTask(), Prompt("p", text="x")
-
-    async def main(pool: VerifierPool) -> list[VerifierResult]:
-        loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))  # what generation and weight pulls use
-        verdicts = await asyncio.gather(*(pool.verify(task, prompt, "ok", []) for _ in range(3)))
-        assert await asyncio.to_thread(lambda: "free") == "free"  # the default executor has its thread
-        return verdicts
-
-    with VerifierPool(timeout_s=0.5, num_threads=2) as pool:
-        try:
-            verdicts = asyncio.run(main(pool))
-            assert [v.status for v in verdicts] == ["infra_error"] * 3 and all(v.reward is None for v in verdicts)
-            assert pool.stuck == 2  # two threads held past the timeout; the third call never started
-            assert len(task.threads) == 2 and all(name.startswith("leeway-verifier") for name in task.threads)
-        finally:
-            task.release.set()
 
 
 def test_prompt_files_load_from_jsonl_and_parquet(tmp_path) -> None:

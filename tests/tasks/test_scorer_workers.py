@@ -1,0 +1,134 @@
+"""Hostile replies against the real scorers, in their sandboxed workers (`pipeline/tasks/verifiers.py`): an answer
+that a scorer evaluates never runs in the caller (no credential, no host file), an answer that freezes math-verify
+never freezes the event loop, a hung scorer is killed and replaced, and the self-check refuses the scorers that
+evaluate answers. One pool per module: worker starts are paid once."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeline.tasks import Prompt, Task, VerifierPool, get_task
+from pipeline.tasks.self_check import TaskSelfCheckError, require_verified_task, self_check
+from tests.tasks.scorer_tasks import MisbehavingTask
+
+SECRET_ENV = "LEEWAY_SCORER_TEST_SECRET"
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[VerifierPool]:
+    with VerifierPool(timeout_s=6.0, workers=2) as shared:
+        yield shared
+
+
+def _first(task: Task) -> Prompt:
+    return next(iter(task.prompts()))
+
+
+def test_an_evaluated_answer_runs_in_the_worker_never_in_the_caller(pool, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    task = get_task("reasoning_gym", dataset="countdown", size=4, eval_size=0)
+    stolen, ran = tmp_path / "stolen", tmp_path / "ran"
+    steal = f"__import__('pathlib').Path('{stolen}').write_text(__import__('os').environ.get('{SECRET_ENV}', 'none'))"
+    system = f"__import__('os').system('touch {ran}')"
+    for answer in (steal, system):
+        result = asyncio.run(pool.verify(task, _first(task), task.completion_for(answer), []))
+        assert result.status != "infra_error" and result.reward is not None and result.reward < 1.0, result
+    assert not stolen.exists() and not ran.exists()  # countdown's scorer evaluates it: in the caller, both would be
+
+
+def test_a_worker_has_no_credentials_network_host_files_or_root(pool, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    (tmp_path / "run-file").write_text("x")
+    prompt = Prompt("p", text="x", metadata={"host_path": str(tmp_path / "run-file")})
+    info = asyncio.run(pool.verify(MisbehavingTask(), prompt, "where", [])).info
+    assert SECRET_ENV not in info["env"] and not any(k.startswith(("AWS", "NATS")) for k in info["env"])
+    assert info["sees_host_path"] is False
+    assert info["network"] != "connected" and "refused" in info["network"]  # the audit hook, before the netns
+    if os.geteuid() == 0:
+        assert info["uid"] != 0
+
+
+def test_a_hung_scorer_is_killed_replaced_and_its_sample_is_the_policys_failure() -> None:
+    task, prompt = MisbehavingTask(), Prompt("p", text="x")
+    with VerifierPool(timeout_s=1.0, workers=1) as short:
+        assert asyncio.run(short.verify(task, prompt, "ok", [])).reward == 1.0
+        hung = asyncio.run(short.verify(task, prompt, "hang", []))
+        assert (hung.reward, hung.status, hung.info["error"]) == (0.0, "ok", "scorer_timeout")
+        assert short.kills == 1
+        assert asyncio.run(short.verify(task, prompt, "ok", [])).reward == 1.0  # the replacement answers
+        crashed = asyncio.run(short.verify(task, prompt, "raise", []))
+        assert crashed.status == "infra_error" and crashed.info["infra_reason"] == "verifier_crashed"
+        assert "scorer broke" in crashed.info["error"] and short.kills == 1  # an exception kills nothing
+
+
+def test_a_huge_expression_never_freezes_the_event_loop(pool, tmp_path) -> None:
+    rows = tmp_path / "math.jsonl"
+    rows.write_text(json.dumps({"id": "m", "prompt": "3?", "answer": "3"}) + "\n")
+    task = get_task("math", path=str(rows))
+
+    async def main() -> tuple[object, int, float]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await pool.verify(task, _first(task), "\\boxed{3}", [])  # the scorer built: what follows is the answer
+        started = time.monotonic()
+        result = await pool.verify(task, _first(task), "\\boxed{9^{9^{9}}}", [])
+        ticker.cancel()
+        return result, ticks, time.monotonic() - started
+
+    result, ticks, took = asyncio.run(main())
+    assert result.reward == 0.0 and (result.status == "format_error" or result.status == "ok"), result
+    assert took > 0.5 and ticks >= took / 0.01 * 0.2  # the loop ticked all along (a frozen loop: none)
+
+
+def test_self_check_refuses_scorers_that_evaluate_answers_and_passes_the_shipped_ones(pool, tmp_path) -> None:
+    countdown = get_task("reasoning_gym", dataset="countdown", size=4, eval_size=0)
+    with pytest.raises(TaskSelfCheckError, match="'reasoning_gym'.*evaluates answers as code"):
+        asyncio.run(
+            require_verified_task(countdown, "reasoning_gym", [_first(countdown)], pool, skip=False, has_agent=False)
+        )
+    chain = get_task("reasoning_gym", dataset="chain_sum", size=8, eval_size=0, config={"min_terms": 2, "max_terms": 2})
+    assert asyncio.run(self_check(chain, list(itertools.islice(chain.prompts(), 2)), pool)) == []
+    rows = tmp_path / "math.jsonl"
+    rows.write_text(json.dumps({"id": "m", "prompt": "1/2?", "answer": "\\frac{1}{2}"}) + "\n")
+    math_task = get_task("math", path=str(rows))
+    assert asyncio.run(self_check(math_task, [_first(math_task)], pool)) == []
+
+
+def test_skyrl_environments_that_run_the_reply_are_refused_by_name(tmp_path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"id": "q", "prompt": "2+3?", "answer": "5"}) + "\n")
+    for env in ("lcb", "searchcode"):
+        with pytest.raises(ValueError, match=f"environment '{env}' is refused: it runs the reply"):
+            get_task("skyrl_gym", env=env, path=str(rows))
+
+
+def test_a_task_without_a_recipe_is_named(pool) -> None:
+    class Local(MisbehavingTask):
+        def __init__(self, anything: int) -> None:
+            self.anything = anything
+
+    result = asyncio.run(pool.verify(Local(1), Prompt("p", text="x"), "ok", []))
+    assert result.status == "infra_error" and "has no scorer recipe" in result.info["error"]
+
+
+def test_workers_are_gone_after_close() -> None:
+    with VerifierPool(timeout_s=5.0, workers=2) as closing:
+        assert asyncio.run(closing.verify(MisbehavingTask(), Prompt("p", text="x"), "ok", [])).reward == 1.0
+        pids = [slot._worker.proc.pid for slot in closing.slots if slot._worker is not None]
+        assert pids
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
