@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from pipeline.tasks.agents import AgentFunction
     from pipeline.tasks.environment import Environment
+    from pipeline.tasks.scorer_recipe import ScorerRecipe
     from pipeline.tasks.settings import TaskSettings
 
 VerifierStatus = Literal["ok", "format_error", "infra_error"]
@@ -75,6 +76,15 @@ class Task(ABC):
     """Where the verifier's rewards must lie, or None for any finite reward; a reward outside is refused for its
     sample (``infra_error``, reason ``reward_out_of_range``), never trained on."""
 
+    scorer_recipe: ScorerRecipe | None = None
+    """How a scorer worker rebuilds this task's verifier (`pipeline/tasks/scorer_recipe.py`): a built-in that knows a
+    lighter scorer than itself sets its own, `get_task` gives every other task it builds the registry's (its name and
+    arguments). None (a task built directly): scorable in a worker only when its class takes no arguments."""
+    verifies_in_workers: bool = True
+    """False only for a task whose plain `verify` never reads the reply (its verdict comes from an environment server
+    or a sandbox's tests): that one runs in the caller under the pool's timeout. Every other plain `verify` reads
+    hostile text and runs in a scorer worker (`pipeline/tasks/verifiers.py`)."""
+
     multi_turn: bool = False
     """True for a task whose samples are episodes against an `Environment` (`environment`); False: one reply per
     sample, scored by `verify`."""
@@ -120,6 +130,11 @@ class Task(ABC):
     def environment(self, prompt: Prompt) -> Environment:
         """A fresh environment for one sample of `prompt`; only called on a `multi_turn` task."""
         raise NotImplementedError(f"task {self.name!r} is single-turn: it has no environment")
+
+    def use_scorers(self, pool: Any) -> None:
+        """Take the `pipeline.tasks.verifiers.VerifierPool` whose workers hold this task's environments (`VerifierPool.attach` calls it; a task
+        whose environments read the reply, skyrl-gym's, keeps it); by default nothing."""
+        return None
 
     async def aclose(self) -> None:
         """Release what the task holds for the process's lifetime (a sandbox pool); called once when it stops."""

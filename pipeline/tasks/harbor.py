@@ -95,6 +95,8 @@ class HarborTask(Task):
     name = "harbor"
     multi_turn = True
     self_check = False
+    verifies_in_workers = False
+    """`verify` reads nothing (it refuses to judge); the tests in a sandbox are the verifier."""
     """Rewards come from each task's own tests in a sandbox: `leeway tasks check DIR` is this task's self-check."""
     sandboxed_agents = True
     """An agent function (`task.agent`) runs in the episode's sandbox (``ctx.sandbox``) and is scored by the tests."""

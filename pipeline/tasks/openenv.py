@@ -48,6 +48,8 @@ class OpenEnvTask(Task):
     name = "openenv"
     multi_turn = True
     self_check = False
+    verifies_in_workers = False
+    """`verify` only scores a cut episode 0; the server's verdicts are the rewards."""
 
     def __init__(
         self,

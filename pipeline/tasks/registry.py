@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from pipeline.tasks.base import Task
+from pipeline.tasks.scorer_recipe import attach_recipe, registry_recipe
 from pipeline.tasks.settings import TaskSettings
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ def task_for(cfg: LeewayConfig) -> Task:
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    """Build a task from a built-in name or ``"module:function"`` (called with ``kwargs``)."""
+    """Build a task from a built-in name or ``"module:function"`` (called with ``kwargs``); unless it carries its own,
+    the task gets the recipe a scorer worker rebuilds it from (this same call: `registry_recipe`)."""
     target = BUILTIN_TASKS.get(name, name)
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
@@ -51,4 +53,8 @@ def get_task(name: str, **kwargs: Any) -> Task:
     task = factory(**kwargs)
     if not isinstance(task, Task):
         raise ValueError(f"task {name!r}: {target} returned {type(task).__name__}, not a pipeline.tasks.Task")
+    try:
+        attach_recipe(task, registry_recipe(name, kwargs))
+    except ValueError:  # arguments that are not JSON: a worker cannot rebuild it (recipe_of says so by name)
+        pass
     return task

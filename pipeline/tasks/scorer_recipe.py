@@ -71,21 +71,20 @@ def registry_recipe(name: str, args: Mapping[str, Any]) -> ScorerRecipe:
 
 def attach_recipe(task: Any, recipe: ScorerRecipe) -> None:
     """Give a task built from `recipe` its recipe, unless the task carries its own (lighter) one."""
-    if getattr(task, "scorer_recipe", None) is None:
+    if task.scorer_recipe is None:
         task.scorer_recipe = recipe
 
 
 def recipe_of(task: Any) -> ScorerRecipe:
     """The recipe a worker rebuilds `task`'s scorer from; see the module docstring. ValueError naming the task when
     it has none."""
-    own = getattr(task, "scorer_recipe", None)
-    if isinstance(own, ScorerRecipe):
-        return own
+    if task.scorer_recipe is not None:
+        return task.scorer_recipe
     cls = type(task)
     if "<locals>" not in cls.__qualname__ and _takes_no_arguments(cls):
         return ScorerRecipe(f"{cls.__module__}:{cls.__qualname__}")
     raise ValueError(
-        f"task {getattr(task, 'name', cls.__name__)!r} ({cls.__module__}.{cls.__qualname__}) has no scorer recipe: "
+        f"task {task.name!r} ({cls.__module__}.{cls.__qualname__}) has no scorer recipe: "
         "a worker cannot rebuild its verifier. Build it with pipeline.tasks.get_task and attach "
         "registry_recipe(name, args) (pipeline.tasks.scorer_recipe), or give the task a scorer_recipe"
     )

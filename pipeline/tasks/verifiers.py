@@ -21,8 +21,8 @@ What a verification becomes:
 
 An ``async def verify`` (a task whose verdict comes from elsewhere: an environment server, a sandbox's tests) is a
 client, not a scorer: it runs on the event loop under the timeout, as before; so does the verify of a task whose
-rewards come from an environment server (`Task.self_check` False: OpenEnv's scores a cut episode 0 and reads
-nothing). Environments of a multi-turn task
+rewards come from an environment server or a sandbox's tests (`Task.verifies_in_workers` False: OpenEnv's scores a
+cut episode 0, Harbor's refuses to judge; neither reads the reply). Environments of a multi-turn task
 that reads model output live in the workers too (`open_environment`, `step_environment`; `pipeline/tasks/
 skyrl_gym.py`).
 """
@@ -192,9 +192,7 @@ class VerifierPool:
         has its own, and its environments in these workers when it has any (``use_scorers``)."""
         if recipe is not None:
             attach_recipe(task, recipe)
-        use = getattr(task, "use_scorers", None)
-        if callable(use):
-            use(self)
+        task.use_scorers(self)
 
     async def run(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         """`call` on the pool's threads (never the loop's default executor)."""
@@ -214,7 +212,7 @@ class VerifierPool:
     ) -> VerifierResult:
         """The task's verdict on one completion; see the module docstring. `probe`: a marker the worker watches
         compiles for (the self-check's code-execution probe); ``info["evaluated_probe"]`` says it saw one."""
-        if inspect.iscoroutinefunction(task.verify) or not task.self_check:
+        if inspect.iscoroutinefunction(task.verify) or not task.verifies_in_workers:
             return await self._in_loop(task, prompt, completion_text, completion_ids)
         try:
             recipe = recipe_of(task)

@@ -51,17 +51,13 @@ class _ScriptedEngine:
 
 
 class _TranscriptTask(Task):
-    """Scores any transcript 0.5 and records what it was shown."""
-
-    def __init__(self) -> None:
-        self.seen: list[str] = []
+    """Scores any transcript 0.5 and says what it was shown (``info["seen"]``: it runs in a scorer worker)."""
 
     def prompts(self):
         yield PROMPT
 
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
-        self.seen.append(completion_text)
-        return VerifierResult(0.5)
+        return VerifierResult(0.5, info={"seen": completion_text})
 
 
 class _Env(Environment):
@@ -167,13 +163,12 @@ def test_multi_turn_masks_env_tokens_and_keeps_policy_versions() -> None:
 def test_a_turn_cut_by_length_stays_and_later_turns_are_dropped() -> None:
     engine = _ScriptedEngine([_result("11"), _result("121212", "length"), _result("never")])
     env = _Env([EnvStep(message="|"), EnvStep(message="|"), EnvStep(done=True, reward=1.0)])
-    task = _TranscriptTask()
-    (s,) = _run(engine, lambda prompt: env, task=task)
+    (s,) = _run(engine, lambda prompt: env, task=_TranscriptTask())
     assert s.status == "truncated" and s.finish_reason == "length" and s.num_turns == 2
     assert s.tokens.tolist()[-6:] == _ids("121212") and len(engine.replies) == 1
     assert env.seen == ["11"]  # the cut reply never reached the environment
     assert (s.reward, s.reward_source) == (0.5, "verifier")  # the verifier still scores the whole episode
-    assert task.seen == ["11|121212"]
+    assert s.info["seen"] == "11|121212"
 
 
 def test_environment_failure_is_an_infra_error_without_reward() -> None:
@@ -234,23 +229,24 @@ def test_prompts_no_engine_call_can_take_are_refused_with_a_dead_letter_reason()
     assert checked_prompt_ids(cases["prompt_too_long"], TOK, vocab_size=None, max_context_tokens=None) == [1] * 8
 
 
-class _RewardByTextTask(Task):
-    """Hands back the reward its script gives the completion text (NaN, inf, past float32 included)."""
+SCRIPTED_REWARDS: dict[str, object] = {"12": 1.0, "11": float("nan"), "22": float("inf"), "21": 1e39, "2": "high"}
 
-    def __init__(self, rewards: dict[str, object]) -> None:
-        self.rewards = rewards
+
+class _RewardByTextTask(Task):
+    """Hands back the reward `SCRIPTED_REWARDS` gives the completion text (NaN, inf, past float32 included); a class
+    without arguments, so a scorer worker rebuilds it as it is."""
 
     def prompts(self):
         yield PROMPT
 
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> VerifierResult:
-        return VerifierResult(self.rewards[completion_text])  # type: ignore[arg-type]
+        return VerifierResult(SCRIPTED_REWARDS[completion_text])  # type: ignore[arg-type]
 
 
 def test_a_non_finite_verifier_reward_fails_its_sample_alone_and_the_group_still_validates() -> None:
-    rewards = {"12": 1.0, "11": float("nan"), "22": float("inf"), "21": 1e39, "2": "high"}
+    rewards = SCRIPTED_REWARDS
     engine = _ScriptedEngine([_result(text) for text in rewards])
-    samples = _run(engine, group_size=len(rewards), task=_RewardByTextTask(rewards))
+    samples = _run(engine, group_size=len(rewards), task=_RewardByTextTask())
     assert [(s.status, s.reward, s.reward_source) for s in samples] == [("ok", 1.0, "verifier")] + [
         ("infra_error", None, "none")
     ] * 4

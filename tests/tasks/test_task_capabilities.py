@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from pipeline.config import load_config
 from pipeline.tasks import BUILTIN_TASKS, Task, TaskSettings, get_task
 from pipeline.tasks.environment import Environment
+from pipeline.tasks.verifiers import VerifierPool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,6 +64,8 @@ MULTI_TURN = {"skyrl_gym", "openenv", "harbor"}
 WITH_AGENT = {"reverse_tool"}
 SANDBOXED_AGENTS = {"harbor"}
 WITH_CHAT_TEMPLATE = {"reverse_tool", "harbor"}
+VERIFIES_IN_CALLER = {"openenv", "harbor"}
+"""Tasks whose plain verify reads no reply (the rest run theirs in scorer workers)."""
 
 
 def test_every_built_in_task_has_a_builder_here() -> None:
@@ -76,10 +79,14 @@ def test_a_built_in_task_declares_its_capabilities(name: str, tmp_path: Path) ->
     prompt = next(iter(task.prompts()))
 
     assert task.multi_turn is (name in MULTI_TURN)
+    assert task.verifies_in_workers is (name not in VERIFIES_IN_CALLER)
+    assert task.scorer_recipe is not None  # get_task gave it one, or it carries its own
     if task.multi_turn:
-        episode = task.environment(prompt)
-        assert isinstance(episode, Environment)
-        asyncio.run(episode.aclose())  # never opened: closing it is still safe
+        with VerifierPool() as pool:  # its workers start on first use: none does here
+            pool.attach(task)
+            episode = task.environment(prompt)
+            assert isinstance(episode, Environment)
+            asyncio.run(episode.aclose())  # never opened: closing it is still safe
     else:
         with pytest.raises(NotImplementedError, match="single-turn"):
             task.environment(prompt)
