@@ -13,10 +13,6 @@ from pipeline.tasks.reverse import ReverseDigitsTask
 
 SLOW_VERIFIER_S = 120.0
 """How long `slow_reverse_digits` verifies: longer than any test waits, so its generator is always mid-rollout."""
-VERIFIER_RELEASE = threading.Event()
-"""`hanging_reverse_digits` verifiers block until this is set (the test clears it first)."""
-VERIFIER_CALLS: list[str] = []
-"""The thread name of every `hanging_reverse_digits` verify call, in order."""
 
 
 class _SlowVerifier(ReverseDigitsTask):
@@ -32,11 +28,10 @@ def slow_reverse_digits(**kwargs: Any) -> Task:
 
 class _HangingVerifier(ReverseDigitsTask):
     def verify(self, prompt: Prompt, completion_text: str, completion_ids: Sequence[int]) -> Any:
-        VERIFIER_CALLS.append(threading.current_thread().name)
-        VERIFIER_RELEASE.wait()
+        threading.Event().wait()  # forever: only the scorer worker's deadline ends it
         return super().verify(prompt, completion_text, completion_ids)
 
 
 def hanging_reverse_digits(**kwargs: Any) -> Task:
-    """A task whose verifier blocks until the test sets `VERIFIER_RELEASE`."""
+    """A task whose verifier never returns (it runs in a scorer worker, which is killed at its deadline)."""
     return _HangingVerifier(**kwargs)
