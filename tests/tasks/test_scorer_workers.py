@@ -6,6 +6,7 @@ evaluate answers. One pool per module: worker starts are paid once."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import itertools
 import json
 import os
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.sandbox.uids import LOCK_DIR, allocate_uid, uid_processes
 from pipeline.tasks import Prompt, Task, VerifierPool, get_task
 from pipeline.tasks.self_check import TaskSelfCheckError, require_verified_task, self_check
+from tests.support.waits import wait_until
 from tests.tasks.scorer_tasks import MisbehavingTask
 
 SECRET_ENV = "LEEWAY_SCORER_TEST_SECRET"
@@ -126,9 +129,36 @@ def test_a_task_without_a_recipe_is_named(pool) -> None:
     assert result.status == "infra_error" and "has no scorer recipe" in result.info["error"]
 
 
-def test_workers_are_gone_after_close() -> None:
-    with VerifierPool(timeout_s=5.0, workers=2) as closing:
-        assert asyncio.run(closing.verify(MisbehavingTask(), Prompt("p", text="x"), "ok", [])).reward == 1.0
-        pids = [slot._worker.proc.pid for slot in closing.slots if slot._worker is not None]
-        assert pids
+def _leased(uid: int) -> bool:
+    """Someone holds `uid`'s host-wide lease (its lock file is locked)."""
+    fd = os.open(LOCK_DIR / str(uid), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_workers_run_as_leased_uids_of_their_own_and_are_gone_after_close() -> None:
+    held = allocate_uid()  # a sandbox's uid, in use while the workers start: never theirs
+    try:
+        with VerifierPool(timeout_s=5.0, workers=2) as closing:
+            assert asyncio.run(closing.verify(MisbehavingTask(), Prompt("p", text="x"), "ok", [])).reward == 1.0
+            wait_until(lambda: all(s._ready.is_set() for s in closing.slots), what="both workers started")
+            workers = [slot._worker for slot in closing.slots if slot._worker is not None]
+            pids = [worker.proc.pid for worker in workers]
+            uids = [worker.uid for worker in workers]
+            assert len(pids) == 2
+            if held is not None:  # a root host: each worker holds a lease of the host-wide set, none shared
+                assert len(set(uids)) == 2 and held.uid not in uids, (uids, held.uid)
+                assert all(uid is not None and _leased(uid) and uid_processes(uid) for uid in uids)
+    finally:
+        if held is not None:
+            held.release(gone=True)
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    for uid in uids:
+        if uid is not None:  # given back: free for the next sandbox or worker once its processes are gone
+            assert not _leased(uid)
+            wait_until(lambda uid=uid: not uid_processes(uid), what=f"uid {uid}'s processes gone")
