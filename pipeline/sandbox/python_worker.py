@@ -1,7 +1,11 @@
 """A Python program that reads hostile input (a scorer parsing the policy's answer) started where it reaches nothing.
 
-`PythonWorkerLauncher.spawn` runs ``python -I -B -c BOOT`` that sets its rlimits, puts the given package
-directories first on its path and runs one module as ``__main__``; its stdin and stdout are the caller's pipes.
+`PythonWorkerLauncher.spawn` runs ``python -s -B -c BOOT`` that sets its rlimits, puts the given package
+directories first on its path and runs one module as ``__main__``; its stdin and stdout are the caller's pipes. Its
+environment is `WORKER_ENV` alone, hash seed included (``PYTHONHASHSEED=0``, so not ``-I``, which would ignore it):
+every worker, and every replacement, iterates sets in the same order, so a dataset whose items depend on that order
+(reasoning-gym's ``polynomial_multiplication`` picks from a set of monomials) is rebuilt the same in each one, and
+the same as in a trainer or generator run with ``PYTHONHASHSEED=0``.
 
 With bubblewrap (``isolation="bwrap"``): new user, mount, PID, network, IPC, UTS and cgroup namespaces
 (``--unshare-all``: no network at all), an empty environment (``--clearenv``), ``--die-with-parent``, and in its
@@ -60,10 +64,13 @@ WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
 }
-"""The whole environment of a worker: no credential, no proxy, no path of the run."""
+"""The whole environment of a worker: no credential, no proxy, no path of the run; a fixed hash seed."""
 BOOT = (
-    "import json, resource, sys\n"
+    "import sys\n"
+    "sys.path[:] = [p for p in sys.path if p]\n"
+    "import json, resource\n"
     "cfg = json.loads(sys.argv[1])\n"
     "for name, value in cfg['rlimits'].items():\n"
     "    resource.setrlimit(getattr(resource, name), (value, value))\n"
@@ -79,7 +86,8 @@ BOOT = (
     "import runpy\n"
     "runpy.run_module(cfg['module'], run_name='__main__', alter_sys=True)\n"
 )
-"""Runs first in the worker, before any import of ours: limits on, its own uid (root host), then the module. An
+"""Runs first in the worker, before any import of ours: the cwd off the path (``-c`` puts it first; ``-I``
+would have left it off), limits on, its own uid (root host), then the module. An
 editable install's finder (which maps our packages to the checkout, unreachable here) is dropped: the packages
 come from ``/leeway/src``."""
 
@@ -198,7 +206,7 @@ class PythonWorkerLauncher:
                 argv = []
                 path = [str(p) for p in dict.fromkeys(pkg.parent for pkg in self.packages)]
             boot = {"rlimits": self.limits.rlimits(), "path": path, "module": self.module, "uid": uid}
-            argv += [sys.executable, "-I", "-B", "-c", BOOT, json.dumps(boot)]
+            argv += [sys.executable, "-s", "-B", "-c", BOOT, json.dumps(boot)]
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,

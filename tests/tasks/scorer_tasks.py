@@ -41,6 +41,7 @@ def _where(host_path: str) -> dict[str, object]:
         network = f"{type(exc).__name__}: {exc}"
     return {
         "uid": os.getuid(),
+        "hash": hash("leeway"),
         "env": sorted(os.environ),
         "sees_host_path": Path(host_path).exists(),
         "network": network,

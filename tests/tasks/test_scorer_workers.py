@@ -119,6 +119,42 @@ def test_self_check_refuses_scorers_that_evaluate_answers_and_passes_the_shipped
     assert asyncio.run(self_check(math_task, [_first(math_task)], pool)) == []
 
 
+SEEDED_PROMPTS = """
+import itertools, json
+from pipeline.tasks import get_task
+task = get_task("reasoning_gym", dataset="polynomial_multiplication", size=3, eval_size=0)
+prompts = [p.to_json().decode() for p in itertools.islice(task.prompts(), 3)]
+print(json.dumps({"hash": hash("leeway"), "prompts": prompts}))
+"""
+
+
+def test_items_that_depend_on_the_hash_seed_match_workers_only_under_pythonhashseed_0(pool) -> None:
+    """polynomial_multiplication picks monomials from a set: its items differ between processes of other hash
+    seeds. Workers run with PYTHONHASHSEED=0: prompts made under it are scored, others refused naming the seed."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    runs = {
+        seed: subprocess.Popen(
+            [sys.executable, "-c", SEEDED_PROMPTS], env={**env, "PYTHONHASHSEED": seed}, stdout=subprocess.PIPE
+        )
+        for seed in ("0", "1")
+    }
+    made = {seed: json.loads(run.communicate(timeout=120)[0]) for seed, run in runs.items()}
+    task = get_task("reasoning_gym", dataset="polynomial_multiplication", size=3, eval_size=0)
+    where = asyncio.run(pool.verify(MisbehavingTask(), Prompt("p", text="x"), "where", [])).info
+    assert where["hash"] == made["0"]["hash"] != made["1"]["hash"]  # the worker's hash seed is 0
+    differ = 0
+    for same, other in zip(made["0"]["prompts"], made["1"]["prompts"], strict=True):
+        prompt = Prompt.from_json(same.encode())
+        ok = asyncio.run(pool.verify(task, prompt, task.completion_for(str(prompt.answer)), []))
+        assert (ok.reward, ok.status) == (1.0, "ok"), ok
+        if other != same:
+            differ += 1
+            stranger = Prompt.from_json(other.encode())
+            refused = asyncio.run(pool.verify(task, stranger, task.completion_for(str(stranger.answer)), []))
+            assert refused.status == "infra_error" and "PYTHONHASHSEED=0" in refused.info["error"], refused
+    assert differ  # the cause is real: another hash seed made other items
+
+
 def test_skyrl_environments_that_run_the_reply_are_refused_by_name(tmp_path) -> None:
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"id": "q", "prompt": "2+3?", "answer": "5"}) + "\n")
