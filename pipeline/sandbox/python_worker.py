@@ -40,8 +40,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
@@ -141,6 +142,7 @@ class PythonWorker:
     proc: subprocess.Popen[bytes]
     lease: UidLease | None
     stderr: IO[bytes]
+    _killing: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def uid(self) -> int | None:
@@ -155,24 +157,26 @@ class PythonWorker:
             return ""
 
     def kill(self) -> None:
-        """SIGKILL the worker's session (bwrap, the sandbox in its PID namespace), reap it, give its uid back."""
-        if self.proc.returncode is None:
+        """SIGKILL the worker's session (bwrap, the sandbox in its PID namespace), reap it, give its uid back. Safe
+        to call from two threads (a slot closing while its start fails): the lease is given back once."""
+        with self._killing:
+            if self.proc.returncode is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            log.error("scorer worker %d did not die within 10 s of SIGKILL", self.proc.pid)
-            return
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
-        self.stderr.close()
-        lease, self.lease = self.lease, None
-        if lease is not None:  # its PID namespace died with bwrap; one still being torn down: the next taker looks
-            lease.release(gone=not uid_processes(lease.uid))
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.error("scorer worker %d did not die within 10 s of SIGKILL", self.proc.pid)
+                return  # its uid stays leased: a process of it may still run
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+            self.stderr.close()
+            lease, self.lease = self.lease, None
+            if lease is not None:  # its PID namespace died with bwrap; one still being torn down: the next taker looks
+                lease.release(gone=not uid_processes(lease.uid))
 
 
 class PythonWorkerLauncher:
