@@ -1,21 +1,27 @@
 """A Python program that reads hostile input (a scorer parsing the policy's answer) started where it reaches nothing.
 
-`PythonWorkerLauncher.spawn` runs ``python -I -B -c BOOT`` that sets its rlimits, puts the given package
-directories first on its path and runs one module as ``__main__``; its stdin and stdout are the caller's pipes.
+`PythonWorkerLauncher.spawn` runs ``python -s -B -c BOOT`` that sets its rlimits, puts the given package
+directories first on its path and runs one module as ``__main__``; its stdin and stdout are the caller's pipes. Its
+environment is `WORKER_ENV` alone, hash seed included (``PYTHONHASHSEED=0``, so not ``-I``, which would ignore it):
+every worker, and every replacement, iterates sets in the same order, so a dataset whose items depend on that order
+(reasoning-gym's ``polynomial_multiplication`` picks from a set of monomials) is rebuilt the same in each one, and
+the same as in a trainer or generator run with ``PYTHONHASHSEED=0``.
 
 With bubblewrap (``isolation="bwrap"``): new user, mount, PID, network, IPC, UTS and cgroup namespaces
 (``--unshare-all``: no network at all), an empty environment (``--clearenv``), ``--die-with-parent``, and in its
 mount namespace only, read-only: the system directories a dynamic interpreter needs (`SYSTEM_LINKS`, `ETC_FILES`
 of `pipeline.sandbox.bwrap`), the interpreter's prefixes (the venv and its base interpreter) and the package
 directories asked for, each bound alone under ``/leeway/src`` (never the repo root or the cwd, where the run's
-files live; no ``/home``, no ``/root``, no run directory); a private ``/proc``, ``/dev`` and a small ``/tmp``. When
-the host is root the worker runs as a uid of its own (`WorkerUids`). Such a uid cannot walk ``/root`` (mode 0700:
-the venv's base interpreter lives under ``/root/.pyenv`` here) and bwrap resolves even ``--ro-bind-fd`` sources to
-their path and checks it as its own uid ("Can't find source path /proc/self/fd/4: Permission denied"), so a root
-host runs bwrap as root *without* a user namespace (the other namespaces are root's to make), keeping only
-CAP_SETUID/CAP_SETGID; `BOOT` drops to the worker's uid (all three ids, no groups, which clears every capability)
-before it imports anything of ours or reads a line. bwrap sets no_new_privs and mounts binds nosuid, so nothing
-inside gets a privilege back.
+files live; no ``/home``, no ``/root``, no run directory); a private ``/proc``, ``/dev`` and a small ``/tmp``.
+
+When the host is root the worker runs as a uid of its own, leased for its life (released at `PythonWorker.kill`)
+from the same host-wide free set as the sandboxes (`pipeline.sandbox.uids`: never one still in use by any
+generator, sandbox or worker on the host). Such a uid cannot walk ``/root`` (mode 0700: the venv's base interpreter
+lives under ``/root/.pyenv`` here) and bwrap resolves even ``--ro-bind-fd`` sources to their path and checks it as
+its own uid ("Can't find source path /proc/self/fd/4: Permission denied"), so a root host runs bwrap as root
+*without* a user namespace (the other namespaces are root's to make), keeping only CAP_SETUID/CAP_SETGID; `BOOT`
+drops to the worker's uid (all three ids, no groups, which clears every capability) before it imports anything of
+ours or reads a line. bwrap sets no_new_privs and mounts binds nosuid, so nothing inside gets a privilege back.
 
 Without bubblewrap (``isolation="process"``, only with ``sandbox.allow_unisolated``; `resolve_isolation`): the same
 program as a plain child with an empty environment, ``/`` as its cwd and the same rlimits: no namespaces.
@@ -36,20 +42,19 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
 from pipeline.sandbox.base import SandboxRefused
 from pipeline.sandbox.bwrap import ETC_FILES, SYSTEM_LINKS, bwrap_binary
+from pipeline.sandbox.uids import UidLease, allocate_uid, uid_processes
 
 log = logging.getLogger(__name__)
 
 Isolation = Literal["bwrap", "process"]
 SRC = "/leeway/src"
 """Where the package directories appear inside a bubblewrap worker (its first ``sys.path`` entry)."""
-WORKER_UID_BASE = 330_000
-"""Workers of a root host run as uids from here: 100 per host process (by pid), none reused while in use."""
 TMP_BYTES = 16 << 20
 """Size of a bubblewrap worker's private ``/tmp``."""
 WORKER_ENV = {
@@ -60,10 +65,13 @@ WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
 }
-"""The whole environment of a worker: no credential, no proxy, no path of the run."""
+"""The whole environment of a worker: no credential, no proxy, no path of the run; a fixed hash seed."""
 BOOT = (
-    "import json, resource, sys\n"
+    "import sys\n"
+    "sys.path[:] = [p for p in sys.path if p]\n"
+    "import json, resource\n"
     "cfg = json.loads(sys.argv[1])\n"
     "for name, value in cfg['rlimits'].items():\n"
     "    resource.setrlimit(getattr(resource, name), (value, value))\n"
@@ -79,7 +87,8 @@ BOOT = (
     "import runpy\n"
     "runpy.run_module(cfg['module'], run_name='__main__', alter_sys=True)\n"
 )
-"""Runs first in the worker, before any import of ours: limits on, its own uid (root host), then the module. An
+"""Runs first in the worker, before any import of ours: the cwd off the path (``-c`` puts it first; ``-I``
+would have left it off), limits on, its own uid (root host), then the module. An
 editable install's finder (which maps our packages to the checkout, unreachable here) is dropped: the packages
 come from ``/leeway/src``."""
 
@@ -91,7 +100,7 @@ class WorkerLimits:
     memory_mb: int = 2048
     """Address space (``RLIMIT_AS``): a scorer expanding a huge number fails with MemoryError, not the host."""
     max_processes: int = 64
-    """``RLIMIT_NPROC`` (threads count); with a uid of its own, for that uid only."""
+    """``RLIMIT_NPROC`` (threads count); with a uid of its own (leased: no other process has it), for it alone."""
     file_mb: int = 16
     """Largest file it may write (``RLIMIT_FSIZE``), its stderr log included."""
     open_files: int = 256
@@ -125,41 +134,20 @@ def resolve_isolation(backend: str, allow_unisolated: bool) -> Isolation:
     return "process"
 
 
-class WorkerUids:
-    """Uids for the workers of a root host: this process's band of 100, none handed out twice while in use."""
-
-    def __init__(self) -> None:
-        self._band = WORKER_UID_BASE + (os.getpid() % 1000) * 100
-        self._used: set[int] = set()
-        self._lock = threading.Lock()
-
-    def take(self) -> int | None:
-        """A free uid, or None when the host is not root (the worker then runs as the host's own uid)."""
-        if os.geteuid() != 0:
-            return None
-        with self._lock:
-            for uid in range(self._band, self._band + 100):
-                if uid not in self._used:
-                    self._used.add(uid)
-                    return uid
-        raise SandboxRefused("scorer workers: all 100 uids of this process are in use")
-
-    def give_back(self, uid: int | None) -> None:
-        if uid is not None:
-            with self._lock:
-                self._used.discard(uid)
-
-
-UIDS = WorkerUids()
-
-
 @dataclass
 class PythonWorker:
-    """A started worker: its process (pipes to the caller), its uid and its stderr log (read with `stderr_tail`)."""
+    """A started worker: its process (pipes to the caller), its uid's lease (root host) and its stderr log (read
+    with `stderr_tail`)."""
 
     proc: subprocess.Popen[bytes]
-    uid: int | None
+    lease: UidLease | None
     stderr: IO[bytes]
+    _killing: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def uid(self) -> int | None:
+        """The uid the worker runs as (None: the host's own, not root; or after `kill`)."""
+        return None if self.lease is None else self.lease.uid
 
     def stderr_tail(self, limit: int = 2000) -> str:
         try:
@@ -169,23 +157,26 @@ class PythonWorker:
             return ""
 
     def kill(self) -> None:
-        """SIGKILL the worker's session (bwrap, the sandbox in its PID namespace), reap it, free its uid."""
-        if self.proc.returncode is None:
+        """SIGKILL the worker's session (bwrap, the sandbox in its PID namespace), reap it, give its uid back. Safe
+        to call from two threads (a slot closing while its start fails): the lease is given back once."""
+        with self._killing:
+            if self.proc.returncode is None:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            log.error("scorer worker %d did not die within 10 s of SIGKILL", self.proc.pid)
-            return
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
-        self.stderr.close()
-        UIDS.give_back(self.uid)
-        self.uid = None
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.error("scorer worker %d did not die within 10 s of SIGKILL", self.proc.pid)
+                return  # its uid stays leased: a process of it may still run
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+            self.stderr.close()
+            lease, self.lease = self.lease, None
+            if lease is not None:  # its PID namespace died with bwrap; one still being torn down: the next taker looks
+                lease.release(gone=not uid_processes(lease.uid))
 
 
 class PythonWorkerLauncher:
@@ -203,8 +194,14 @@ class PythonWorkerLauncher:
         self.limits = limits or WorkerLimits()
 
     def spawn(self) -> PythonWorker:
-        uid = UIDS.take() if self.isolation == "bwrap" else None
-        stderr = tempfile.TemporaryFile(prefix="leeway-scorer-")
+        lease = self._lease_uid() if self.isolation == "bwrap" else None
+        uid = None if lease is None else lease.uid
+        try:
+            stderr = tempfile.TemporaryFile(prefix="leeway-scorer-")
+        except BaseException:
+            if lease is not None:
+                lease.release(gone=True)
+            raise
         try:
             if self.isolation == "bwrap":
                 argv = self._bwrap_argv(as_root=uid is not None)
@@ -213,7 +210,7 @@ class PythonWorkerLauncher:
                 argv = []
                 path = [str(p) for p in dict.fromkeys(pkg.parent for pkg in self.packages)]
             boot = {"rlimits": self.limits.rlimits(), "path": path, "module": self.module, "uid": uid}
-            argv += [sys.executable, "-I", "-B", "-c", BOOT, json.dumps(boot)]
+            argv += [sys.executable, "-s", "-B", "-c", BOOT, json.dumps(boot)]
             proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
@@ -224,10 +221,19 @@ class PythonWorkerLauncher:
                 start_new_session=True,
             )
         except BaseException:
-            UIDS.give_back(uid)
+            if lease is not None:
+                lease.release(gone=True)  # nothing ran as it
             stderr.close()
             raise
-        return PythonWorker(proc, uid, stderr)
+        return PythonWorker(proc, lease, stderr)
+
+    @staticmethod
+    def _lease_uid() -> UidLease | None:
+        """A uid of the host-wide free set (None when the host is not root), or `SandboxRefused` naming why not."""
+        try:
+            return allocate_uid()
+        except OSError as exc:
+            raise SandboxRefused(f"scorer workers: no uid to run as: {exc}") from exc
 
     def _bwrap_argv(self, *, as_root: bool) -> list[str]:
         """bwrap's arguments; `as_root`: no user namespace, only the capabilities `BOOT` needs to drop its uid."""

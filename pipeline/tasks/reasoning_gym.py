@@ -6,7 +6,10 @@ and an eval set (the optional extra ``leeway[envs]``).
       args: {dataset: chain_sum, size: 2000, eval_size: 200, seed: 0, config: {min_terms: 2, max_terms: 2}}
 
 reasoning-gym generates every item from its seed, so the trainer and each generator build the same items
-without shipping any data: a prompt carries its split and index (``metadata``), and the verifier scores the
+without shipping any data (for the few datasets whose items also depend on Python's set order, such as
+``polynomial_multiplication``, only when every process runs with ``PYTHONHASHSEED=0``, as scorer workers do; a
+prompt made elsewhere is refused, naming the cause: a verify of it is an ``infra_error``, and the verifier
+self-check refuses the task): a prompt carries its split and index (``metadata``), and the verifier scores the
 reply against that item with the dataset's own ``score_answer``, in a scorer worker (`pipeline/tasks/verifiers.py`)
 that rebuilds the task from its arguments (`scorer_recipe`): several scorers ``eval`` or ``sympy.parse_expr`` the
 answer, and the verifier self-check refuses those (its code-execution probe). The eval set is generated from another seed
@@ -197,8 +200,10 @@ class ReasoningGymTask(Task):
         items = self._items(split)
         if not 0 <= index < len(items) or not self._made(prompt, items[index]):
             raise ValueError(
-                f"reasoning_gym {self.dataset}: prompt {prompt.prompt_id!r} does not match {split} item {index} "
-                "(trainer and generator built the dataset with other arguments or another reasoning-gym)"
+                f"reasoning_gym {self.dataset}: prompt {prompt.prompt_id!r} does not match {split} item {index}: the "
+                "process that made the prompt built the dataset with other arguments, another reasoning-gym, or "
+                "another hash seed (a dataset whose items depend on set order, as polynomial_multiplication's do, "
+                "differs between processes unless every one runs with PYTHONHASHSEED=0, as scorer workers do)"
             )
         return items[index]
 

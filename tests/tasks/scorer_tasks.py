@@ -11,7 +11,8 @@ from pipeline.tasks import Prompt, Task, VerifierResult
 
 
 class MisbehavingTask(Task):
-    """Scores "ok" 1.0; "hang" spins forever holding the GIL; "raise" raises; "where" reports where it runs."""
+    """Scores "ok" 1.0; "hang" spins forever holding the GIL; "raise" raises; "where" reports where it runs;
+    "eval:EXPR" evaluates EXPR, as the reasoning-gym scorers that ``eval`` answers do, and reports its value."""
 
     name = "misbehaving"
     reward_range = (0.0, 1.0)
@@ -25,6 +26,8 @@ class MisbehavingTask(Task):
                 pass
         if completion_text == "raise":
             raise RuntimeError("scorer broke")
+        if completion_text.startswith("eval:"):
+            return VerifierResult(0.0, info={"value": repr(eval(completion_text[5:]))})
         if completion_text == "where":
             return VerifierResult(0.0, info=_where(prompt.metadata.get("host_path", "/")))
         return VerifierResult(1.0 if completion_text == "ok" else 0.0)
@@ -38,6 +41,7 @@ def _where(host_path: str) -> dict[str, object]:
         network = f"{type(exc).__name__}: {exc}"
     return {
         "uid": os.getuid(),
+        "hash": hash("leeway"),
         "env": sorted(os.environ),
         "sees_host_path": Path(host_path).exists(),
         "network": network,
