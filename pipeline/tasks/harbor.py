@@ -19,11 +19,14 @@ timeout_sec``, every process left is killed, and the reward is what the tests wr
 through that sandbox's supervisor. Nothing the agent wrote to its own ``/logs`` or left running can reach it.
 
 Failures are typed. The sandbox's (``sandbox_start_failed``, ``sandbox_start_timeout``, ``sandbox_lost``) and the
-verifier's (``verifier_timeout``, ``verifier_crashed``, ``reward_missing``) are infrastructure (`EpisodeFailure`,
+verifier's (``verifier_crashed``, ``reward_missing``) are infrastructure (`EpisodeFailure`,
 an `InfraFailure` whose ``reason`` is an `InfraReason`): the rollout re-runs the episode (``rollout.infra_retries``)
 and then sends an ``infra_error``, masked, never a 0. A sandbox its own processes broke (`SandboxBroken`: its
 supervisor killed, its channel tampered with, an ``/app`` that cannot be exported) is the policy's failure,
 ``sandbox_broken``: reward 0, never a masked re-run, which would select for the episodes whose hack paid.
+So are tests that run past ``[verifier] timeout_sec``: they ran nothing but the agent's ``/app`` (the task's own
+tests pass their oracle in time: `leeway tasks check`), so the hang is the policy's answer, ``scorer_timeout`` with
+reward 0, as for a scorer worker killed at its deadline; masked, it would be a way to turn a 0 into a re-run.
 ``agent_timeout`` is the policy's (reward 0) unless ``rollout.agent_timeout_is: infra``. A reply with neither a
 command nor DONE is a format error: the agent is told, or with ``rollout.strict_format`` the episode ends with
 reward 0. Each hook's deadline comes from task.toml and the run's sandbox settings (`hook_deadlines`).
@@ -74,6 +77,8 @@ REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
 VERIFIER_COMMAND = "mkdir -p /logs/verifier /logs/home && exec bash /tests/test.sh"
 SANDBOX_BROKEN = "sandbox_broken"
 """The policy failure (`pipeline.failures.POLICY_FAILURES`) of a sandbox the agent's own processes broke."""
+SCORER_TIMEOUT = "scorer_timeout"
+"""The policy failure of tests past `[verifier] timeout_sec` on the agent's `/app` alone."""
 VERIFIER_ENV = {"HOME": "/logs/home", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 """The tests run with a fresh home and no user site-packages: nothing the agent left in its home (a
 ``usercustomize.py``) runs inside them."""
@@ -269,7 +274,8 @@ class HarborEpisode(Environment):
 
     async def _run_tests(self, app: Path, tests: Path) -> EnvStep:
         """``test.sh`` in a sandbox of its own under ``[verifier] timeout_sec``; the reward read once every process
-        in it is gone. A verifier that cannot score (no start, past its time, no reward) is infrastructure."""
+        in it is gone. A verifier that cannot score (no start, no reward) is infrastructure; one past its time hung
+        on the agent's /app: the policy's ``scorer_timeout``."""
         spec = SandboxSpec(
             workdir="/app",
             writable=("/app", "/logs"),
@@ -281,8 +287,12 @@ class HarborEpisode(Environment):
         try:
             async with self.task.pool.sandbox(spec) as box:
                 ran = await box.exec(VERIFIER_COMMAND, timeout_s=timeout_s, env=VERIFIER_ENV)
-                if ran.timed_out:
-                    raise EpisodeFailure(InfraReason.VERIFIER_TIMEOUT, f"{self.dir.name}: past {timeout_s:g} s")
+                if ran.timed_out:  # on the agent's /app alone: the policy's answer hung the tests
+                    log.warning(
+                        "harbor %s: the tests ran past %g s; reward 0 (scorer_timeout)", self.dir.name, timeout_s
+                    )
+                    info = {"error": SCORER_TIMEOUT, "detail": f"past {timeout_s:g} s", "commands": self.commands}
+                    return EnvStep(done=True, reward=0.0, info=info)
                 await box.kill_all()
                 reward = await _reward(box, self.dir.name, ran)
         except SandboxBroken as exc:  # the agent's code, run by the tests, broke the verifier's sandbox

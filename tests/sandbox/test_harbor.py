@@ -250,10 +250,6 @@ def _episode_with(
 @pytest.mark.parametrize(
     ("edits", "reason"),
     [
-        (
-            {"tests/test.sh": "#!/bin/bash\nsleep 1000\n", "task.toml": "[verifier]\ntimeout_sec = 1.0\n"},
-            "verifier_timeout",
-        ),
         ({"tests/test.sh": "#!/bin/bash\necho written nowhere\n"}, "reward_missing"),
         ({"tests/test.sh": "#!/bin/bash\nexit 7\n"}, "verifier_crashed"),
         (
@@ -267,6 +263,19 @@ def test_a_verifier_that_cannot_score_is_a_typed_infra_error_never_a_zero(
 ) -> None:
     sample, _ = _episode(_one_task(tmp_path, **edits), [[SOLVE, "DONE"]], "rollout.infra_retries=0")
     assert (sample.status, sample.reward, sample.info["infra_reason"]) == ("infra_error", None, reason)
+
+
+def test_tests_that_hang_on_the_agents_app_are_the_policys_scorer_timeout_never_a_masked_rerun(tmp_path: Path) -> None:
+    """The tests ran nothing but the agent's /app: a hang past [verifier] timeout_sec is its answer's doing."""
+    root = _one_task(tmp_path, **{"task.toml": "[verifier]\ntimeout_sec = 1.0\n"})
+    hang = "```bash\nprintf 'import time\\ntime.sleep(1000)\\n' > /app/solution.py\n```"
+    sample, _ = _episode(root, [[hang, "DONE"]], "rollout.infra_retries=1")
+    assert (sample.status, sample.reward, sample.info["error"], sample.info["attempts"]) == (
+        "ok",
+        0.0,
+        "scorer_timeout",
+        1,
+    )
 
 
 def test_an_agent_out_of_time_scores_zero_or_with_agent_timeout_is_infra_is_masked(tmp_path: Path) -> None:
