@@ -15,7 +15,7 @@ from pathlib import Path
 
 from infra.stack import StackState
 from pipeline.config import load_config
-from pipeline.sandbox.supervised import UID_BASE, uid_processes
+from pipeline.sandbox.uids import UID_BASE, UID_COUNT
 from tests.support.runs import COMMON, REPO, ROLE_STOP_DEADLINE_S, leeway_argv, log_tails
 
 DEADLINE_S = 600.0
@@ -35,13 +35,18 @@ def _generator_pid(run_dir: Path) -> int | None:
     return None
 
 
-def _sandbox_uids(generator_pid: int) -> range:
-    first = UID_BASE + (generator_pid % 1000) * 100
-    return range(first, first + 100)
-
-
-def _sandbox_processes(generator_pid: int) -> list[int]:
-    return [pid for uid in _sandbox_uids(generator_pid) for pid in uid_processes(uid)]
+def _sandbox_processes() -> list[int]:
+    """Live processes of any leased sandbox uid (the generator's sandboxes are the only ones during this test)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{entry}/status").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        uid = int(fields.get("Uid", "-1").split()[0])
+        if UID_BASE <= uid < UID_BASE + UID_COUNT and not fields.get("State", "").strip().startswith("Z"):
+            found.append(int(entry))
+    return found
 
 
 def _outer_bwraps(generator_pid: int) -> list[int]:
@@ -113,9 +118,9 @@ def test_a_coding_run_reruns_a_lost_sandbox_and_a_killed_generator_leaves_no_san
     published = re.findall(r"(\d+) groups published", text())
     assert published and int(published[-1]) >= 1, log_tails(run_dir)
     # SIGKILL the generator: its sandboxes die with it
-    assert _wait("sandboxes running", lambda: _sandbox_processes(generator), run_dir)
+    assert _wait("sandboxes running", lambda: _sandbox_processes(), run_dir)
     os.kill(generator, signal.SIGKILL)
-    _wait("no sandbox process left", lambda: not _sandbox_processes(generator) or None, run_dir)
-    assert _sandbox_processes(generator) == []
+    _wait("no sandbox process left", lambda: not _sandbox_processes() or None, run_dir)
+    assert _sandbox_processes() == []
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=ROLE_STOP_DEADLINE_S)
