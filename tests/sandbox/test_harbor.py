@@ -287,16 +287,8 @@ def test_an_agent_out_of_time_scores_zero_or_with_agent_timeout_is_infra_is_mask
     assert (infra.status, infra.reward, infra.info["infra_reason"]) == ("infra_error", None, "agent_timeout")
 
 
-def test_tasks_check_passes_the_shipped_set_and_catches_a_broken_oracle_and_free_rewards(tmp_path: Path) -> None:
-    shipped = subprocess.run(
-        leeway_argv("tasks", "check", str(CODING), "--set", "sandbox.starts_per_s=0"),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert shipped.returncode == 0, shipped.stdout + shipped.stderr
-    assert '"tasks": 32, "passed": 32' in shipped.stdout
+def test_tasks_check_catches_a_broken_oracle_and_free_rewards(tmp_path: Path) -> None:
+    """(The shipped set passing, hacks included, is tests/tools/test_tasks_check.py's.)"""
     root = _one_task(
         tmp_path, **{"solution/solve.sh": "#!/bin/bash\necho 'def reverse_words(s): return s' > /app/solution.py\n"}
     )
