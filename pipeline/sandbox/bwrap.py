@@ -53,6 +53,21 @@ def require_bwrap() -> str:
     return found
 
 
+def system_binds() -> list[str]:
+    """bwrap arguments for what a shell or an interpreter needs of the system: ``/usr`` and the merged-usr links
+    read-only, and the few files of ``/etc`` (`ETC_FILES`); shared by sandboxes and scorer workers."""
+    argv = ["--ro-bind", "/usr", "/usr"]
+    for name in SYSTEM_LINKS:
+        path = Path("/") / name
+        if path.is_symlink():
+            argv += ["--symlink", os.readlink(path), f"/{name}"]
+        elif path.is_dir():
+            argv += ["--ro-bind", str(path), f"/{name}"]
+    for name in ETC_FILES:
+        argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    return argv
+
+
 class BwrapSandbox(SupervisedSandbox):
     backend = "bwrap"
 
@@ -60,15 +75,7 @@ class BwrapSandbox(SupervisedSandbox):
         return "namespace"
 
     def _argv(self, supervisor: list[str]) -> list[str]:
-        argv = [require_bwrap(), "--ro-bind", "/usr", "/usr"]
-        for name in SYSTEM_LINKS:
-            path = Path("/") / name
-            if path.is_symlink():
-                argv += ["--symlink", os.readlink(path), f"/{name}"]
-            elif path.is_dir():
-                argv += ["--ro-bind", str(path), f"/{name}"]
-        for name in ETC_FILES:
-            argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        argv = [require_bwrap(), *system_binds()]
         size = str(self.spec.limits.disk_mb << 20)
         argv += ["--proc", "/proc", "--dev", "/dev"]
         for path in ("/dev/shm", "/tmp", *self.spec.writable):

@@ -9,7 +9,7 @@ the same as in a trainer or generator run with ``PYTHONHASHSEED=0``.
 
 With bubblewrap (``isolation="bwrap"``): new user, mount, PID, network, IPC, UTS and cgroup namespaces
 (``--unshare-all``: no network at all), an empty environment (``--clearenv``), ``--die-with-parent``, and in its
-mount namespace only, read-only: the system directories a dynamic interpreter needs (`SYSTEM_LINKS`, `ETC_FILES`
+mount namespace only, read-only: the system directories a dynamic interpreter needs (`system_binds`
 of `pipeline.sandbox.bwrap`), the interpreter's prefixes (the venv and its base interpreter) and the package
 directories asked for, each bound alone under ``/leeway/src`` (never the repo root or the cwd, where the run's
 files live; no ``/home``, no ``/root``, no run directory); a private ``/proc``, ``/dev`` and a small ``/tmp``.
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 from pipeline.sandbox.base import SandboxRefused
-from pipeline.sandbox.bwrap import ETC_FILES, SYSTEM_LINKS, bwrap_binary
+from pipeline.sandbox.bwrap import bwrap_binary, system_binds
 from pipeline.sandbox.uids import UidLease, allocate_uid, uid_processes
 
 log = logging.getLogger(__name__)
@@ -240,15 +240,7 @@ class PythonWorkerLauncher:
         bwrap = bwrap_binary()
         if bwrap is None:
             raise SandboxRefused("scorer workers: bubblewrap is not installed (apt-get install bubblewrap)")
-        argv = [bwrap, "--ro-bind", "/usr", "/usr"]
-        for name in SYSTEM_LINKS:
-            path = Path("/") / name
-            if path.is_symlink():
-                argv += ["--symlink", os.readlink(path), f"/{name}"]
-            elif path.is_dir():
-                argv += ["--ro-bind", str(path), f"/{name}"]
-        for name in ETC_FILES:
-            argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        argv = [bwrap, *system_binds()]
         binds = {Path(sys.base_prefix).resolve(): sys.base_prefix, Path(sys.prefix).resolve(): sys.prefix}
         binds.update({pkg: f"{SRC}/{pkg.name}" for pkg in self.packages})
         parents = sorted({str(p) for inside in binds.values() for p in Path(inside).parents if str(p) != "/"})

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import os
 import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ import pytest
 from pipeline.sandbox import SandboxBroken, SandboxLimits, SandboxSpec
 from pipeline.sandbox.bwrap import BwrapSandbox, bwrap_binary
 from pipeline.sandbox.uids import allocate_uid, uid_processes
+from tests.support.forked import drop_to, in_forked_child
 from tests.support.waits import until
 
 pytestmark = pytest.mark.skipif(bwrap_binary() is None, reason="bubblewrap is not installed")
@@ -208,37 +207,22 @@ def test_hostile_agent_commands_as_root(tmp_path: Path) -> None:
 
 def _as_nobody(export: Path) -> dict[str, Any]:
     """Run `_hostile` in a child that dropped to an unprivileged uid (the host side of a non-root generator)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setresgid(65534, 65534, 65534)
-            os.setresuid(65534, 65534, 65534)
 
-            async def go() -> dict[str, Any]:
-                box = BwrapSandbox(SandboxSpec(label="hostile-nobody", limits=LIMITS))
-                await box.start()
-                try:
-                    assert box.uid is None and box.cgroup is None
-                    return await _hostile(box, export)
-                finally:
-                    await box.close()
+    def work() -> dict[str, Any]:
+        drop_to()
 
-            result: dict[str, Any] = {"seen": asyncio.run(go())}
-            code = 0
-        except BaseException as exc:  # everything goes back to the parent as text
-            result = {"error": "".join(traceback.format_exception(exc))}
-        os.write(write, json.dumps(result).encode())
-        os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as f:
-        report = json.loads(f.read() or '{"error": "no report"}')
-    os.waitpid(pid, 0)
-    assert "error" not in report, report["error"]
-    return report["seen"]
+        async def go() -> dict[str, Any]:
+            box = BwrapSandbox(SandboxSpec(label="hostile-nobody", limits=LIMITS))
+            await box.start()
+            try:
+                assert box.uid is None and box.cgroup is None
+                return await _hostile(box, export)
+            finally:
+                await box.close()
+
+        return asyncio.run(go())
+
+    return in_forked_child(work)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops from root to an unprivileged uid")

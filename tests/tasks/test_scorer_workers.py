@@ -16,8 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import pytest
 from pipeline.sandbox.uids import LOCK_DIR, allocate_uid, uid_processes
 from pipeline.tasks import Prompt, Task, VerifierPool, get_task
 from pipeline.tasks.self_check import TaskSelfCheckError, require_verified_task, self_check
+from tests.support.forked import drop_to, in_forked_child
 from tests.support.waits import wait_until
 from tests.tasks.scorer_tasks import MisbehavingTask
 
@@ -238,9 +238,7 @@ def _hostile_as_nobody(scratch: Path) -> dict[str, Any]:
     """In this (forked) process, dropped to an unprivileged uid: the hostile replies through its own pool."""
     _reach_interpreter()
     os.environ["MPLCONFIGDIR"] = str(scratch / "matplotlib")  # reasoning-gym imports it; root's home is not ours
-    os.setgroups([])
-    os.setresgid(NOBODY, NOBODY, NOBODY)
-    os.setresuid(NOBODY, NOBODY, NOBODY)
+    drop_to(NOBODY)
     host_file, stolen = scratch / "host-file", scratch / "stolen"
     assert host_file.read_text() == "host" and os.environ[SECRET_ENV] == "s3cret"  # the host user reads both
     seen: dict[str, Any] = {}
@@ -266,35 +264,13 @@ def _hostile_as_nobody(scratch: Path) -> dict[str, Any]:
     return seen
 
 
-def _in_forked_child(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """`work()` in a forked child (it never returns into pytest); what it returned, or its error, comes back as JSON."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(read)
-            result: dict[str, Any] = {"seen": work()}
-            code = 0
-        except BaseException as exc:  # everything goes back to the parent as text
-            result = {"error": "".join(traceback.format_exception(exc))}
-        os.write(write, json.dumps(result, default=str).encode())
-        os._exit(code)
-    os.close(write)
-    with os.fdopen(read) as f:
-        report = json.loads(f.read() or '{"error": "no report"}')
-    os.waitpid(pid, 0)
-    assert "error" not in report, report["error"]
-    return report["seen"]
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops from root to an unprivileged uid")
 def test_hostile_replies_as_an_unprivileged_host_user(monkeypatch) -> None:
     monkeypatch.setenv(SECRET_ENV, "s3cret")
     with tempfile.TemporaryDirectory(prefix="leeway-nobody-") as scratch:  # pytest's tmp_path is root's alone
         os.chmod(scratch, 0o777)
         (Path(scratch) / "host-file").write_text("host")  # readable by the unprivileged host user, not its workers
-        seen = _in_forked_child(lambda: _hostile_as_nobody(Path(scratch)))
+        seen = in_forked_child(lambda: _hostile_as_nobody(Path(scratch)))
     where = seen["where"]["info"]
     assert SECRET_ENV not in where["env"] and where["sees_host_path"] is False and where["uid"] != 0, where
     probe = seen["probe"]["info"]  # evaluated in the worker: it saw neither the parent's variable nor the host file
