@@ -19,12 +19,12 @@ from pipeline.tasks.base import Task, VerifierResult, VerifierStatus, reward_pro
 from pipeline.tasks.files import load_prompts, read_rows, shuffled_epochs, with_system_prompt
 from pipeline.tasks.registry import BUILTIN_TASKS, get_task, task_for
 from pipeline.tasks.settings import TaskSettings
-from pipeline.tasks.verifiers import VERIFIER_THREADS, VERIFIER_TIMEOUT_S, VerifierPool
+from pipeline.tasks.verifiers import VERIFIER_TIMEOUT_S, VERIFIER_WORKERS, VerifierPool
 from pipeline.wire.prompts import Prompt
 
 __all__ = [
     "BUILTIN_TASKS",
-    "VERIFIER_THREADS",
+    "VERIFIER_WORKERS",
     "VERIFIER_TIMEOUT_S",
     "Prompt",
     "Task",

@@ -60,6 +60,7 @@ from pipeline.tasks.environment import Environment, EnvStep, Hook
 from pipeline.tasks.files import shuffled_epochs
 from pipeline.tasks.harbor_dirs import HarborTaskDir, admission_wait_s, hook_deadlines, load_task_dirs
 from pipeline.tasks.settings import TaskSettings
+from pipeline.tasks.verifiers import SCORER_TIMEOUT
 from pipeline.wire.prompts import Prompt
 
 if TYPE_CHECKING:
@@ -77,8 +78,6 @@ REWARD_FILES = ("/logs/verifier/reward.txt", "/logs/verifier/reward.json")
 VERIFIER_COMMAND = "mkdir -p /logs/verifier /logs/home && exec bash /tests/test.sh"
 SANDBOX_BROKEN = "sandbox_broken"
 """The policy failure (`pipeline.failures.POLICY_FAILURES`) of a sandbox the agent's own processes broke."""
-SCORER_TIMEOUT = "scorer_timeout"
-"""The policy failure of tests past `[verifier] timeout_sec` on the agent's `/app` alone."""
 VERIFIER_ENV = {"HOME": "/logs/home", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 """The tests run with a fresh home and no user site-packages: nothing the agent left in its home (a
 ``usercustomize.py``) runs inside them."""

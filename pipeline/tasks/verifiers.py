@@ -56,13 +56,12 @@ VERIFIER_TIMEOUT_S = 30.0
 """Default deadline of one verification in a worker; past it the worker is killed: ``scorer_timeout``."""
 VERIFIER_WORKERS = 2
 """Default scorer workers of a pool (processes; each answers one request at a time)."""
-VERIFIER_THREADS = VERIFIER_WORKERS
-"""The former name of `VERIFIER_WORKERS` (the pool ran threads before it ran workers)."""
 LOAD_TIMEOUT_S = 120.0
 """Deadline for building a task's scorer in a worker (imports, a dataset); past it: ``scorer_lost``."""
 START_TIMEOUT_S = 60.0
 """Deadline for a worker process to start."""
 SCORER_TIMEOUT = "scorer_timeout"
+"""The policy failure of a scorer killed at its deadline on an answer (a Harbor task's tests past theirs too)."""
 WORKER_MODULE = "pipeline.tasks.scorer_worker"
 
 
