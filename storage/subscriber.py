@@ -180,6 +180,11 @@ class WeightSubscriber(RunWeights):
         self.version = want
         return want
 
+    def forget(self) -> None:
+        """Drop the held version: the next pull loads a full snapshot (an engine refused what it was handed)."""
+        self.version = None
+        self._hashes = None
+
     def _pull_error(self, want: int, failure: _StepFailure, earlier: _StepFailure | None) -> WeightPullError:
         before = f" (the delta chain failed first: {earlier})" if earlier else ""
         held = f"version {self.version}" if self.version is not None else "no version"

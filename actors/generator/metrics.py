@@ -11,7 +11,7 @@ subscribe to it to show generator health. One record (schema `METRICS_SCHEMA_VER
      "rollouts_in_flight": 4, "idle_fraction": 0.03, "idle_fraction_total": 0.11,
      "groups_published": 412, "groups_aborted": 1, "samples_published": 3296,
      "weight_pulls": 7, "weight_pull_bytes": 1203344, "weight_pull_s_last": 0.21,
-     "weight_pull_failures": 0, "weight_pull_timeouts": 0, "weights_stuck": 0,
+     "weight_pull_failures": 0, "weights_refused": 0, "weight_pull_timeouts": 0, "weights_stuck": 0,
      "announce_to_applied_s_mean": 0.35, "announce_to_applied_s_max": 0.61,
      "versions_behind_at_pull_mean": 1.0, "versions_behind_at_pull_max": 2,
      "staleness_mean": 0.4, "staleness_max": 2, "window_s": 2.0, "uptime_s": 150.4}
@@ -23,7 +23,8 @@ tokens = newest version the generator knew of when it published the group minus 
 version (a lower bound of the staleness the trainer will count). ``announce_to_applied_s`` runs from
 the announcement's ``published_at_s`` (KV), or the moment a LATEST poll found the version, to the
 moment the engine applied it (wall clock: across machines it includes their clock skew); ``versions_behind_at_pull`` is newest-known minus engine version when a pull starts.
-``weight_pull_failures`` counts failed pulls; ``weight_pull_timeouts`` the times the generator handed its
+``weight_pull_failures`` counts failed pulls; ``weights_refused`` the versions an engine refused because what
+reached its workers failed the version's hashes (reloaded from a full snapshot; `actors/generator/weight_sync.py`); ``weight_pull_timeouts`` the times the generator handed its
 prompts back because the engine could not reach their version within ``generator.weight_pull_timeout_s``;
 ``weights_stuck`` is 1 while it takes no prompts for that reason (the log says why). ``failure_reasons``
 counts published samples by typed failure (the failure taxonomy: ``sandbox_start_failed``, ``sandbox_lost``,
@@ -103,6 +104,7 @@ class GeneratorMetrics:
     weight_pull_bytes: int = 0
     weight_pull_s_last: float = 0.0
     weight_pull_failures: int = 0
+    weights_refused: int = 0
     weight_pull_timeouts: int = 0
     weights_stuck: int = 0
     """1 while the generator takes no prompts because it cannot reach the version they need (see the loop)."""
@@ -211,6 +213,7 @@ class GeneratorMetrics:
             "weight_pull_bytes": self.weight_pull_bytes,
             "weight_pull_s_last": self.weight_pull_s_last,
             "weight_pull_failures": self.weight_pull_failures,
+            "weights_refused": self.weights_refused,
             "weight_pull_timeouts": self.weight_pull_timeouts,
             "weights_stuck": self.weights_stuck,
             "failure_reasons": dict(sorted(self.failure_reasons.items())),

@@ -29,6 +29,10 @@
   Versions only move forward (a resumed trainer publishes a new full version after the newest).
 - A failed poll or pull is logged with its traceback and retried at the next poll: weights are never
   half-applied (the subscriber verifies every tensor's hash before handing tensors over).
+- An engine that copies weights into other processes (vLLM's workers) checks what arrived against the version's
+  manifest hashes (`Pulled.hashes`); a refusal (`WeightsRefused`) is counted (``weights_refused``), the local copy is
+  dropped and the version is loaded again from a full snapshot (`Engine.load_state`); a refused update never
+  serves.
 - A version that cannot be pulled at all (another model's manifest, a missing delta, a store away) must
   not hold prompts forever: `ensure` with ``give_up_after_s`` raises `WeightPullTimeout` (with the last
   pull error) after that long, so the generator hands its prompts back (`actors/generator/loop.py`,
@@ -41,11 +45,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from actors.generator.engines.base import Engine, NamedTensors
+from actors.generator.engines.base import Engine, NamedTensors, WeightsRefused
 from actors.generator.metrics import GeneratorMetrics
 from storage.weights import WeightSubscriber
 
@@ -95,6 +99,8 @@ class Pulled:
     tensors: NamedTensors
     num_bytes: int
     full: bool
+    hashes: Mapping[str, str] | None = None
+    """The version's manifest hashes of the tensors (an engine in other processes checks what arrived)."""
 
 
 class WeightSource(Protocol):
@@ -106,6 +112,10 @@ class WeightSource(Protocol):
 
     def pull(self, version: int) -> Pulled:
         """Bring the local copy to `version` (deltas or a full snapshot, whichever is fewer bytes)."""
+        ...
+
+    def forget(self) -> None:
+        """Drop the local copy's version, so the next pull is a full snapshot."""
         ...
 
 
@@ -126,7 +136,11 @@ class StoreWeightSource:
         except Exception:  # the pull below raises the real error with its context
             num_bytes, full = 0, have is None
         self._subscriber.pull(version)
-        return Pulled(version=version, tensors=self._subscriber.tensors, num_bytes=num_bytes, full=full)
+        hashes = {t.name: t.hash for t in self._subscriber.manifest(version).tensors}
+        return Pulled(version=version, tensors=self._subscriber.tensors, num_bytes=num_bytes, full=full, hashes=hashes)
+
+    def forget(self) -> None:
+        self._subscriber.forget()
 
 
 class WeightSync:
@@ -156,6 +170,7 @@ class WeightSync:
         self._news = asyncio.Event()
         self._pull_lock = asyncio.Lock()
         self._catch_up_task: asyncio.Task[None] | None = None
+        self._reload_full = False
         self.last_pull: Pulled | None = None
         """The most recent pull (tests and logs: full snapshot or delta chain, bytes)."""
         self.last_pull_error: str | None = None
@@ -265,8 +280,22 @@ class WeightSync:
                 raise
             pull_s = time.perf_counter() - start
             self.last_pull_error = None
-            apply = self._engine.load_state if pulled.full or self.engine_version < 0 else self._engine.update_weights
-            await asyncio.to_thread(apply, pulled.tensors, pulled.version)  # returns after the engine copied them
+            full = pulled.full or self.engine_version < 0 or self._reload_full
+            apply = self._engine.load_state if full else self._engine.update_weights
+            try:  # returns after the engine copied them
+                await asyncio.to_thread(apply, pulled.tensors, pulled.version, pulled.hashes)
+            except WeightsRefused as exc:
+                self._metrics.weights_refused += 1
+                self._reload_full = True
+                self._source.forget()
+                self.last_pull_error = str(exc)
+                log.error(
+                    "%s; %s; loading it again from a full snapshot",
+                    exc,
+                    "the engine serves nothing until then" if exc.applied else "the previous version keeps serving",
+                )
+                raise
+            self._reload_full = False
             self.last_pull = pulled
             learned = self._learned_at_s.pop(pulled.version, None)
             for old in [v for v in self._learned_at_s if v <= pulled.version]:

@@ -177,3 +177,29 @@ def test_a_version_that_can_never_be_pulled_times_out_with_why_and_a_later_ensur
         assert sync.last_pull_error is None
 
     asyncio.run(scenario())
+
+
+def test_a_refused_update_keeps_the_previous_version_is_counted_and_reloads_from_a_full_snapshot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(weight_sync, "RETRY_S", 0.01)
+    sync, source, engine, metrics = _sync()
+    engine.refuse.add(1)
+
+    async def scenario() -> None:
+        source.publish(0)
+        await sync.poll_once()
+        await sync.ensure(0)
+        source.publish(1)
+        await sync.poll_once()
+        with pytest.raises(weight_sync.WeightsRefused):
+            await sync.catch_up()
+        assert engine.version == 0 and torch.equal(engine.tensors["w"], version_tensors(0)["w"])
+        assert metrics.weights_refused == 1 and "refused by the engine" in (sync.last_pull_error or "")
+        assert await sync.ensure(1, give_up_after_s=5.0) == 1
+
+    asyncio.run(scenario())
+    # the refused delta update; then the local copy is dropped and version 1 is loaded whole from a full snapshot
+    assert _pulls_and_applies(source.events)[2:] == [("pull", 1), ("pull", 1), ("load_state", 1)]
+    assert ("forget",) in source.events and ("refused", 1) in source.events
+    assert source.events.index(("forget",)) > source.events.index(("refused", 1))

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, NamedTensors, SamplingParams
+from actors.generator.engines.base import (
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    NamedTensors,
+    SamplingParams,
+    WeightsRefused,
+)
 from actors.generator.weight_sync import Pulled
 from actors.trainer.admission import admission_count
 from actors.trainer.backends import LossFn, StepResult, TrainBatch, TrainingBackend
@@ -79,6 +86,11 @@ class FakeWeightSource:
             tensors = version_tensors(version)
             return Pulled(version=version, tensors=tensors, num_bytes=8 if full else 4, full=full)
 
+    def forget(self) -> None:
+        with self._lock:
+            self.events.append(("forget",))
+            self._held = None
+
 
 class FakeEngine(Engine):
     """An `Engine` that holds named tensors and a version, notes `("load_state", v)` and `("update_weights", v)`
@@ -88,6 +100,8 @@ class FakeEngine(Engine):
         self.events: list[Event] = events if events is not None else []
         self.tensors: dict[str, torch.Tensor] = {}
         self.aborts = 0
+        self.refuse: set[int] = set()
+        """Versions whose next update is refused once (as an engine whose workers got other bytes refuses)."""
         self._version = -1
         self._applied = threading.Condition()
 
@@ -96,16 +110,22 @@ class FakeEngine(Engine):
         return self._version
 
     def _apply(self, what: str, named_tensors: NamedTensors, version: int) -> None:
+        if version in self.refuse:
+            self.refuse.discard(version)
+            self.events.append(("refused", version))
+            raise WeightsRefused(version, "tensor 'w' fails its hash", applied=False)
         with self._applied:
             self.events.append((what, version))
             self.tensors.update({name: t.clone() for name, t in named_tensors.items()})
             self._version = version
             self._applied.notify_all()
 
-    def load_state(self, named_tensors: NamedTensors, version: int) -> None:
+    def load_state(self, named_tensors: NamedTensors, version: int, hashes: Mapping[str, str] | None = None) -> None:
         self._apply("load_state", named_tensors, version)
 
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+    def update_weights(
+        self, named_tensors: NamedTensors, version: int, hashes: Mapping[str, str] | None = None
+    ) -> None:
         self._apply("update_weights", named_tensors, version)
 
     def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:

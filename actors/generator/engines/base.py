@@ -41,10 +41,31 @@ import torch
 from pipeline.rl.engine_records import GenerateRequest, GenerateResult, SamplingParams
 from pipeline.wire.trajectory import FinishReason
 
-__all__ = ["Engine", "FinishReason", "GenerateRequest", "GenerateResult", "NamedTensors", "SamplingParams"]
+__all__ = [
+    "Engine",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "NamedTensors",
+    "SamplingParams",
+    "WeightsRefused",
+]
 
 NamedTensors = Mapping[str, torch.Tensor]
 """Hugging Face parameter name -> tensor, as in the weight store's manifests."""
+
+
+class WeightsRefused(RuntimeError):
+    """An engine whose weights cross a process boundary found what arrived different from the version's hashes.
+
+    ``applied`` False: nothing was written, the previous version keeps serving. True: the load failed part way; the
+    engine serves nothing (it stays paused) until a later `Engine.load_state` succeeds. Either way the weight sync
+    counts it and loads the version again from a full snapshot."""
+
+    def __init__(self, version: int, reason: str, *, applied: bool) -> None:
+        super().__init__(f"weights of version {version} refused by the engine: {reason}")
+        self.version = version
+        self.applied = applied
 
 
 class Engine(ABC):
@@ -74,14 +95,23 @@ class Engine(ABC):
         return None
 
     @abstractmethod
-    def load_state(self, named_tensors: NamedTensors, version: int) -> None:
+    def load_state(self, named_tensors: NamedTensors, version: int, hashes: Mapping[str, str] | None = None) -> None:
         """Replace all weights (every parameter must be given), e.g. at start-up or from a full snapshot.
         Same timing rules as `update_weights`."""
 
     @abstractmethod
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+    def update_weights(
+        self, named_tensors: NamedTensors, version: int, hashes: Mapping[str, str] | None = None
+    ) -> None:
         """Overwrite the named parameters in place and set the version. A running `generate` sees the new
-        weights from its next decode step on (its KV cache is kept); returns once they are applied."""
+        weights from its next decode step on (its KV cache is kept); returns once they are applied.
+
+        ``hashes``: the version's manifest hashes of these tensors. An engine that copies the weights into other
+        processes checks what arrived against them and raises `WeightsRefused` on a mismatch; an in-process engine
+        (the torch engine copies with ``Tensor.copy_``) may ignore them."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (engine processes, shared memory); default none."""
 
     @abstractmethod
     def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:

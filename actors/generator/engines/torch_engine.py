@@ -47,7 +47,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -221,13 +221,15 @@ class TorchEngine(Engine):
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def load_state(self, named_tensors: NamedTensors, version: int) -> None:
+    def load_state(self, named_tensors: NamedTensors, version: int, hashes: Mapping[str, str] | None = None) -> None:
         missing = sorted(set(self._tensors) - set(named_tensors))
         if missing:
             raise ValueError(f"load_state(version={version}): {len(missing)} tensors missing, e.g. {missing[:3]}")
         self.update_weights(named_tensors, version)
 
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+    def update_weights(
+        self, named_tensors: NamedTensors, version: int, hashes: Mapping[str, str] | None = None
+    ) -> None:
         self._validate(named_tensors, version)
         update = _Update(dict(named_tensors), version)
         with self._pending_lock:
