@@ -239,7 +239,7 @@ def test_after_several_updates_the_engine_holds_the_trainers_tensors_bit_for_bit
     state = harness.load(seed=0, version=10)
     for version in (11, 12, 13):
         with torch.no_grad():
-            for name, tensor in state.items():  # a trainer step: every tensor moves a little
+            for tensor in state.values():  # a trainer step: every tensor moves a little
                 tensor.add_(torch.randn_like(tensor), alpha=1e-3 * version)
         harness.engine.update_weights(state, version)
     assert harness.engine.version == 13
