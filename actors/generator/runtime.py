@@ -189,7 +189,7 @@ class GeneratorRuntime:
             opened.push_async_callback(_close_logged, "the task", task.aclose)
             tokenizer = load_tokenizer(cfg, task)
             if engine is None:
-                engine = await asyncio.to_thread(build_engine, cfg, tokenizer, generator_id, config_dir)
+                engine = build_engine(cfg, tokenizer, generator_id, config_dir)  # SGLang: in the main thread
                 opened.push_async_callback(_close_logged, "the engine", lambda: asyncio.to_thread(engine.close))
             subscriber = WeightSubscriber(store, cfg.run.name, parallelism=cfg.weights.parallelism)
             opened.push_async_callback(

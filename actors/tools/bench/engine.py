@@ -1,10 +1,14 @@
-"""`leeway bench engine`: the Leeway engine against Hugging Face `generate`, same model, prompts and lengths.
+"""`leeway bench engine`: a Leeway engine against Hugging Face `generate` (and, for vLLM, against plain vLLM), same
+model, prompts and lengths.
 
-    config (--config, --model, --device, --dtype, --set)
-      ├─► build_engine (as a generator builds it)      ─► Engine.generate(requests, params)
-      └─► build_policy_model (same spec and seed: the same weights)
-              ├─► HF generate, dynamic cache
-              └─► HF generate, cache_implementation="static" (compiled by transformers; CUDA only)
+    config (--config, --model, --device, --dtype, --engine torch|vllm, --set)
+      ├─► build_engine (as a generator builds it), the model's weights loaded as version 0
+      │       ─► Engine.generate(requests, params); Engine.update_weights (a version applied, timed)
+      ├─► build_policy_model (same spec and seed: the same weights)
+      │       ├─► HF generate, dynamic cache
+      │       └─► HF generate, cache_implementation="static" (compiled by transformers; CUDA only)
+      └─► --engine vllm: plain vLLM, ``LLM.generate`` on the same token prompts and sampling (what Leeway's
+          guarantees are measured against: ``engine_vs_vllm`` should be >= 0.9)
 
     warm-up: one call of each contender (two for the compiled one), then timed rounds; each round times
     every contender once, in turn, so load from other processes hits them alike. Rounds: --repeats, or
@@ -12,7 +16,9 @@
 
 Every contender decodes the same ``requests`` random prompts of ``prompt_tokens`` ids (seeded RNG, all
 the same length, so nobody pads) for exactly ``new_tokens`` tokens: stop tokens are switched off, and
-the tokens each call really produced are counted. Sampling is the config's (temperature, top-k, top-p;
+the tokens each call really produced are counted. ``update_ms`` is the median time of `Engine.update_weights` with
+every tensor of the model (what a generator does with each pulled version: for vLLM, staging and the workers'
+checked reload). Sampling is the config's (temperature, top-k, top-p;
 HF's default top-k of 50 is switched off unless the config sets one). A rate is produced tokens over the
 wall time of the whole call (prefill included), the median over rounds. ``ttft_ms`` is the engine's time
 to first token: one call with a budget of one token for the whole batch (prefill and the first sample),
@@ -107,6 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="torch CPU threads for both contenders (default: the config's engine.torch_threads)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("torch", "vllm"),
+        default=None,
+        help="the engine measured (default: the config's engine.kind); vllm adds plain vLLM as a baseline",
     )
     parser.add_argument("--seed", type=int, default=PROMPT_SEED, help="seed of the random prompts")
     add_set_argument(parser, help="config override, e.g. --set engine.sampling.top_k=20 (repeatable)")
@@ -272,6 +284,8 @@ def load_setup(args: argparse.Namespace) -> Setup:
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"--dtype {dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
     overrides = [*args.overrides, f"engine.device={device_name}", f"model.dtype={dtype}"]
+    if args.engine is not None:
+        overrides.append(f"engine.kind={args.engine}")
     if args.model is not None:
         overrides.append(f"model.name_or_path={args.model}")
     cfg = load_config(args.config, overrides)
@@ -328,15 +342,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"--prompt-tokens {workload.prompt_tokens} + --new-tokens {workload.new_tokens} exceed the "
             f"{positions} positions of model {cfg.model.name_or_path!r}"
         )
-    engine = build_engine(engine_config(args, setup, workload), setup.tokenizer, ENGINE_ID)
-    contenders: dict[str, tuple[Callable[[], int], int]] = {
-        "engine": (engine_call(engine, workload), 1),
-        "hf_generate": (hf_call(model, workload, pad_token_id=pad, static=False), 1),
-    }
-    if device.type == "cuda":
-        contenders["hf_static"] = (hf_call(model, workload, pad_token_id=pad, static=True), STATIC_WARMUPS)
-    rates, ttft_s = measure(contenders, engine_call(engine, workload, new_tokens=1), device, args.repeats, workload)
+    built = engine_config(args, setup, workload)
+    engine = build_engine(built, setup.tokenizer, ENGINE_ID)
+    plain = None
+    try:
+        state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
+        engine.load_state(state, 0)
+        contenders: dict[str, tuple[Callable[[], int], int]] = {
+            "engine": (engine_call(engine, workload), 1),
+            "hf_generate": (hf_call(model, workload, pad_token_id=pad, static=False), 1),
+        }
+        if device.type == "cuda":
+            contenders["hf_static"] = (hf_call(model, workload, pad_token_id=pad, static=True), STATIC_WARMUPS)
+        if built.engine.kind == "vllm":
+            _progress("starting plain vLLM (LLM) on the same model")
+            plain = plain_vllm(built, setup.tokenizer)
+            contenders["vllm_plain"] = (plain_vllm_call(plain, workload), 1)
+        rates, ttft_s = measure(contenders, engine_call(engine, workload, new_tokens=1), device, args.repeats, workload)
+        update_ms = 1000.0 * update_seconds(engine, state)
+    finally:
+        engine.close()
+        if plain is not None:
+            plain.llm_engine.engine_core.shutdown()
     return {
+        "engine": built.engine.kind,
         "device": str(device),
         "model": cfg.model.name_or_path,
         "params": sum(p.numel() for p in model.parameters()),
@@ -348,8 +377,80 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hf_static_tokens_per_s": rates.get("hf_static"),
         "engine_vs_hf": ratio(rates["engine"], rates["hf_generate"]),
         "engine_vs_hf_static": ratio(rates["engine"], rates.get("hf_static")),
+        "vllm_plain_tokens_per_s": rates.get("vllm_plain"),
+        "engine_vs_vllm": ratio(rates["engine"], rates.get("vllm_plain")),
         "ttft_ms": 1000.0 * ttft_s,
+        "update_ms": update_ms,
     }
+
+
+UPDATE_ROUNDS = 3
+
+
+def update_seconds(engine: Engine, state: dict[str, torch.Tensor]) -> float:
+    """Median wall time of applying a new version holding every tensor (versions 1, 2, ...)."""
+    times = []
+    for version in range(1, UPDATE_ROUNDS + 1):
+        started = time.perf_counter()
+        engine.update_weights(state, version)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def plain_vllm(cfg: LeewayConfig, tokenizer: Tokenizer) -> Any:
+    """vLLM's own offline ``LLM`` on the same model shape and settings, random weights (rates do not depend on
+    their values: stop tokens are off)."""
+    import tempfile
+    from pathlib import Path
+
+    from vllm import LLM
+
+    from actors.models import checkpoint_dir, write_model_config
+
+    model_dir = checkpoint_dir(cfg)
+    if model_dir is None:
+        model_dir = Path(tempfile.mkdtemp(prefix="leeway-bench-vllm-"))
+        write_model_config(cfg, tokenizer, model_dir)
+    v = cfg.engine.vllm
+    return LLM(
+        model=str(model_dir),
+        dtype=cfg.model.dtype,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=cfg.engine.max_len,
+        max_num_seqs=v.max_num_seqs or cfg.engine.max_slots,
+        enforce_eager=v.enforce_eager,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        kv_cache_memory_bytes=int(v.kv_cache_gib * 2**30),
+    )
+
+
+def plain_vllm_call(llm: Any, workload: Workload) -> Callable[[], int]:
+    """One ``LLM.generate`` of the whole workload, asking what an RL caller asks (the sampled token's log-prob)."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in row]) for row in workload.prompts]
+    params = [
+        VllmSamplingParams(
+            max_tokens=workload.new_tokens,
+            temperature=workload.temperature,
+            top_k=workload.top_k,
+            top_p=workload.top_p,
+            seed=index,
+            logprobs=0,
+            ignore_eos=True,
+            detokenize=False,
+        )
+        for index in range(len(prompts))
+    ]
+
+    def call() -> int:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(out.outputs[0].token_ids) for out in outputs)
+
+    return call
 
 
 def measure(
