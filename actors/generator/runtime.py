@@ -98,6 +98,8 @@ def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str, con
     seed = (cfg.run.seed * 1_000_003 + zlib.crc32(generator_id.encode())) % 2**62
     if cfg.engine.kind == "vllm":
         return build_vllm_engine(cfg, tokenizer, seed, config_dir)
+    if cfg.engine.kind == "sglang":
+        return build_sglang_engine(cfg, tokenizer, seed, config_dir)
     dtype = getattr(torch, cfg.model.dtype)
     model = build_policy_model(cfg, tokenizer, dtype=dtype, config_dir=config_dir).to(cfg.engine.device)
     return TorchEngine(
@@ -141,6 +143,30 @@ def build_vllm_engine(cfg: LeewayConfig, tokenizer: Tokenizer, seed: int, config
         if owned is not None:
             shutil.rmtree(owned, ignore_errors=True)
         raise
+
+
+def build_sglang_engine(cfg: LeewayConfig, tokenizer: Tokenizer, seed: int, config_dir: Path | None = None) -> Engine:
+    """`engine.kind: sglang` (not yet run: `actors/generator/engines/sglang_engine.py`), started from the model's
+    ``config.json`` with dummy weights at version -1; version 0 comes from the store, as for every engine."""
+    from actors.generator.engines.sglang_engine import SglangEngine
+
+    model_dir = config_dir or checkpoint_dir(cfg)
+    if model_dir is None:
+        model_dir = Path(tempfile.mkdtemp(prefix="leeway-sglang-model-"))
+        write_model_config(cfg, tokenizer, model_dir)
+    s = cfg.engine.sglang
+    return SglangEngine(
+        model_dir,
+        version=-1,
+        seed=seed % 2**31,
+        dtype=cfg.model.dtype,
+        tp_size=s.tp_size,
+        mem_fraction_static=s.mem_fraction_static,
+        max_running_requests=s.max_running_requests or cfg.engine.max_slots,
+        context_length=cfg.engine.max_len,
+        sampling_mask_max_tokens=s.sampling_mask_max_tokens,
+        extra_server_args={"load_format": "dummy", **s.extra},
+    )
 
 
 def default_generator_id(cfg: LeewayConfig) -> str:

@@ -250,18 +250,20 @@ class SglangEngine(Engine):
 
     # ---- weights -------------------------------------------------------------------------------
 
-    def load_state(self, named_tensors: NamedTensors, version: int) -> None:
+    def load_state(self, named_tensors: NamedTensors, version: int, hashes: Mapping[str, str] | None = None) -> None:
         if self._names is not None and (missing := sorted(self._names - named_tensors.keys())):
             raise ValueError(f"load_state(version={version}): {len(missing)} tensors missing, e.g. {missing[:3]}")
-        self.update_weights(named_tensors, version)
+        self.update_weights(named_tensors, version, hashes)
 
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
+    def update_weights(
+        self, named_tensors: NamedTensors, version: int, hashes: Mapping[str, str] | None = None
+    ) -> None:
         """Returns once SGLang's schedulers loaded the tensors (hash-checked by the loader) and labelled them."""
         if version < self._version:
             raise ValueError(f"weight version {version} is older than the engine's version {self._version}")
         if self._names is not None and (unknown := sorted(named_tensors.keys() - self._names)):
             raise ValueError(f"weights of version {version}: unknown tensors, e.g. {unknown[:3]}")
-        payload = with_expected_hashes(named_tensors)
+        payload = with_expected_hashes(named_tensors, hashes)
         serialized = [self._serializer.serialize(payload) for _ in range(self._tp_size)]
         pause, apply, resume = weight_update_plan(version, serialized)
         asyncio.run_coroutine_threadsafe(self._update(pause, apply, resume), self._loop).result()
@@ -280,7 +282,7 @@ class SglangEngine(Engine):
         if isinstance(answer, tuple) and answer and answer[0] is False:
             raise RuntimeError(f"sglang {call.method} failed: {answer[1] if len(answer) > 1 else answer}")
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         """Stop SGLang's children and the engine thread."""
         with contextlib.suppress(Exception):
             self._engine.shutdown()

@@ -299,13 +299,16 @@ def weight_update_plan(
     return pause, apply, ControlCall("continue_generation", "ContinueGenerationReqInput")
 
 
-def with_expected_hashes(named_tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+def with_expected_hashes(
+    named_tensors: Mapping[str, torch.Tensor], expected: Mapping[str, str] | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """The tensor list to send: every tensor (contiguous, on the CPU, as the store holds them) and, last, the
-    `HASHES_ENTRY` carrying each one's `tensor_hash`."""
+    `HASHES_ENTRY` carrying each one's expected hash (the manifest's when given, else its `tensor_hash`)."""
     if HASHES_ENTRY in named_tensors:
         raise ValueError(f"weights: tensor name {HASHES_ENTRY!r} is reserved")
     pairs = [(name, t.detach().contiguous()) for name, t in named_tensors.items()]
-    hashes = json.dumps({name: tensor_hash(t) for name, t in pairs}, sort_keys=True).encode()
+    digests = {name: expected[name] if expected is not None else tensor_hash(t) for name, t in pairs}
+    hashes = json.dumps(digests, sort_keys=True).encode()
     return [*pairs, (HASHES_ENTRY, torch.frombuffer(bytearray(hashes), dtype=torch.uint8))]
 
 
