@@ -51,6 +51,22 @@ step "pytest -m gpu" python3 -m pytest -q -p no:cacheprovider -m gpu
 step "bench engine" python3 -m actors.cli bench engine --json --device cuda --model llama-1.4b \
     --requests 64 --prompt-tokens 128 --new-tokens 256 --repeats 3
 
+# the engine contract suite (tests/generator/test_engine_contract.py) and bench engine for each engine that imports
+# here: vLLM (pip install vllm) and SGLang (pip install sglang); say so when one does not
+for ENGINE in vllm sglang; do
+    if python3 -c "import ${ENGINE}" 2>/dev/null; then
+        step "engine contract ${ENGINE}" python3 -m pytest -q -p no:cacheprovider tests/generator/test_engine_contract.py \
+            -k "${ENGINE} or torch"
+        if [ "${ENGINE}" = vllm ]; then
+            step "bench engine vllm" python3 -m actors.cli bench engine --json --engine vllm --model llama-1.4b \
+                --requests 64 --prompt-tokens 128 --new-tokens 256 --repeats 3 --set engine.vllm.enforce_eager=false \
+                --set engine.vllm.gpu_memory_utilization=0.4
+        fi
+    else
+        echo "gpu_check: NOT RUN: ${ENGINE} does not import here (engine contract and bench engine for ${ENGINE})" >&2
+    fi
+done
+
 # bench trainer: the backend (packed, fused kernels, chunked LM head) vs a plain HF loop, then the padded fallback
 step "bench trainer" python3 -m actors.cli bench trainer --json --device cuda --model llama-1.4b
 step "bench trainer padded" python3 -m actors.cli bench trainer --json --device cuda --model llama-1.4b \

