@@ -61,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_TOKENS,
         help="tokens every turn samples; stop tokens are off (ignore_eos), so both passes do the same work",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("torch", "vllm"),
+        default=None,
+        help="the engine served (default: the config's engine.kind)",
+    )
     add_set_argument(parser, help="config override, e.g. --set engine.max_slots=64 (repeatable)")
 
 
@@ -69,20 +75,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from pipeline.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, *([f"engine.kind={args.engine}"] if args.engine else [])]
+    cfg = load_config(args.config, overrides)
     torch.set_num_threads(cfg.engine.torch_threads)
     return asyncio.run(_bench(cfg, args.episodes, args.turns, args.digits, args.max_tokens))
 
 
 async def _bench(cfg: Any, episodes: int, turns: int, digits: int, max_tokens: int) -> dict[str, Any]:
-    from actors.generator.runtime import build_engine, open_endpoint, sampling_params
+    from actors.generator.runtime import build_engine
     from actors.models import load_tokenizer
     from pipeline.tasks import task_for
 
     task = task_for(cfg)
     tokenizer = load_tokenizer(cfg, task)
     engine = build_engine(cfg, tokenizer, "bench-agents")
-    engine.load_state(dict(engine.model.state_dict()), 0)  # type: ignore[attr-defined]
+    try:
+        return await _bench_engine(cfg, engine, task, tokenizer, episodes, turns, digits, max_tokens)
+    finally:
+        engine.close()
+
+
+async def _bench_engine(
+    cfg: Any, engine: Engine, task: Any, tokenizer: Any, episodes: int, turns: int, digits: int, max_tokens: int
+) -> dict[str, Any]:
+    from actors.generator.runtime import open_endpoint, sampling_params
+    from actors.models import build_policy_model
+
+    policy = build_policy_model(cfg, tokenizer)  # the seeded initialisation every engine of the run starts from
+    engine.load_state({name: t.detach().contiguous() for name, t in policy.state_dict().items()}, 0)
     sampling = sampling_params(cfg, tokenizer)
     service, endpoint, api_key = await open_endpoint(cfg, engine, tokenizer, task, sampling)
     if service.template is None:
