@@ -261,3 +261,17 @@ def test_a_corrupted_update_is_refused_and_the_previous_version_keeps_serving(ha
     assert (result.versions == 20).all()
     _, expected = _reference(state, list(PROMPTS[1]), result.token_ids, params)
     assert float(np.mean(np.abs(result.logprobs - expected))) <= 1e-3
+
+
+def test_a_burst_of_seeded_requests_past_one_steps_token_budget_is_served_and_seeds_hold(harness: Harness) -> None:
+    """40 prompts of 90 ids (3,600 prompt tokens, past vLLM's 2,048 per step): vLLM's CPU worker cannot rewind a
+    seeded generator after a partial prefill, so the adapter prefills whole prompts there (it crashed the engine)."""
+    harness.load(seed=0, version=5)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(1, VOCAB, 90)] for _ in range(40)]
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    requests = [GenerateRequest(p, seed=100 + i, request_id=f"burst-{i}") for i, p in enumerate(prompts)]
+    results = harness.engine.generate(requests, params)
+    assert [r.finish_reason for r in results] == ["length"] * 40
+    (alone,) = harness.engine.generate([requests[17]], params)
+    np.testing.assert_array_equal(alone.token_ids, results[17].token_ids)

@@ -130,6 +130,7 @@ class VllmEngine(Engine):
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
         self._thread.start()
         os.environ[DIE_WITH_PARENT_ENV] = "1"  # read by vLLM's children (vllm_plugin), inherited at spawn
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-request INFO lines would flood role logs
         try:
             self._llm: Any = self._call(self._start(model_dir, dtype))
         except BaseException:
@@ -144,9 +145,13 @@ class VllmEngine(Engine):
     async def _start(self, model_dir: Path, dtype: str) -> Any:
         """Build AsyncLLM on the engine's loop (its output handler and engine-core client belong to it)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         s = self._settings
+        # vLLM's CPU worker cannot rewind a seeded request's generator after a partial (chunked) prefill step
+        # ("CPU Generator does not use offset", fatal to the engine core): on CPU every prompt is prefilled whole.
+        cpu = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(2048, self._max_len)}
         args = AsyncEngineArgs(
             model=str(model_dir),
             dtype=dtype,
@@ -161,6 +166,7 @@ class VllmEngine(Engine):
             worker_extension_cls=WORKER_EXTENSION,
             seed=int(self._rng.integers(0, 2**31)),
             **({"block_size": s.block_size} if s.block_size else {}),
+            **(cpu if current_platform.is_cpu() else {}),
             **(
                 {"gpu_memory_utilization": s.gpu_memory_utilization}
                 if s.gpu_memory_utilization is not None

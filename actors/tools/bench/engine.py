@@ -423,6 +423,8 @@ def plain_vllm(cfg: LeewayConfig, tokenizer: Tokenizer) -> Any:
         enable_prefix_caching=True,
         logprobs_mode="processed_logprobs",
         kv_cache_memory_bytes=int(v.kv_cache_gib * 2**30),
+        enable_chunked_prefill=False,  # as the adapter on CPU: seeded requests and partial prefills do not mix there
+        max_num_batched_tokens=max(2048, cfg.engine.max_len or 0),
     )
 
 
