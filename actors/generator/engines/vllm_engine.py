@@ -109,7 +109,8 @@ class VllmEngine(Engine):
     ) -> None:
         self._on_tokens = on_tokens
         """Called on the engine thread after each output chunk with (request id, tokens so far): tests act at an
-        exact point of a generation with it (never block in it: the engine thread runs vLLM's output handling)."""
+        exact point of a generation with it (never block in it: the engine thread runs vLLM's output handling).
+        With it vLLM streams every step's tokens; without it, each request's output comes once, at its end."""
         self.loaded_hashes: dict[str, str] = {}
         """sha256 of every tensor the workers loaded for the current version (checked against the manifest)."""
         self._owned_dir = owned_dir  # a directory made for this engine (a preset's config), removed at close
@@ -131,6 +132,7 @@ class VllmEngine(Engine):
         self._thread.start()
         os.environ[DIE_WITH_PARENT_ENV] = "1"  # read by vLLM's children (vllm_plugin), inherited at spawn
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-request INFO lines would flood role logs
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for results (bench JSON)
         try:
             self._llm: Any = self._call(self._start(model_dir, dtype))
         except BaseException:
@@ -338,7 +340,8 @@ class VllmEngine(Engine):
             ignore_eos=True,
             detokenize=False,
             skip_special_tokens=False,
-            output_kind=RequestOutputKind.DELTA,
+            # one output at the end (what costs least in this process); per-step deltas only for a progress hook
+            output_kind=RequestOutputKind.FINAL_ONLY if self._on_tokens is None else RequestOutputKind.DELTA,
         )
 
     async def _generate_one(
