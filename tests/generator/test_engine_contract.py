@@ -10,6 +10,7 @@ One engine per kind for the module (vLLM's start is ~30 s on 2 cores); each test
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import threading
 from collections.abc import Callable, Iterator
@@ -65,12 +66,25 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 @dataclass
 class Harness:
-    """An engine under test and how to wait until its request has produced ``n`` tokens."""
+    """An engine under test and how to wait until its request has produced ``n`` tokens (`watching`)."""
 
     kind: str
     engine: Engine
     progress: dict[str, int]
     changed: threading.Condition
+    hook: Callable[[str, int], None] | None = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Count each request's tokens while inside (vLLM then streams every step; outside, its outputs come once
+        per request, the production path the other tests take)."""
+        if self.hook is not None:
+            self.engine.on_tokens = self.hook  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            if self.hook is not None:
+                self.engine.on_tokens = None  # type: ignore[attr-defined]
 
     def wait_tokens(self, request_id: str, n: int) -> None:
         with self.changed:
@@ -83,7 +97,9 @@ class Harness:
         return state
 
 
-def _torch_harness(progress: dict[str, int], changed: threading.Condition) -> tuple[Engine, Callable[[], None]]:
+def _torch_harness(
+    progress: dict[str, int], changed: threading.Condition
+) -> tuple[Engine, Callable[[], None], Callable[[str, int], None] | None]:
     engine: TorchEngine
 
     def step(i: int) -> None:  # the torch engine's hook is per decode step: count its running requests' tokens
@@ -93,12 +109,12 @@ def _torch_harness(progress: dict[str, int], changed: threading.Condition) -> tu
             changed.notify_all()
 
     engine = TorchEngine(_model(0), pad_token_id=0, seed=1, max_len=MAX_LEN, on_decode_step=step)
-    return engine, lambda: None
+    return engine, lambda: None, None
 
 
 def _vllm_harness(
     tmp: Path, progress: dict[str, int], changed: threading.Condition
-) -> tuple[Engine, Callable[[], None]]:
+) -> tuple[Engine, Callable[[], None], Callable[[str, int], None] | None]:
     from actors.generator.engines.vllm_engine import VllmEngine, VllmSettings
 
     _model(0).config.save_pretrained(tmp)
@@ -109,8 +125,8 @@ def _vllm_harness(
             changed.notify_all()
 
     settings = VllmSettings(kv_cache_gib=0.25, max_num_seqs=8, block_size=32)
-    engine = VllmEngine(tmp, dtype="float32", settings=settings, seed=1, max_len=MAX_LEN, on_tokens=tokens)
-    return engine, engine.close
+    engine = VllmEngine(tmp, dtype="float32", settings=settings, seed=1, max_len=MAX_LEN)
+    return engine, engine.close, tokens
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -118,11 +134,11 @@ def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     progress: dict[str, int] = {}
     changed = threading.Condition()
     if request.param == "torch":
-        engine, close = _torch_harness(progress, changed)
+        engine, close, hook = _torch_harness(progress, changed)
     else:
-        engine, close = _vllm_harness(tmp_path_factory.mktemp("vllm-model"), progress, changed)
+        engine, close, hook = _vllm_harness(tmp_path_factory.mktemp("vllm-model"), progress, changed)
     try:
-        yield Harness(request.param, engine, progress, changed)
+        yield Harness(request.param, engine, progress, changed, hook)
     finally:
         close()
 
@@ -178,10 +194,11 @@ def test_an_update_in_the_middle_of_a_generation_splits_its_versions_where_it_la
     harness.load(seed=0, version=1)
     params = SamplingParams(max_new_tokens=300, temperature=1.0)
     harness.progress["long"] = 0
-    (future,) = harness.engine.submit([GenerateRequest([1, 2, 3], seed=5, request_id="long")], params)
-    harness.wait_tokens("long", 20)
-    harness.engine.update_weights(_state(seed=1), 2)
-    result = future.result(timeout=EVENT_DEADLINE_S)
+    with harness.watching():
+        (future,) = harness.engine.submit([GenerateRequest([1, 2, 3], seed=5, request_id="long")], params)
+        harness.wait_tokens("long", 20)
+        harness.engine.update_weights(_state(seed=1), 2)
+        result = future.result(timeout=EVENT_DEADLINE_S)
     versions = result.versions.tolist()
     boundary = versions.index(2)
     assert boundary >= 20 and set(versions[:boundary]) == {1} and set(versions[boundary:]) == {2}
@@ -192,12 +209,18 @@ def test_abort_keeps_the_tokens_so_far_and_a_prompt_too_long_gets_none(harness: 
     harness.load(seed=0, version=3)
     params = SamplingParams(max_new_tokens=300, temperature=1.0)
     harness.progress["cut"] = 0
-    (future,) = harness.engine.submit([GenerateRequest([1, 2, 3], seed=9, request_id="cut")], params)
-    harness.wait_tokens("cut", 10)
-    harness.engine.abort(["cut"])
-    result = future.result(timeout=EVENT_DEADLINE_S)
+    with harness.watching():
+        (future,) = harness.engine.submit([GenerateRequest([1, 2, 3], seed=9, request_id="cut")], params)
+        harness.wait_tokens("cut", 10)
+        harness.engine.abort(["cut"])
+        result = future.result(timeout=EVENT_DEADLINE_S)
     assert result.finish_reason == "abort" and 10 <= len(result.token_ids) < 300
     assert len(result.logprobs) == len(result.versions) == len(result.token_ids) and (result.versions == 3).all()
+    (future,) = harness.engine.submit([GenerateRequest([1, 2, 3], seed=9, request_id="quiet")], params)
+    harness.engine.abort(["quiet"])  # unwatched: vLLM answers once, at the end, with whatever was made
+    quiet = future.result(timeout=EVENT_DEADLINE_S)
+    assert quiet.finish_reason == "abort" and len(quiet.token_ids) < 300
+    assert len(quiet.logprobs) == len(quiet.versions) == len(quiet.token_ids) and (quiet.versions == 3).all()
     short = SamplingParams(max_new_tokens=4, temperature=1.0)
     too_long, fine = harness.engine.generate(
         [GenerateRequest(list(range(1, 50)) * 8, request_id="long"), GenerateRequest([1, 2], request_id="ok")], short
@@ -266,7 +289,7 @@ def test_a_corrupted_update_is_refused_and_the_previous_version_keeps_serving(ha
 def test_a_burst_of_seeded_requests_past_one_steps_token_budget_is_served_and_seeds_hold(harness: Harness) -> None:
     """40 prompts of 90 ids (3,600 prompt tokens, past vLLM's 2,048 per step): vLLM's CPU worker cannot rewind a
     seeded generator after a partial prefill, so the adapter prefills whole prompts there (it crashed the engine)."""
-    harness.load(seed=0, version=5)
+    harness.load(seed=0, version=30)
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(1, VOCAB, 90)] for _ in range(40)]
     params = SamplingParams(max_new_tokens=4, temperature=1.0)

@@ -107,7 +107,7 @@ class VllmEngine(Engine):
         owned_dir: Path | None = None,
         on_tokens: Callable[[str, int], None] | None = None,
     ) -> None:
-        self._on_tokens = on_tokens
+        self.on_tokens = on_tokens
         """Called on the engine thread after each output chunk with (request id, tokens so far): tests act at an
         exact point of a generation with it (never block in it: the engine thread runs vLLM's output handling).
         With it vLLM streams every step's tokens; without it, each request's output comes once, at its end."""
@@ -124,6 +124,7 @@ class VllmEngine(Engine):
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._live: dict[str, str] = {}  # vLLM request id -> the caller's request id
+        self._aborted: set[str] = set()  # vLLM request ids aborted (touched on the engine loop only)
         self._lock = threading.Lock()
         self._update_lock = threading.Lock()
         self._stats = {"prefix_lookups": 0, "prefix_hits": 0, "prompt_tokens": 0, "prefilled_tokens": 0}
@@ -314,7 +315,12 @@ class VllmEngine(Engine):
         with self._lock:
             chosen = [i for i, rid in self._live.items() if request_ids is None or rid in request_ids]
         if chosen:
-            self._call(self._llm.abort(chosen))
+            self._call(self._abort(chosen))
+
+    async def _abort(self, internal_ids: list[str]) -> None:
+        """On the engine loop: a request not yet handed to vLLM is aborted by `_generate_one` once it is."""
+        self._aborted.update(internal_ids)
+        await self._llm.abort(internal_ids)
 
     def _checked_prompt(self, request: GenerateRequest) -> list[int]:
         prompt = [int(t) for t in request.input_ids]
@@ -341,7 +347,7 @@ class VllmEngine(Engine):
             detokenize=False,
             skip_special_tokens=False,
             # one output at the end (what costs least in this process); per-step deltas only for a progress hook
-            output_kind=RequestOutputKind.FINAL_ONLY if self._on_tokens is None else RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.FINAL_ONLY if self.on_tokens is None else RequestOutputKind.DELTA,
         )
 
     async def _generate_one(
@@ -353,24 +359,32 @@ class VllmEngine(Engine):
         tokens: list[int] = []
         logprobs: list[float] = []
         final: Any = None
+        queue: Any = None
         try:
             salted = TokensPrompt(prompt_token_ids=prompt, cache_salt=version_label(self._version))
-            async for out in self._llm.generate(salted, sampling, request_id=internal):
+            queue = await self._llm.add_request(internal, salted, sampling)  # AsyncLLM.generate's own first step
+            if internal in self._aborted:  # aborted while it was on its way (abort found nothing to stop then)
+                await self._llm.abort(internal)
+            while final is None:
+                out = queue.get_nowait() or await queue.get()
                 completion = out.outputs[0]
                 tokens.extend(completion.token_ids)
                 if completion.logprobs:
                     logprobs.extend(
                         step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids, strict=True)
                     )
-                if self._on_tokens is not None:
-                    self._on_tokens(request.request_id, len(tokens))
+                if self.on_tokens is not None:
+                    self.on_tokens(request.request_id, len(tokens))
                 if out.finished:
                     final = out
+        except asyncio.CancelledError:  # the engine is closing: vLLM drops the request too
+            if queue is not None:
+                await self._llm.abort(internal)
+            raise
         finally:
+            self._aborted.discard(internal)
             with self._lock:
                 self._live.pop(internal, None)
-        if final is None:
-            raise RuntimeError(f"vLLM ended request {request.request_id!r} without a final output")
         completion = final.outputs[0]
         reason = _FINISH.get(str(completion.finish_reason))
         if reason is None:
