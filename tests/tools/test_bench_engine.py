@@ -22,6 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = ROOT / "scripts" / "gpu_check.sh"
 TINY = ["--model", "tiny-llama-1x32", "--requests", "3", "--prompt-tokens", "5", "--new-tokens", "4"]
 KEYS = {
+    "engine",
+    "vllm_plain_tokens_per_s",
+    "engine_vs_vllm",
+    "update_ms",
     "device",
     "model",
     "params",
@@ -44,7 +48,9 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_bench_engine_reports_every_key_on_cpu() -> None:
     result = bench.run(_args(*TINY, "--device", "cpu", "--repeats", "2"))
     assert set(result) == KEYS
-    assert result["device"] == "cpu" and result["model"] == "tiny-llama-1x32"
+    assert result["device"] == "cpu" and result["model"] == "tiny-llama-1x32" and result["engine"] == "torch"
+    assert result["vllm_plain_tokens_per_s"] is None and result["engine_vs_vllm"] is None  # plain vLLM: --engine vllm
+    assert isinstance(result["update_ms"], float) and result["update_ms"] > 0
     assert (result["requests"], result["prompt_tokens"], result["new_tokens"]) == (3, 5, 4)
     assert isinstance(result["params"], int) and result["params"] > 0
     for key in ("engine_tokens_per_s", "hf_generate_tokens_per_s", "engine_vs_hf", "ttft_ms"):
