@@ -9,24 +9,24 @@ post-processing that re-packs CPU kernels). A file that does not match is refuse
 the engine keeps serving the previous version. What the worker loaded is reported back as hashes, so the adapter
 (and the contract tests) compare the engine's weights with the trainer's version bit for bit.
 
-This module is imported by vLLM in its worker processes; it imports nothing of Leeway's beyond the hash.
+This module is imported by vLLM in its worker processes; it imports nothing of Leeway's beyond the store's hash.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from storage.weights_base import tensor_hash
+
 __all__ = ["LeewayWorkerExtension"]
 
 
 def _sha256(tensor: torch.Tensor) -> str:
-    """The manifest's hash (`storage.weights_base.tensor_hash`): sha256 of the tensor's raw bits."""
-    raw = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().data).hexdigest()
+    """The manifest's hash of a tensor wherever it lives (`storage.weights_base.tensor_hash` wants a contiguous CPU one)."""
+    return tensor_hash(tensor.detach().cpu().contiguous())
 
 
 class LeewayWorkerExtension:
