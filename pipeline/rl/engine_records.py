@@ -80,10 +80,25 @@ class GenerateResult:
     request_id: str = ""
     gen_s: float = 0.0
     extra: dict[str, object] = field(default_factory=dict)
+    routes: np.ndarray | None = None
+    """MoE models: ``[positions, layers, top_k]`` (uint8, or uint16 past 256 experts), the experts each MoE layer chose
+    in the forward that wrote that position's KV, for positions ``routes_start, routes_start + 1, ...`` of
+    prompt + generated tokens; every position this request computed (the prompt from ``routes_start``, each fed
+    token), so a prefix served from cache is not included. The last generated token was never fed: it has none.
+    None for a dense model or an engine that records none."""
+    route_versions: np.ndarray | None = None
+    """int32, one per row of ``routes``: the policy version of the weights of the forward that chose them."""
+    routes_start: int = 0
+    """The first position ``routes`` covers: 0 when the whole prompt was computed, the cached length when a kept
+    prefix was reused (its routes came with the earlier turn)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         assert len(self.logprobs) == n and len(self.versions) == n, "per-token arrays must align"
+        if self.routes is not None:
+            assert self.route_versions is not None and len(self.route_versions) == len(self.routes), (
+                "routes and route_versions must align"
+            )
 
 
 Generate = Callable[[Sequence[GenerateRequest], SamplingParams], list[GenerateResult]]

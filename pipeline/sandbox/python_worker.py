@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
+from infra.orphans import die_with_parent
 from pipeline.sandbox.base import SandboxRefused
 from pipeline.sandbox.bwrap import bwrap_binary, system_binds
 from pipeline.sandbox.uids import UidLease, allocate_uid, uid_processes
@@ -219,6 +220,9 @@ class PythonWorkerLauncher:
                 env=dict(WORKER_ENV),
                 cwd="/",
                 start_new_session=True,
+                # bwrap's --die-with-parent comes only once bwrap runs: a caller killed right after the fork
+                # would leave the worker running under its leased uid
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         except BaseException:
             if lease is not None:

@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import BinaryIO
 
+from infra.orphans import die_with_parent
 from pipeline.sandbox import cgroups
 from pipeline.sandbox.base import (
     ExecResult,
@@ -187,9 +188,7 @@ class SupervisedSandbox:
 
     def _identity(self) -> dict[str, object]:
         """How its first process becomes the sandbox's: into its cgroup (before it execs, so nothing of the
-        sandbox ever runs outside it), then its uid. Without a cgroup subprocess switches the uid itself."""
-        if self.cgroup is None:
-            return {} if self.uid is None else {"user": self.uid, "group": self.uid, "extra_groups": []}
+        sandbox ever runs outside it), its uid, and tied to the generator (see `_enter`)."""
         return {"preexec_fn": _enter(self.cgroup, self.uid)}
 
     def _env(self) -> dict[str, str]:
@@ -420,15 +419,23 @@ async def _upload(stdin: asyncio.StreamWriter, tar: Path) -> None:
     stdin.write(b'{"end": true}\n')
 
 
-def _enter(group: cgroups.Cgroup, uid: int | None) -> Callable[[], None]:
-    """The sandbox's first process, between fork and exec: into its cgroup, then (root) down to its uid for good."""
+def _enter(group: cgroups.Cgroup | None, uid: int | None) -> Callable[[], None]:
+    """The sandbox's first process, between fork and exec: into its cgroup, (root) down to its uid for good, then
+    SIGKILL when the generator dies. bwrap's ``--die-with-parent`` alone leaves a window: a generator killed between
+    this fork and bwrap's own ``prctl`` left a sandbox running under its uid, reparented to init. The death signal
+    is asked for after the uid change (which clears it) and survives the exec; a child whose generator is already
+    gone kills itself (`infra.orphans.die_with_parent`)."""
+    tie = die_with_parent(signal.SIGKILL)
 
     def enter() -> None:
-        group.enter()
+        if group is not None:
+            group.enter()
         if uid is not None:
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
+        if tie is not None:
+            tie()
 
     return enter
 

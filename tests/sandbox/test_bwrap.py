@@ -264,3 +264,54 @@ def test_a_generator_killed_with_sigkill_leaves_no_sandbox_process_behind() -> N
     finally:
         if owner.poll() is None:
             owner.kill()
+
+
+FORKING_OWNER = """
+import os, signal, subprocess, sys
+from pipeline.sandbox.supervised import _enter
+enter = _enter(None, 65534 if os.geteuid() == 0 else None)  # root: the child also changes uid, as a sandbox does
+owner, pid_file, die_at_fork = os.getpid(), sys.argv[1], sys.argv[2] == "fork"
+def preexec():
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    if die_at_fork:  # the owner is SIGKILLed between this fork and the exec
+        os.kill(owner, signal.SIGKILL)
+        while os.getppid() == owner:
+            pass
+    enter()
+child = subprocess.Popen(["sleep", "1000"], preexec_fn=preexec, start_new_session=True)
+print(child.pid, flush=True)
+signal.pause()
+"""
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return state[state.rindex(")") + 2] in "ZX"
+
+
+@pytest.mark.parametrize("when", ["fork", "running"])
+def test_a_sandbox_process_dies_with_its_owner_killed_at_its_fork_or_while_it_runs(tmp_path: Path, when: str) -> None:
+    """The window bwrap's --die-with-parent leaves (an owner killed before bwrap runs), and the death signal kept
+    through the uid change of a root host's sandbox."""
+    pid_file = tmp_path / "child.pid"
+    owner = subprocess.Popen(
+        [sys.executable, "-c", FORKING_OWNER, str(pid_file), when],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert owner.stdout is not None
+    if when == "running":
+        assert int(owner.stdout.readline()) > 0
+        owner.send_signal(signal.SIGKILL)
+    assert owner.wait(timeout=60) == -signal.SIGKILL
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + GONE_DEADLINE_S
+    while not _process_gone(child) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _process_gone(child), f"the sandbox's first process {child} outlived its owner"
