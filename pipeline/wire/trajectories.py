@@ -34,6 +34,7 @@ from pipeline.wire.headers import (
     H_MSG_ID,
     H_NUM_SAMPLES,
     H_NUM_TOKENS,
+    H_ROUTE_BYTES,
     H_SCHEMA,
 )
 from pipeline.wire.jetstream import (
@@ -115,7 +116,16 @@ def group_headers(group: TrajectoryGroup) -> dict[str, str]:
         H_MAX_VERSION: str(group.group_max_version),
         H_NUM_SAMPLES: str(group.num_samples),
         H_NUM_TOKENS: str(group.num_tokens),
+        **({} if group.routes is None else {H_ROUTE_BYTES: str(route_bytes_per_token(group))}),
     }
+
+
+def route_bytes_per_token(group: TrajectoryGroup) -> int:
+    """Bytes of one position's routes on the wire (0 for a dense group)."""
+    if group.routes is None:
+        return 0
+    _, layers, top_k = group.routes.shape
+    return layers * top_k * group.routes.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -197,17 +207,23 @@ DECODED_BYTES_PER_SAMPLE = 64 * 1024
 """Generous room for one row's ids, tags, scalars and offsets; a row with more is refused as `too_large`."""
 DECODED_BYTES_PER_GROUP = 1024 * 1024
 """Schema-independent slack: buffer padding and validity bitmaps."""
+MAX_ROUTE_BYTES_PER_TOKEN = 1 << 16
+"""The most route bytes one position may claim (256 layers x 128 experts of uint16 ids): a header above is refused."""
 
 
-def decoded_bytes_bound(num_samples: int, num_tokens: int) -> int:
+def decoded_bytes_bound(num_samples: int, num_tokens: int, route_bytes: int = 0) -> int:
     """The most a group of this many samples and tokens can inflate to: the decoder's cap for its message.
 
     Derived from the headers, so a body that would inflate past what its headers announce is refused
     before decompression (a decompression bomb), and never more than the codec's absolute cap.
     """
-    if num_samples < 0 or num_tokens < 0:
-        raise DeadLetterError("bad_headers", f"negative sizes in headers: {num_samples} samples, {num_tokens} tokens")
-    bound = DECODED_BYTES_PER_GROUP + num_samples * DECODED_BYTES_PER_SAMPLE + num_tokens * DECODED_BYTES_PER_TOKEN
+    if num_samples < 0 or num_tokens < 0 or not 0 <= route_bytes <= MAX_ROUTE_BYTES_PER_TOKEN:
+        raise DeadLetterError(
+            "bad_headers",
+            f"sizes in headers out of range: {num_samples} samples, {num_tokens} tokens, {route_bytes} route bytes",
+        )
+    per_token = DECODED_BYTES_PER_TOKEN + (route_bytes + 4 if route_bytes else 0)  # + the route versions (int32)
+    bound = DECODED_BYTES_PER_GROUP + num_samples * DECODED_BYTES_PER_SAMPLE + num_tokens * per_token
     return min(bound, MAX_DECODED_BYTES)
 
 
@@ -224,8 +240,9 @@ def decode_payload(headers: Mapping[str, str] | None, data: bytes) -> Trajectory
         )
     min_v, max_v = int_header(headers, H_MIN_VERSION), int_header(headers, H_MAX_VERSION)
     num_samples, num_tokens = int_header(headers, H_NUM_SAMPLES), int_header(headers, H_NUM_TOKENS)
+    route_bytes = int_header(headers, H_ROUTE_BYTES) if H_ROUTE_BYTES in headers else 0
     try:
-        group = decode_group(data, max_decoded_bytes=decoded_bytes_bound(num_samples, num_tokens))
+        group = decode_group(data, max_decoded_bytes=decoded_bytes_bound(num_samples, num_tokens, route_bytes))
     except CodecError as exc:
         raise DeadLetterError(exc.reason, str(exc)) from exc
     except TrajectoryValidationError as exc:
@@ -236,6 +253,7 @@ def decode_payload(headers: Mapping[str, str] | None, data: bytes) -> Trajectory
         (H_MAX_VERSION, max_v, group.group_max_version),
         (H_NUM_SAMPLES, num_samples, group.num_samples),
         (H_NUM_TOKENS, num_tokens, group.num_tokens),
+        (H_ROUTE_BYTES, route_bytes, route_bytes_per_token(group)),
     )
     for name, said, actual in checks:
         if said != actual:

@@ -23,6 +23,17 @@ A reward is trusted only when a verifier wrote it: `reward` is present exactly w
 Schema 2 added ``episode_id`` and ``branch`` per sample: an agent episode through the generator's endpoint
 may become several samples (its branches), which carry the episode's id (its session) and their branch index;
 other samples carry ``""`` and 0. Readers take schema 1 messages too, with those defaults.
+
+Schema 3 added the routes of mixture-of-experts models (routing replay, `actors/moe.py`): per position, the expert
+ids each MoE layer chose in the forward that wrote that position's KV (``routes``, ``[tokens, layers, top_k]``,
+uint8 up to 256 experts, else uint16), and the policy version of that forward (``route_versions``, -1 where the
+position has no route: the last sampled token, which was never fed, or a prefix the engine did not report)::
+
+    position        0     1     2     3      4      5      6
+    route_versions  6     6     6     6      7      7      -1   # a prompt prefilled by 6, the swap after token 4
+    routes[:, l]    [1,5] [0,5] [2,3] [5,7]  [1,2]  [0,1]  [0,0]
+
+Groups of dense models carry none (``routes`` None); schema 1 and 2 messages read as such.
 """
 
 from __future__ import annotations
@@ -36,10 +47,13 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any change of columns or their meaning; carried in every message header and in the Arrow schema."""
-READABLE_SCHEMA_VERSIONS = (1, 2)
-"""Versions this build decodes: schema 1 lacks ``episode_id`` and ``branch`` (read as ``""`` and 0)."""
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+"""Versions this build decodes: schema 1 lacks ``episode_id`` and ``branch`` (read as ``""`` and 0), schemas 1 and
+2 lack routes (read as a dense model's group)."""
+ROUTE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
+"""Expert ids: uint8 when a layer has at most 256 experts, uint16 otherwise."""
 
 LOGPROB_MAX = 1e-3
 """Largest accepted behaviour log-prob of a loss token: log-softmax may round slightly above 0, never more."""
@@ -110,6 +124,10 @@ class Sample:
     """The agent episode (endpoint session) this sample is a branch of; "" outside agent episodes."""
     branch: int = 0
     """The sample's branch index within its episode."""
+    routes: np.ndarray | None = None
+    """MoE models: ``[tokens, layers, top_k]`` expert ids per position (module docstring); None for a dense model."""
+    route_versions: np.ndarray | None = None
+    """int32 per position with ``routes``: the version of the forward that chose them, -1 for none."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,6 +164,10 @@ class TrajectoryGroup:
     """Per sample (schema 2); empty means every sample is ``""`` (filled by `__post_init__`)."""
     branches: np.ndarray | None = None
     """Per sample, int32 (schema 2); None means every sample is branch 0 (filled by `__post_init__`)."""
+    routes: np.ndarray | None = None
+    """Flat ``[num_tokens, layers, top_k]`` uint8/uint16 sharing ``offsets`` (schema 3); None for a dense model."""
+    route_versions: np.ndarray | None = None
+    """Flat int32 ``[num_tokens]`` beside ``routes`` (-1: no route for that position)."""
 
     def __post_init__(self) -> None:
         n = len(self.trajectory_ids)
@@ -195,6 +217,8 @@ class TrajectoryGroup:
             gen_end_s=float(self.gen_end_s[index]),
             episode_id=self.episode_ids[index],
             branch=int(self.branches[index]),  # type: ignore[index]
+            routes=None if self.routes is None else self.routes[s],
+            route_versions=None if self.route_versions is None else self.route_versions[s],
         )
 
     @classmethod
@@ -232,6 +256,7 @@ class TrajectoryGroup:
         versions = _concat(samples, "versions", np.int32, group_id)
         loss_mask = _concat(samples, "loss_mask", np.uint8, group_id)
         min_v, max_v = loss_version_range(versions, loss_mask, offsets)
+        routes, route_versions = _concat_routes(samples, group_id)
         now = time.time() if created_at_s is None else created_at_s
         group = cls(
             group_id=group_id,
@@ -255,9 +280,46 @@ class TrajectoryGroup:
             gen_end_s=np.array([s.gen_end_s for s in samples], dtype=np.float64),
             episode_ids=tuple(s.episode_id for s in samples),
             branches=np.array([s.branch for s in samples], dtype=np.int64),
+            routes=routes,
+            route_versions=route_versions,
         )
         validate_group(group)
         return group
+
+
+def _concat_routes(samples: Sequence[Sample], group_id: str) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The samples' routes as flat columns; a sample without routes in a group with some gets rows of zeros with
+    version -1 (a failure sample of a MoE model: nothing to replay). None, None when no sample has routes."""
+    with_routes = [s for s in samples if s.routes is not None]
+    if not with_routes:
+        return None, None
+    first = np.asarray(with_routes[0].routes)
+    if first.ndim != 3 or first.dtype not in ROUTE_DTYPES:
+        raise TrajectoryValidationError(
+            f"expected [tokens, layers, top_k] uint8 or uint16, got {first.dtype} {first.shape}",
+            group_id=group_id,
+            column="routes",
+        )
+    width, dtype = first.shape[1:], first.dtype
+    routes, versions = [], []
+    for i, s in enumerate(samples):
+        n = len(s.tokens)
+        if s.routes is None:
+            routes.append(np.zeros((n, *width), dtype))
+            versions.append(np.full(n, -1, np.int32))
+            continue
+        r, v = np.asarray(s.routes), np.asarray(s.route_versions if s.route_versions is not None else ())
+        if r.shape != (n, *width) or r.dtype != dtype:
+            raise TrajectoryValidationError(
+                f"{r.dtype} {r.shape}, expected {dtype} {(n, *width)}", group_id=group_id, sample=i, column="routes"
+            )
+        if v.shape != (n,) or not np.issubdtype(v.dtype, np.integer):
+            raise TrajectoryValidationError(
+                f"{v.dtype} {v.shape}, expected {n} integers", group_id=group_id, sample=i, column="route_versions"
+            )
+        routes.append(r)
+        versions.append(v.astype(np.int32))
+    return np.concatenate(routes), np.concatenate(versions)
 
 
 def _concat(samples: Sequence[Sample], name: str, dtype: type, group_id: str) -> np.ndarray:
@@ -347,6 +409,7 @@ def validate_group(group: TrajectoryGroup) -> None:
         if len(getattr(group, name)) != n:
             fail(f"expected {n} values, got {len(getattr(group, name))}", column=name)
     _check_episodes(group, fail)
+    _check_routes(group, fail)
     _check_ids(group, fail)
     _check_tokens(group, fail)
     _check_per_sample(group, fail)
@@ -377,6 +440,29 @@ def _check_episodes(group: TrajectoryGroup, fail) -> None:
             )
         if not 0 <= branch <= np.iinfo(np.int32).max:
             fail(f"branch {branch} must be a non-negative int32", sample=i, column="branch")
+
+
+def _check_routes(group: TrajectoryGroup, fail) -> None:
+    routes, versions = group.routes, group.route_versions
+    if routes is None and versions is None:
+        return
+    if routes is None or versions is None:
+        fail("routes and route_versions come together", column="routes")
+    assert routes is not None and versions is not None
+    if routes.ndim != 3 or routes.dtype not in ROUTE_DTYPES or routes.shape[0] != group.num_tokens:
+        fail(
+            f"expected [{group.num_tokens}, layers, top_k] uint8 or uint16, got {routes.dtype} {routes.shape}",
+            column="routes",
+        )
+    if routes.shape[1] < 1 or routes.shape[2] < 1:
+        fail(f"a route needs at least one layer and one expert, got shape {routes.shape}", column="routes")
+    if versions.dtype != np.int32 or versions.shape != (group.num_tokens,):
+        fail(
+            f"expected {group.num_tokens} int32 values, got {versions.dtype} {versions.shape}", column="route_versions"
+        )
+    hit = _first_bad(versions < -1, group.offsets)
+    if hit:
+        fail(f"version below -1 at position {hit[1]}", sample=hit[0], column="route_versions")
 
 
 def _check_ids(group: TrajectoryGroup, fail) -> None:

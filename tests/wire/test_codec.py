@@ -107,11 +107,11 @@ def test_wrong_schema_is_a_schema_mismatch():
     with pytest.raises(CodecError) as info:
         decode_group(_ipc(batch))
     assert info.value.reason == "schema_mismatch"
-    batch = group_to_record_batch(_group()).replace_schema_metadata({b"leeway.schema_version": b"3"})
+    batch = group_to_record_batch(_group()).replace_schema_metadata({b"leeway.schema_version": b"4"})
     with pytest.raises(CodecError, match="schema version"):
         decode_group(_ipc(batch))
     batch = group_to_record_batch(_group()).replace_schema_metadata({b"leeway.schema_version": b"1"})
-    with pytest.raises(CodecError, match="columns differ from schema v1"):  # v2 columns under a v1 label
+    with pytest.raises(CodecError, match="columns differ from schema v1"):  # v3 columns under a v1 label
         decode_group(_ipc(batch))
 
 
@@ -282,3 +282,60 @@ def test_parquet_round_trip_keeps_groups_in_order(tmp_path):
     assert [g.group_id for g in back] == [g.group_id for g in groups]
     for a, b in zip(groups, back, strict=True):
         _assert_same(a, b)
+
+
+def _routed(rng: np.random.Generator, sample: Sample, layers: int, top_k: int, dtype: type) -> Sample:
+    n = len(sample.tokens)
+    experts = 256 if dtype is np.uint8 else 1024
+    versions = np.full(n, 3, np.int32)
+    versions[n // 2 :], versions[-1] = 4, -1  # the last sampled token was never fed: no route
+    routes = rng.integers(0, experts, (n, layers, top_k)).astype(dtype)
+    return dataclasses.replace(sample, routes=routes, route_versions=versions)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_routes_round_trip_through_ipc_and_parquet_and_older_schemas_read_as_dense(tmp_path, dtype) -> None:
+    rng = np.random.default_rng(5)
+    samples = [_routed(rng, _sample(rng, n=20 + i, prompt=4), 3, 2, dtype) for i in range(3)]
+    samples.append(_sample(rng, n=10, prompt=4))  # a sample without routes in a MoE group: zeros, version -1
+    g = TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=samples)
+    assert g.routes is not None and g.routes.shape == (g.num_tokens, 3, 2) and g.routes.dtype == dtype
+    out = decode_group(encode_group(g))
+    _assert_same(g, out)
+    np.testing.assert_array_equal(out.routes, g.routes)
+    np.testing.assert_array_equal(out.route_versions, g.route_versions)
+    assert out.routes.dtype == dtype and not out.routes.flags.writeable  # zero-copy views
+    np.testing.assert_array_equal(out.sample(1).routes, samples[1].routes)
+    assert out.sample(3).route_versions.tolist() == [-1] * 10 and not out.sample(3).routes.any()
+    write_parquet([g, _group()], tmp_path / "g.parquet")
+    back, dense = read_parquet(tmp_path / "g.parquet")
+    np.testing.assert_array_equal(back.routes, g.routes)
+    assert dense.routes is None and dense.route_versions is None
+    v2 = pa.record_batch([group_to_record_batch(g).column(name) for name in SCHEMAS[2].names], schema=SCHEMAS[2])
+    old = decode_group(_ipc(v2))  # a schema-2 message: no routes
+    assert old.routes is None and old.route_versions is None
+    np.testing.assert_array_equal(old.tokens, g.tokens)
+
+
+def test_routes_that_do_not_fit_their_tokens_name_sample_and_column() -> None:
+    rng = np.random.default_rng(6)
+    good = _routed(rng, _sample(rng, n=12, prompt=4), 2, 2, np.uint8)
+    short = dataclasses.replace(good, routes=good.routes[:-1])
+    with pytest.raises(TrajectoryValidationError, match="sample 1 column 'routes'"):
+        TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=[good, short])
+    wide = dataclasses.replace(good, routes=good.routes.astype(np.int32))
+    with pytest.raises(TrajectoryValidationError, match="column 'routes'"):
+        TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=[wide])
+    bad_versions = dataclasses.replace(good, route_versions=np.full(12, -2, np.int32))
+    with pytest.raises(TrajectoryValidationError, match="column 'route_versions'"):
+        TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=[bad_versions])
+    # a message whose route bytes disagree with its tokens is refused, naming the sample
+    batch = group_to_record_batch(
+        TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=[good, good])
+    )
+    routes = batch.column("routes")
+    cut = pa.ListArray.from_arrays(pa.array([0, 48, 95], pa.int32()), routes.values.slice(0, 95))
+    index = batch.schema.get_field_index("routes")
+    broken = batch.set_column(index, batch.schema.field(index), cut).replace_schema_metadata(batch.schema.metadata)
+    with pytest.raises(TrajectoryValidationError, match="sample 1 column 'routes'"):
+        decode_group(_ipc(broken))

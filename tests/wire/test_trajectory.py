@@ -7,6 +7,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from pipeline.wire.codec import encode_group
+from pipeline.wire.headers import H_ROUTE_BYTES
+from pipeline.wire.jetstream import DeadLetterError
+from pipeline.wire.trajectories import decode_payload, group_headers
 from pipeline.wire.trajectory import (
     Sample,
     TrajectoryGroup,
@@ -146,3 +150,37 @@ def test_min_version_column_must_match_tokens():
     with pytest.raises(TrajectoryValidationError, match="disagrees") as info:
         validate_group(tampered)
     assert info.value.sample == 0 and info.value.column == "min_version"
+
+
+def test_a_moe_groups_headers_carry_its_route_bytes_and_the_body_must_agree() -> None:
+    n = 40
+    routed = dataclasses.replace(
+        _moe_free_sample(n),
+        routes=np.random.default_rng(0).integers(0, 8, (n, 4, 2)).astype(np.uint8),
+        route_versions=np.zeros(n, np.int32),
+    )
+    group = TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=[routed])
+    headers, body = group_headers(group), encode_group(group)
+    assert headers[H_ROUTE_BYTES] == "8"
+    np.testing.assert_array_equal(decode_payload(headers, body).routes, routed.routes)
+    without = {k: v for k, v in headers.items() if k != H_ROUTE_BYTES}
+    with pytest.raises(DeadLetterError) as info:  # routes its headers do not announce
+        decode_payload(without, body)
+    assert info.value.reason in ("too_large", "header_mismatch")
+    with pytest.raises(DeadLetterError) as info:
+        decode_payload({**headers, H_ROUTE_BYTES: str(1 << 20)}, body)
+    assert info.value.reason == "bad_headers"
+    dense = TrajectoryGroup.from_samples(group_id="d", prompt_id="p", generator_id="x", samples=[_moe_free_sample(n)])
+    assert H_ROUTE_BYTES not in group_headers(dense)
+
+
+def _moe_free_sample(n: int) -> Sample:
+    mask = np.r_[np.zeros(4, np.uint8), np.ones(n - 4, np.uint8)]
+    return Sample(
+        tokens=np.arange(n, dtype=np.int32),
+        loss_mask=mask,
+        logprobs=np.where(mask == 1, -0.5, 0.0).astype(np.float32),
+        versions=np.where(mask == 1, 0, -1).astype(np.int32),
+        reward=1.0,
+        reward_source="verifier",
+    )
