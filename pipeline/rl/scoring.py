@@ -76,7 +76,13 @@ def build_sample(
 ) -> Sample:
     """A sample of `trajectory`: ``reward_source`` is ``verifier`` when it has a reward, else ``none``.
     ``episode_id`` and ``branch`` place an agent run's branch in its episode (`Sample`)."""
+    routes = trajectory.routes
+    info = dict(info or {})
+    if routes is not None and routes.recomputed:
+        info["recomputed_route_positions"] = routes.recomputed
     return Sample(
+        routes=None if routes is None else routes.routes,
+        route_versions=None if routes is None else routes.versions,
         tokens=trajectory.tokens,
         loss_mask=trajectory.loss_mask,
         logprobs=trajectory.logprobs,
@@ -92,7 +98,7 @@ def build_sample(
         gen_end_s=gen_end_s,
         gen_s=gen_s,
         verify_s=verify_s,
-        info=dict(info or {}),
+        info=info,
         episode_id=episode_id,
         branch=branch,
     )

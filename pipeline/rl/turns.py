@@ -13,7 +13,7 @@ a reply: in-flight weight update). Prompt and environment tokens carry loss mask
 Nothing is re-tokenized: the environment sees decoded text (`decode`), but the trajectory keeps the sampled ids,
 and an environment message given as text is tokenized once, on its own, without special tokens.
 
-`assemble` lays turns out as the four per-token arrays; `Trajectory` is those arrays with what a sample says
+`assemble` lays turns out as the four per-token arrays (`pipeline.rl.routes` the routes of a MoE model's turns); `Trajectory` is those arrays with what a sample says
 about its turns (how the last reply finished, how many replies), the input of the one sample builder
 (`pipeline.rl.scoring.build_sample`).
 """
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from pipeline.rl.engine_records import GenerateResult
+from pipeline.rl.routes import TrajectoryRoutes, assemble_routes
 from pipeline.wire.trajectory import FinishReason
 
 if TYPE_CHECKING:
@@ -42,6 +43,11 @@ class Turn:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: FinishReason | None = None
+    routes: np.ndarray | None = None
+    """MoE models, policy turns: the routes the engine reported for this request (`pipeline.rl.routes`)."""
+    route_versions: np.ndarray | None = None
+    routes_start: int = 0
+    """The trajectory position of ``routes[0]`` (the request's context is every token before this turn's)."""
 
     @classmethod
     def context(cls, kind: Literal["prompt", "env"], token_ids: Sequence[int] | np.ndarray) -> Turn:
@@ -56,6 +62,9 @@ class Turn:
             np.asarray(result.logprobs, np.float32),
             np.asarray(result.versions, np.int32),
             result.finish_reason,
+            routes=result.routes,
+            route_versions=result.route_versions,
+            routes_start=result.routes_start,
         )
 
     def without_stop(self, stop_token_ids: Sequence[int]) -> np.ndarray:
@@ -86,12 +95,13 @@ class Trajectory:
     versions: np.ndarray
     finish_reason: FinishReason
     num_turns: int
+    routes: TrajectoryRoutes | None = None
 
     @classmethod
     def of(cls, turns: Sequence[Turn]) -> Trajectory:
         policy = [t for t in turns if t.kind == "policy"]
         finish_reason = (policy[-1].finish_reason if policy else None) or "abort"
-        return cls(*assemble(turns), finish_reason=finish_reason, num_turns=len(policy))
+        return cls(*assemble(turns), finish_reason=finish_reason, num_turns=len(policy), routes=assemble_routes(turns))
 
 
 def decode(tokenizer: Tokenizer, ids: np.ndarray) -> str:

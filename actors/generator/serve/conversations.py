@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.rl.engine_records import GenerateResult
+from pipeline.rl.routes import assemble_routes
 from pipeline.rl.turns import Trajectory, Turn, assemble
 
 
@@ -57,7 +58,7 @@ class BranchSample(Trajectory):
     """One branch as a trajectory (`pipeline.rl.turns.Trajectory`), before the episode's reward is known, and its
     index among the conversation's branches."""
 
-    branch: int
+    branch: int = field(kw_only=True)
 
 
 class Conversation:
@@ -163,6 +164,7 @@ class Conversation:
                     versions=versions,
                     finish_reason=policy[-1].finish_reason or "abort",
                     num_turns=len(policy),
+                    routes=assemble_routes(branch.turns),
                 )
             )
         return out
