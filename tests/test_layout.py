@@ -112,7 +112,7 @@ ACTOR_FLOORS = (
     ("actors.tools",),
     ("actors.trainer", "actors.generator"),
     ("actors.launcher", "actors.fleet", "actors.model_files"),
-    ("actors.models", "actors.servers", "actors.cli_args"),
+    ("actors.models", "actors.servers", "actors.cli_args", "actors.moe"),
 )
 """`actors/` from the top down: the command, SFT, the tools, the two roles, what starts and places roles (and the
 model files they share), what every process needs (the model, its servers, the commands' shared arguments). A room imports only rooms on lower floors

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pipeline.rl.turns import Turn
+
+class RoutedTurn(Protocol):
+    """What routes need of a turn (`pipeline.rl.turns.Turn`)."""
+
+    token_ids: np.ndarray
+    routes: np.ndarray | None
+    route_versions: np.ndarray | None
+    routes_start: int
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,7 @@ class TrajectoryRoutes:
     recomputed: int = 0
 
 
-def assemble_routes(turns: Sequence[Turn]) -> TrajectoryRoutes | None:
+def assemble_routes(turns: Sequence[RoutedTurn]) -> TrajectoryRoutes | None:
     """The routes of the trajectory the turns lay out, or None when no turn carries any (a dense model)."""
     routed = [t for t in turns if t.routes is not None]
     if not routed:
