@@ -223,7 +223,7 @@ def hf_to_megatron(shape: ModelShape, hf: Mapping[str, Tensor]) -> dict[str, Ten
                 qb, kb, vb = (hf[n[x] + ".bias"] for x in ("q", "k", "v"))
             out[m + "self_attention.linear_proj.weight"] = hf[n["proj"] + ".weight"]
             if shape.is_moe:
-                out.update(experts_to_megatron(shape, hf, i))
+                out.update(experts_to_megatron(hf, i, shape.num_experts))
             else:
                 out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[n["gate"] + ".weight"], hf[n["up"] + ".weight"]])
                 out[m + "mlp.linear_fc2.weight"] = hf[n["fc2"] + ".weight"]
@@ -277,7 +277,7 @@ def megatron_to_hf(shape: ModelShape, mg: Mapping[str, Tensor], hf_names: Sequen
                 hf[n["q"] + ".bias"], hf[n["k"] + ".bias"], hf[n["v"] + ".bias"] = qb, kb, vb
             hf[n["proj"] + ".weight"] = mg[m + "self_attention.linear_proj.weight"]
             if shape.is_moe:
-                hf.update(experts_to_hf(shape, mg, i))
+                hf.update(experts_to_hf(mg, i, shape.num_experts))
             else:
                 hf[n["gate"] + ".weight"], hf[n["up"] + ".weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
                 hf[n["fc2"] + ".weight"] = mg[m + "mlp.linear_fc2.weight"]

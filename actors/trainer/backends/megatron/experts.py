@@ -16,37 +16,35 @@ global one (expert parallelism, which would renumber the local experts, is not b
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from actors.trainer.backends.megatron.convert import ModelShape
 
 
 def _names(i: int) -> tuple[str, str]:
     return f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
 
 
-def experts_to_megatron(shape: ModelShape, hf: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
+def experts_to_megatron(hf: Mapping[str, Tensor], i: int, num_experts: int) -> dict[str, Tensor]:
     """Layer ``i``'s router and experts, HF -> full Megatron tensors."""
     h, m = _names(i)
     gate_up, down = hf[h + "experts.gate_up_proj"], hf[h + "experts.down_proj"]
-    expected = (shape.num_experts, 2 * shape.moe_ffn_hidden, shape.hidden)
-    if tuple(gate_up.shape) != expected:
-        raise ValueError(f"{h}experts.gate_up_proj has shape {tuple(gate_up.shape)}, expected {expected}")
+    if gate_up.shape[0] != num_experts or down.shape[0] != num_experts:
+        raise ValueError(
+            f"{h}experts.gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)}: "
+            f"expected {num_experts} experts in the first dimension"
+        )
     out = {m + "router.weight": hf[h + "gate.weight"]}
-    for e in range(shape.num_experts):
+    for e in range(num_experts):
         out[f"{m}experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
         out[f"{m}experts.local_experts.{e}.linear_fc2.weight"] = down[e]
     return out
 
 
-def experts_to_hf(shape: ModelShape, mg: Mapping[str, Tensor], i: int) -> dict[str, Tensor]:
+def experts_to_hf(mg: Mapping[str, Tensor], i: int, num_experts: int) -> dict[str, Tensor]:
     """Layer ``i``'s router and experts, full Megatron tensors -> HF."""
     h, m = _names(i)
-    experts = range(shape.num_experts)
+    experts = range(num_experts)
     return {
         h + "gate.weight": mg[m + "router.weight"],
         h + "experts.gate_up_proj": torch.stack(
