@@ -24,6 +24,10 @@ micro-batch packing and dropout rule; see `actors/trainer/backends/torch_backend
 - Pipeline parallel runs one micro-batch at a time through the stages (`stages.py`); the last
   stage computes log-probs and calls loss_fn, and its results reach every rank. A model with tied
   embeddings is refused with pipeline parallel > 1.
+- A Qwen3-MoE model runs megatron-core's `MoELayer` (per-expert MLPs, ``allgather`` dispatcher, no
+  auxiliary loss) with tensor parallel 1; expert parallelism is not built. ``moe.routing_replay``
+  routes each position through ``MicroBatch.routes`` (`replay`); a position without a record keeps
+  the router's own top-k and is counted in ``route_replay.unrouted``.
 - Not built: packed (THD) micro-batches, liger kernels, the chunked LM head and activation
   checkpointing. ``trainer.packing``, ``fused_kernels`` and ``lm_head_chunk_tokens`` are never read
   here; `pipeline/config.py` (`backend_conflicts`) refuses at load the values that ask for them
