@@ -2,7 +2,7 @@
 
 `backend` holds `MegatronBackend`; `convert` the HF <-> Megatron layouts and TP shards; `model` the
 `GPTModel` construction; `parallel` the process groups; `stages` the pipeline transfers; `cpu_compat`
-every CPU adjustment. Importing
+every CPU adjustment; `experts` the MoE experts' names; `replay` routing replay on its routers. Importing
 this package needs the ``megatron`` extra (megatron-core); `build_backend` imports it only when
 ``trainer.backend`` is ``megatron``.
 """

@@ -24,6 +24,10 @@ micro-batch packing and dropout rule; see `actors/trainer/backends/torch_backend
 - Pipeline parallel runs one micro-batch at a time through the stages (`stages.py`); the last
   stage computes log-probs and calls loss_fn, and its results reach every rank. A model with tied
   embeddings is refused with pipeline parallel > 1.
+- A Qwen3-MoE model runs megatron-core's `MoELayer` (per-expert MLPs, ``allgather`` dispatcher, no
+  auxiliary loss) with tensor parallel 1; expert parallelism is not built. ``moe.routing_replay``
+  routes each position through ``MicroBatch.routes`` (`replay`); a position without a record keeps
+  the router's own top-k and is counted in ``route_replay.unrouted``.
 - Not built: packed (THD) micro-batches, liger kernels, the chunked LM head and activation
   checkpointing. ``trainer.packing``, ``fused_kernels`` and ``lm_head_chunk_tokens`` are never read
   here; `pipeline/config.py` (`backend_conflicts`) refuses at load the values that ask for them
@@ -33,6 +37,7 @@ micro-batch packing and dropout rule; see `actors/trainer/backends/torch_backend
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -81,6 +86,7 @@ from actors.trainer.backends.megatron.convert import (
 )
 from actors.trainer.backends.megatron.model import build_gpt_model, local_name, transformer_engine_available
 from actors.trainer.backends.megatron.parallel import init_model_parallel, init_process_group
+from actors.trainer.backends.megatron.replay import MegatronRouteReplay
 from actors.trainer.backends.megatron.stages import Stages, all_gather_json
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import ModelLimits
@@ -109,6 +115,7 @@ class MegatronBackend(TrainingBackend):
         autocast: bool | None = None,
         temperature: float = 1.0,
         gradient_checkpointing: bool = False,
+        routing_replay: bool = False,
         seed: int = 0,
     ) -> None:
         check_options(temperature, grad_clip)
@@ -127,6 +134,8 @@ class MegatronBackend(TrainingBackend):
             model_parallel_cuda_manual_seed(seed)
         self.shape = ModelShape.from_hf_config(model.config)
         _check_pipeline(self.shape, pipeline_parallel_size)
+        _check_moe(self.shape, tensor_parallel_size, routing_replay)
+        self.routing_replay = bool(routing_replay)
         self._layer_offset = self.layout.pp_rank * (self.shape.num_layers // pipeline_parallel_size)
         self.stages = Stages(self.layout, self.device, self.shape.hidden)
         use_te = self.device.type == "cuda" and transformer_engine_available()
@@ -151,6 +160,12 @@ class MegatronBackend(TrainingBackend):
         )
         self._load_full(hf_to_megatron(self.shape, {k: v.float() for k, v in model.state_dict().items()}))
         self.model.to(self.device).eval()
+        self.route_replay = (
+            MegatronRouteReplay(self.model, layer_offset=self._layer_offset, num_experts=self.shape.num_experts)
+            if self.shape.is_moe
+            else None
+        )
+        """Routes and agreement counters of this stage's MoE layers (`replay`); None for a dense model."""
         self._params = {self._global_name(n): p for n, p in self.model.named_parameters() if p.requires_grad}
         """This rank's parameters under the whole model's local-spec names (layer indices across stages)."""
         self.optimizer = torch.optim.AdamW(
@@ -174,6 +189,7 @@ class MegatronBackend(TrainingBackend):
             pipeline_parallel_size=m.pipeline_parallel_size,
             use_transformer_engine=None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
             autocast=autocast,
+            routing_replay=bool(getattr(getattr(config, "moe", None), "routing_replay", False)),
             seed=config.run.seed,
         )
 
@@ -239,7 +255,7 @@ class MegatronBackend(TrainingBackend):
         if hidden is not None:
             self.model.set_input_tensor(hidden)
         positions = torch.arange(width, device=self.device).expand(rows, width)
-        with bf16_autocast(self.device, self.autocast):
+        with bf16_autocast(self.device, self.autocast), self._routing(micro):
             output = self.model(
                 input_ids=micro.tokens,
                 position_ids=positions,
@@ -249,6 +265,14 @@ class MegatronBackend(TrainingBackend):
             output = output.float()
             self.stages.send_output(output)
         return hidden, output
+
+    def _routing(self, micro: MicroBatch) -> contextlib.AbstractContextManager[object]:
+        """The MoE routers' replay of ``micro``'s routes (``moe.routing_replay``; off: agreement only)."""
+        if self.route_replay is None:
+            return contextlib.nullcontext()
+        routes, routed = getattr(micro, "routes", None), getattr(micro, "routed", None)
+        valid = micro.attention_mask.bool()
+        return self.route_replay.replaying(routes, routed, valid, replay=self.routing_replay)
 
     def _logprobs_of(self, logits: Tensor, micro: MicroBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Log-probs ``[S, T]`` (position 0 and padding 0) and, optionally, detached entropy ``[S, T]``
@@ -509,6 +533,18 @@ def _check_pipeline(shape: ModelShape, pp_size: int) -> None:
     if pp_size > 1 and shape.tied_embeddings:
         raise ValueError(
             f"megatron.pipeline_parallel_size={pp_size}: a model with tied embeddings needs pipeline_parallel_size 1"
+        )
+
+
+def _check_moe(shape: ModelShape, tp_size: int, routing_replay: bool) -> None:
+    """What the MoE path has been built and checked for: tensor parallel 1 (expert and tensor
+    parallelism of the experts are not built), and replay only where there are routers."""
+    if routing_replay and not shape.is_moe:
+        raise ValueError(f"moe.routing_replay=true: the {shape.family} model has no MoE layers; set it false")
+    if shape.is_moe and tp_size > 1:
+        raise ValueError(
+            f"megatron.tensor_parallel_size={tp_size}: the megatron backend runs MoE models with tensor "
+            "parallel 1 only (expert parallelism is not built); use data or pipeline parallel"
         )
 
 

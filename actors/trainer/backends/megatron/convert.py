@@ -1,12 +1,13 @@
 """HF <-> Megatron-core weight names and layouts, and their tensor-parallel shards.
 
-Three HF families map onto one `GPTModel` built from the local (or Transformer Engine) layer spec:
+Four HF families map onto one `GPTModel` built from the local (or Transformer Engine) layer spec:
 
 | HF family | norm | MLP | positions | biases |
 | --- | --- | --- | --- | --- |
 | ``llama`` | RMSNorm | SwiGLU (gate, up fused) | rotary | none |
 | ``qwen2`` | RMSNorm | SwiGLU (gate, up fused) | rotary | q, k, v only |
 | ``gpt2``  | LayerNorm | GELU (tanh) | learned absolute | all |
+| ``qwen3_moe`` | RMSNorm, per-head q/k norm | SwiGLU experts + top-k router (`moe`) | rotary | none |
 
 Layouts (``g`` query groups = KV heads, ``r = heads / g`` query heads per group, ``d`` head size)::
 
@@ -33,8 +34,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Family = Literal["llama", "qwen2", "gpt2"]
-FAMILIES: tuple[Family, ...] = ("llama", "qwen2", "gpt2")
+from actors.trainer.backends.megatron.experts import experts_to_hf, experts_to_megatron
+
+Family = Literal["llama", "qwen2", "gpt2", "qwen3_moe"]
+FAMILIES: tuple[Family, ...] = ("llama", "qwen2", "gpt2", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,13 @@ class ModelShape:
     norm_eps: float
     tied_embeddings: bool
     rope_theta: float | None
+    num_experts: int = 0
+    """Routed experts per layer; 0 for a dense model."""
+    moe_top_k: int = 0
+    moe_ffn_hidden: int = 0
+    """One expert's intermediate size."""
+    norm_topk_prob: bool = True
+    """Qwen3-MoE: the top-k gate weights renormalised to sum to 1 (else the full softmax's values)."""
 
     @property
     def gated(self) -> bool:
@@ -60,7 +70,16 @@ class ModelShape:
 
     @property
     def qkv_bias(self) -> bool:
-        return self.family != "llama"
+        return self.family in ("qwen2", "gpt2")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of queries and keys before the rotary embedding (Qwen3)."""
+        return self.family == "qwen3_moe"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def linear_bias(self) -> bool:
@@ -105,6 +124,7 @@ class ModelShape:
             raise ValueError(f"model config rope_parameters={rope}: only default rotary embeddings are converted")
         return cls(
             family=family,
+            **_moe_fields(config),
             num_layers=int(get("num_hidden_layers")),
             hidden=hidden,
             num_heads=heads,
@@ -119,6 +139,24 @@ class ModelShape:
         )
 
 
+def _moe_fields(config: object) -> dict[str, int | bool]:
+    """The MoE fields of a Qwen3-MoE config (none for a dense family); raises for a layout not converted."""
+    if getattr(config, "model_type", None) != "qwen3_moe":
+        return {}
+    if list(getattr(config, "mlp_only_layers", None) or []) or int(getattr(config, "decoder_sparse_step", 1)) != 1:
+        raise ValueError(
+            "model config mlp_only_layers / decoder_sparse_step: the megatron backend converts Qwen3-MoE "
+            "with every layer sparse only (mlp_only_layers=[], decoder_sparse_step=1)"
+        )
+    get = config.__getattribute__
+    return {
+        "num_experts": int(get("num_experts")),
+        "moe_top_k": int(get("num_experts_per_tok")),
+        "moe_ffn_hidden": int(get("moe_intermediate_size")),
+        "norm_topk_prob": bool(get("norm_topk_prob")),
+    }
+
+
 def _hf_layer_names(shape: ModelShape, i: int) -> dict[str, str]:
     """HF names of layer ``i``'s tensors, by role."""
     if shape.family == "gpt2":
@@ -128,7 +166,8 @@ def _hf_layer_names(shape: ModelShape, i: int) -> dict[str, str]:
     p = f"model.layers.{i}."
     return {"ln1": p + "input_layernorm", "ln2": p + "post_attention_layernorm", "q": p + "self_attn.q_proj",
             "k": p + "self_attn.k_proj", "v": p + "self_attn.v_proj", "proj": p + "self_attn.o_proj",
-            "gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj", "fc2": p + "mlp.down_proj"}  # fmt: skip
+            "gate": p + "mlp.gate_proj", "up": p + "mlp.up_proj", "fc2": p + "mlp.down_proj",
+            "q_norm": p + "self_attn.q_norm", "k_norm": p + "self_attn.k_norm"}  # fmt: skip
 
 
 def _mg_layer(i: int) -> str:
@@ -183,8 +222,14 @@ def hf_to_megatron(shape: ModelShape, hf: Mapping[str, Tensor]) -> dict[str, Ten
             if shape.qkv_bias:
                 qb, kb, vb = (hf[n[x] + ".bias"] for x in ("q", "k", "v"))
             out[m + "self_attention.linear_proj.weight"] = hf[n["proj"] + ".weight"]
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[n["gate"] + ".weight"], hf[n["up"] + ".weight"]])
-            out[m + "mlp.linear_fc2.weight"] = hf[n["fc2"] + ".weight"]
+            if shape.is_moe:
+                out.update(experts_to_megatron(hf, i, shape.num_experts))
+            else:
+                out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[n["gate"] + ".weight"], hf[n["up"] + ".weight"]])
+                out[m + "mlp.linear_fc2.weight"] = hf[n["fc2"] + ".weight"]
+            if shape.qk_norm:
+                out[m + "self_attention.q_layernorm.weight"] = hf[n["q_norm"] + ".weight"]
+                out[m + "self_attention.k_layernorm.weight"] = hf[n["k_norm"] + ".weight"]
         out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(shape, q, k, v)
         if shape.qkv_bias:
             out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(shape, qb, kb, vb)
@@ -231,8 +276,14 @@ def megatron_to_hf(shape: ModelShape, mg: Mapping[str, Tensor], hf_names: Sequen
             if shape.qkv_bias:
                 hf[n["q"] + ".bias"], hf[n["k"] + ".bias"], hf[n["v"] + ".bias"] = qb, kb, vb
             hf[n["proj"] + ".weight"] = mg[m + "self_attention.linear_proj.weight"]
-            hf[n["gate"] + ".weight"], hf[n["up"] + ".weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-            hf[n["fc2"] + ".weight"] = mg[m + "mlp.linear_fc2.weight"]
+            if shape.is_moe:
+                hf.update(experts_to_hf(mg, i, shape.num_experts))
+            else:
+                hf[n["gate"] + ".weight"], hf[n["up"] + ".weight"] = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+                hf[n["fc2"] + ".weight"] = mg[m + "mlp.linear_fc2.weight"]
+            if shape.qk_norm:
+                hf[n["q_norm"] + ".weight"] = mg[m + "self_attention.q_layernorm.weight"]
+                hf[n["k_norm"] + ".weight"] = mg[m + "self_attention.k_layernorm.weight"]
     for param in norm_params:
         hf[f"{root}{'ln_f' if gpt2 else 'norm'}.{param}"] = mg[f"decoder.final_layernorm.{param}"]
     if "lm_head.weight" in hf_names:

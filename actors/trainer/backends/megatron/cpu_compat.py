@@ -1,8 +1,9 @@
 """Every adjustment megatron-core needs to run on a machine without CUDA, in one place.
 
 Each patch names what it works around and the megatron-core version it was checked against
-(`CHECKED_VERSION`, the version the ``megatron`` extra pins). `apply` is idempotent and does nothing
-when CUDA is available, so GPU runs use megatron-core unchanged. A newer megatron-core may have
+(`CHECKED_VERSION`, the version the ``megatron`` extra pins). `apply` is idempotent and, when CUDA is
+available, only defines the Transformer Engine names a TE-less megatron-core leaves undefined
+(`_define_missing_te_names`), so GPU runs otherwise use megatron-core unchanged. A newer megatron-core may have
 moved or fixed the patched functions: `apply` refuses to patch a version it was not checked with
 rather than patch blindly.
 
@@ -29,7 +30,10 @@ _applied = False
 def apply() -> None:
     """Patch megatron-core for a CUDA-less process (no-op with CUDA, or when already applied)."""
     global _applied
-    if _applied or torch.cuda.is_available():
+    if _applied:
+        return
+    _define_missing_te_names()
+    if torch.cuda.is_available():
         return
     found = version("megatron-core")
     if found != CHECKED_VERSION:
@@ -40,6 +44,7 @@ def apply() -> None:
     _patch_global_memory_buffer()
     _patch_rng_tracker_fork()
     _patch_rotary_embedding()
+    _patch_router_gating()
     _applied = True
 
 
@@ -101,6 +106,35 @@ def _patch_rotary_embedding() -> None:
         return emb[:, None, None, :]
 
     RotaryEmbedding.get_emb = get_emb
+
+
+def _define_missing_te_names() -> None:
+    """0.16.1, with or without CUDA: ``moe_utils`` imports ``te_general_gemm`` and the fused MoE kernels only
+    when Transformer Engine imports, but ``RouterGatingLinearFunction.forward`` (``moe_utils.py`` line 1192)
+    tests ``te_general_gemm is not None`` unconditionally: without TE every MoE router raises NameError.
+    Defining the missing names as None selects the plain ``torch.mm`` path megatron-core wrote for it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE:
+        return
+    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_permute", "fused_unpermute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"):  # fmt: skip
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def _patch_router_gating() -> None:
+    """0.16.1: ``Router.gating`` (``moe/router.py`` line 88) moves a router weight it finds on the CPU to
+    ``torch.cuda.current_device()``. On the CPU the weight stays; the rest is 0.16.1's body."""
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+    from megatron.core.transformer.moe.router import Router
+
+    def gating(self: Router, input: torch.Tensor) -> torch.Tensor:
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+    Router.gating = gating
 
 
 __all__ = ["CHECKED_VERSION", "apply", "causal_mask"]

@@ -7,7 +7,7 @@ linear layer); `te_name` / `local_name` translate, so conversion speaks the loca
 
 Every fusion that needs CUDA kernels is off, dropout is 0 (Leeway refuses dropout), parameters are
 fp32 masters created on the CPU (``use_cpu_initialization``) and then overwritten by the converted
-HF weights.
+HF weights. A Qwen3-MoE model gets megatron-core's `MoELayer` with per-head q/k norms (`_moe_options`).
 """
 
 from __future__ import annotations
@@ -86,11 +86,18 @@ def build_gpt_model(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
+        qk_layernorm=shape.qk_norm,
+        **_moe_options(shape),
     )
+    experts = shape.num_experts or None
     if use_transformer_engine:
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm
+        )
     else:
-        spec = get_gpt_layer_local_spec(normalization=normalization)
+        spec = get_gpt_layer_local_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm, normalization=normalization
+        )
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -103,6 +110,28 @@ def build_gpt_model(
         rotary_base=shape.rope_theta if shape.rope_theta is not None else 10000,
         parallel_output=True,
     )
+
+
+def _moe_options(shape: ModelShape) -> dict[str, object]:
+    """The MoE layer as the HF model computes it: one `MLP` per expert (no grouped GEMM), dropless, no
+    auxiliary loss (the trainer's loss is the RL objective alone), softmax scores with the top-k
+    renormalised exactly when Qwen3's ``norm_topk_prob`` is set (`replay`'s docstring shows why), and the
+    ``allgather`` dispatcher (the ``alltoall`` one makes a ``torch.cuda.Stream`` when built)."""
+    if not shape.is_moe:
+        return {}
+    return {
+        "num_moe_experts": shape.num_experts,
+        "moe_router_topk": shape.moe_top_k,
+        "moe_ffn_hidden_size": shape.moe_ffn_hidden,
+        "moe_router_pre_softmax": not shape.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+    }
 
 
 __all__ = ["build_gpt_model", "local_name", "te_name", "transformer_engine_available"]
