@@ -245,6 +245,9 @@ BENCHES = (
     Benchmark(
         "trainer", "the training backend vs a plain HF loop on the same batch: tokens/s, MFU (CPU: tiny defaults)"
     ),
+    Benchmark(
+        "moe", "routing replay on vs off on one recorded MoE batch: train/sampler mismatch, agreement, route bytes"
+    ),
     Benchmark("agents", "multi-turn episodes through the endpoint vs driven directly on the engine: turns/s, latency"),
     Benchmark("sandbox", "bubblewrap sandboxes vs local and plain subprocesses: start, exec round trip, pool waves"),
     Benchmark(

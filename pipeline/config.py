@@ -43,6 +43,7 @@ from pipeline.config_sections import (
     LoggingConfig,
     MegatronConfig,
     ModelConfig,
+    MoeConfig,
     NatsConfig,
     OutageConfig,
     RolloutConfig,
@@ -112,6 +113,7 @@ class LeewayConfig(Section):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    moe: MoeConfig = Field(default_factory=MoeConfig)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     advantages: AdvantagesConfig = Field(default_factory=AdvantagesConfig)

@@ -294,6 +294,17 @@ class MegatronConfig(Section):
     """Transformer Engine layer spec: auto = on a CUDA device where TE is installed; false = megatron-core's local spec."""
 
 
+class MoeConfig(Section):
+    """Mixture-of-experts models (Qwen3-MoE, OLMoE, Mixtral): how the trainer routes the sampler's tokens."""
+
+    routing_replay: bool = False
+    """R3: route every position through the experts the sampler's forward chose for it (the routes recorded with
+    the sample); the gate weights of those experts still come from the trainer's own router logits, so the router
+    keeps learning. A position without a recorded route (route version -1) uses the trainer's own top-k and is
+    counted (`moe/unrouted_positions`). Off: the trainer routes by its own top-k and only the agreement with the
+    record is measured. On with a dense model: a start-up error."""
+
+
 class StalenessConfig(Section):
     max_staleness: int = Field(2, ge=0, le=MAX_STALENESS_LIMIT)
     """K: tokens more than K versions behind the trainer never reach the loss; 0 = synchronous; at most 64."""

@@ -38,6 +38,7 @@ COMMANDS = (
     ("bench", "e2e"),
     ("bench", "engine"),
     ("bench", "trainer"),
+    ("bench", "moe"),
     ("bench", "agents"),
     ("bench", "sandbox"),
     ("bench", "learning"),

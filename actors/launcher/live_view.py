@@ -211,6 +211,19 @@ class LiveView:
                 "held-out",
                 Text.assemble(eval_line(evals[-1]), "  ", (sparkline(held_out[-SPARK_STEPS:]), "magenta")),
             )
+        if last.get("mismatch/k3_kl") is not None or last.get("moe/routing_agreement") is not None:
+            facts.add_row(
+                "train/sampler",
+                f"mean |Δ log p| {_fmt(last.get('mismatch/mean_abs_logprob_diff'), '.4f')} · "
+                f"k3 KL {_fmt(last.get('mismatch/k3_kl'), '.2e')}"
+                + (
+                    f" · routing agreement {_fmt(last.get('moe/routing_agreement'), '.3f')} · unrouted "
+                    f"{_fmt(last.get('moe/unrouted_positions'), '.0f')} · expert load max/mean "
+                    f"{_fmt(last.get('moe/expert_load_max_over_mean'), '.2f')}"
+                    if "moe/routing_agreement" in last
+                    else ""
+                ),
+            )
         wait = last.get("time/wait_fraction")
         facts.add_row(
             "throughput",

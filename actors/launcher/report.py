@@ -191,7 +191,19 @@ def summarize(
         ("trainer waiting for data", "n/a" if wait is None else f"{wait:.0%} of step time"),
         ("generated tokens/s (mean)", _f(_mean(records, "generators/tokens_per_s"), ",.0f")),
         ("trained tokens/s (mean)", _f(_mean(records, "trainer/tokens_per_s"), ",.0f")),
+        (
+            "train/sampler mismatch (mean over steps: mean abs Δ log p, k3 KL)",
+            f"{_f(_mean(records, 'mismatch/mean_abs_logprob_diff'), '.4f')}, {_f(_mean(records, 'mismatch/k3_kl'), '.2e')}",
+        ),
     ]
+    if _mean(records, "moe/routing_agreement") is not None:
+        rows.append(
+            (
+                "MoE routing (mean over steps: agreement, unrouted positions, expert load max/mean)",
+                f"{_f(_mean(records, 'moe/routing_agreement'))}, {_f(_mean(records, 'moe/unrouted_positions'), '.1f')}, "
+                f"{_f(_mean(records, 'moe/expert_load_max_over_mean'), '.2f')}",
+            )
+        )
     if evals:
         first, final = evals[0], evals[-1]
         rows.append(

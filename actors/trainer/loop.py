@@ -445,6 +445,7 @@ class Trainer:
             **staleness_metrics(checked, trained_at_version),
             **timing_split(batch.consumed, batch.received_at_s, time.time()),
             **merge_loss_stats(result.micro_stats),
+            **result.moe,
             "time/wait_s": batch.wait_s,
             "time/compute_s": compute_s,
             "time/publish_s": publish_s,

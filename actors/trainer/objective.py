@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from actors.trainer.backends.base import LossExtras, MicroBatch
@@ -61,4 +62,24 @@ class CorrectedObjective:
         mask = micro.loss_mask.bool()
         if mask.any():
             stats["entropy_mean"] = float(extras.entropy[mask].mean())
+        stats.update(sampler_mismatch(logprobs, micro.behaviour_logprobs, mask))
         return loss, stats
+
+
+LOG_RATIO_BOUND = 20.0
+"""|log pi - log mu| is clamped here before exp() in the k3 estimate, so one wild token cannot overflow it."""
+
+
+def sampler_mismatch(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """Train/sampler mismatch over the micro-batch's loss tokens, before any correction: ``mismatch/mean_abs_logprob_diff``
+    = mean |log pi - log mu| and ``mismatch/k3_kl`` = mean (r - 1 - log r) with r = pi / mu (Schulman's k3
+    estimate of KL(mu || pi), >= 0 per token). Over every loss token, so stale tokens add their version gap
+    (``is/logp_gap_fresh`` is the same |gap| over staleness-0 tokens only). Empty without loss tokens."""
+    if not mask.any():
+        return {}
+    with torch.no_grad():
+        log_r = (logprobs.detach() - behaviour_logprobs)[mask].double().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return {
+            "mismatch/mean_abs_logprob_diff": float(log_r.abs().mean()),
+            "mismatch/k3_kl": float((log_r.exp() - 1 - log_r).mean()),
+        }

@@ -39,7 +39,7 @@ import json
 import logging
 import signal
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -105,7 +105,24 @@ def encode_batch(batch: TrainBatch) -> bytes:
     }
     if all(has_prox):
         columns["proximal_logprobs"] = np.concatenate([np.asarray(s.proximal_logprobs, np.float32) for s in seqs])
+    columns.update(_route_columns(seqs))
     return np_save(columns, metadata={"sample_ids": json.dumps([s.sample_id for s in seqs])})
+
+
+def _route_columns(seqs: Sequence[TrainSequence]) -> dict[str, np.ndarray]:
+    """Routes of every sequence when any has some: a sequence without gets zeros and route version -1 (unrouted)."""
+    shapes = {np.asarray(s.routes).shape[1:] for s in seqs if s.routes is not None}
+    if not shapes:
+        return {}
+    if len(shapes) > 1:
+        raise ValueError(f"routes of one batch differ in [layers, top_k]: {sorted(shapes)}")
+    shape = shapes.pop()
+    routes, versions = [], []
+    for s in seqs:
+        known = s.routes is not None and s.route_versions is not None
+        routes.append(np.asarray(s.routes, np.int64) if known else np.zeros((s.num_tokens, *shape), np.int64))
+        versions.append(np.asarray(s.route_versions, np.int32) if known else np.full(s.num_tokens, -1, np.int32))
+    return {"routes": np.concatenate(routes), "route_versions": np.concatenate(versions)}
 
 
 def decode_batch(data: bytes) -> TrainBatch:
@@ -113,6 +130,7 @@ def decode_batch(data: bytes) -> TrainBatch:
     ids = json.loads(_metadata(data).get("sample_ids", "[]"))
     bounds = np.concatenate([[0], np.cumsum(columns["lengths"])])
     prox = columns.get("proximal_logprobs")
+    routes, route_versions = columns.get("routes"), columns.get("route_versions")
     return TrainBatch(
         tuple(
             TrainSequence(
@@ -123,6 +141,8 @@ def decode_batch(data: bytes) -> TrainBatch:
                 advantage=columns["advantages"][a:b],
                 proximal_logprobs=None if prox is None else prox[a:b],
                 sample_id=ids[i] if i < len(ids) else "",
+                routes=None if routes is None else routes[a:b],
+                route_versions=None if route_versions is None else route_versions[a:b],
             )
             for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
         )

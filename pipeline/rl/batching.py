@@ -105,7 +105,10 @@ class TrainSequence:
         logprobs (backend)   0.0   lp1   lp2   lp3    lp4    lp5    lp6     # log pi(token_t | tokens_<t)
 
     ``advantage`` is one float for the whole sample or a float32 array per token (only its values at
-    loss tokens matter). ``proximal_logprobs`` (optional) are the trainer's log-probs under the
+    loss tokens matter). A mixture-of-experts sample may carry the sampler's ``routes``
+    (``[T, layers, top_k]`` expert ids, one row per position) and ``route_versions`` (``[T]`` int32, the
+    version whose forward chose them; -1 = no route recorded for that position, e.g. the last token,
+    which the sampler never fed): the trainer replays them under ``moe.routing_replay``. Both or neither. ``proximal_logprobs`` (optional) are the trainer's log-probs under the
     weights at the step's start, for ``decoupled_ppo``; compute them with `TrainingBackend.logprobs`.
     An invalid (masked) sample must arrive with ``loss_mask`` all zero: the backend never decides
     what is trainable. ``loss_mask[0]`` must be 0, since the first token has no context to predict it.
@@ -118,6 +121,8 @@ class TrainSequence:
     advantage: float | np.ndarray = 0.0
     proximal_logprobs: np.ndarray | None = None
     sample_id: str = ""
+    routes: np.ndarray | None = None
+    route_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         where = f"TrainSequence {self.sample_id!r}"
@@ -139,6 +144,7 @@ class TrainSequence:
                 raise ValueError(f"{where}: {name} has shape {np.shape(column)}, tokens have {tokens.shape}")
         if np.asarray(self.loss_mask)[0]:
             raise ValueError(f"{where}: loss_mask[0] is 1, but position 0 has no log-prob (nothing precedes it)")
+        _check_routes(where, tokens.shape[0], self.routes, self.route_versions)
 
     @property
     def num_tokens(self) -> int:
@@ -151,6 +157,27 @@ class TrainSequence:
     def advantages_per_token(self) -> np.ndarray:
         """The advantage broadcast to every position, float32."""
         return np.broadcast_to(np.asarray(self.advantage, dtype=np.float32), (self.num_tokens,))
+
+
+def _check_routes(where: str, num_tokens: int, routes: np.ndarray | None, versions: np.ndarray | None) -> None:
+    """Routes ``[T, layers, top_k]`` of non-negative integers and route_versions ``[T]`` integers, both or neither."""
+    if routes is None and versions is None:
+        return
+    if routes is None or versions is None:
+        missing = "routes" if routes is None else "route_versions"
+        raise ValueError(f"{where}: {missing} is None, but the other route column is set (both or neither)")
+    routes, versions = np.asarray(routes), np.asarray(versions)
+    if routes.ndim != 3 or routes.shape[0] != num_tokens or not np.issubdtype(routes.dtype, np.integer):
+        raise ValueError(
+            f"{where}: routes must be an integer array [{num_tokens} tokens, layers, top_k], "
+            f"got {routes.dtype} shape {routes.shape}"
+        )
+    if routes.size and int(routes.min()) < 0:
+        raise ValueError(f"{where}: routes hold a negative expert id {int(routes.min())}")
+    if versions.shape != (num_tokens,) or not np.issubdtype(versions.dtype, np.integer):
+        raise ValueError(
+            f"{where}: route_versions must be an integer array [{num_tokens}], got {versions.dtype} shape {versions.shape}"
+        )
 
 
 @dataclass
@@ -180,6 +207,15 @@ def _first_token_unmasked(mask: np.ndarray) -> np.ndarray:
         mask = mask.copy()
         mask[0] = 0
     return mask
+
+
+def _routes_of(group: TrajectoryGroup, s: slice) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The sample's routes and their versions (None, None for a dense model's group)."""
+    routes = getattr(group, "routes", None)
+    if routes is None:
+        return None, None
+    versions = getattr(group, "route_versions", None)
+    return routes[s], None if versions is None else versions[s]
 
 
 def prepare_group(group: TrajectoryGroup, *, version: int, policy: GroupPolicy) -> PreparedGroup:
@@ -216,6 +252,7 @@ def prepare_group(group: TrajectoryGroup, *, version: int, policy: GroupPolicy) 
     for i in range(group.num_samples):
         s = group.token_slice(i)
         mask = np.asarray(cap_masks[i], dtype=np.uint8) if valid[i] else np.zeros(s.stop - s.start, dtype=np.uint8)
+        routes, route_versions = _routes_of(group, s)
         prepared.samples.append(
             TrainSequence(
                 tokens=group.tokens[s],
@@ -224,6 +261,8 @@ def prepare_group(group: TrajectoryGroup, *, version: int, policy: GroupPolicy) 
                 versions=group.versions[s],
                 advantage=float(advantages[i]),
                 sample_id=group.trajectory_ids[i],
+                routes=routes,
+                route_versions=route_versions,
             )
         )
     return prepared

@@ -125,7 +125,8 @@ def timing_split(groups: Sequence[PreparedGroup], received_at_s: dict[str, float
 
 
 def merge_loss_stats(micro_stats: Iterable[dict[str, float]]) -> dict[str, Any]:
-    """Token-weighted means of the per-micro-batch correction stats (max/min kept as such)."""
+    """Token-weighted means of the per-micro-batch correction stats (max/min kept as such): ``is/<key>``, or the key
+    as it is when it names its own group (``mismatch/k3_kl``)."""
     totals: dict[str, float] = defaultdict(float)
     weights: dict[str, float] = defaultdict(float)
     extremes: dict[str, float] = {}
@@ -146,10 +147,14 @@ def merge_loss_stats(micro_stats: Iterable[dict[str, float]]) -> dict[str, Any]:
                 weight = fresh if key == "logp_gap_fresh" else n
                 totals[key] += value * weight
                 weights[key] += weight
-    out: dict[str, Any] = {f"is/{k}": v for k, v in extremes.items()}
+    out: dict[str, Any] = {_metric_name(k): v for k, v in extremes.items()}
     for key, total in totals.items():
         if key.startswith("num_"):
             out[f"tokens/{key[4:]}"] = int(total)
         elif weights[key] > 0:
-            out[f"is/{key}"] = total / weights[key]
+            out[_metric_name(key)] = total / weights[key]
     return out
+
+
+def _metric_name(key: str) -> str:
+    return key if "/" in key else f"is/{key}"

@@ -38,7 +38,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypedDict
 
 import numpy as np
@@ -78,6 +78,9 @@ class MicroBatch:
     ``seq_indices[i]`` is row ``i``'s index in ``TrainBatch.sequences``. Padding has ``loss_mask``
     False, ``attention_mask`` 0, tokens 0, log-probs 0 and advantage 0. ``loss_mask`` is bool.
     ``versions`` are int64 so that ``trainer_version - versions`` (staleness) needs no cast.
+    ``routes`` ``[S, T, layers, top_k]`` int64 and ``routed`` ``[S, T]`` bool are set when a sequence
+    carries the sampler's routes (`TrainSequence.routes`): ``routed`` is False on padding, where
+    ``route_versions`` is -1 and on every row of a sequence without routes (its ``routes`` are 0 there).
     """
 
     seq_indices: tuple[int, ...]
@@ -88,6 +91,8 @@ class MicroBatch:
     versions: Tensor
     advantages: Tensor
     proximal_logprobs: Tensor | None
+    routes: Tensor | None = None
+    routed: Tensor | None = None
 
     @property
     def num_padded_tokens(self) -> int:
@@ -152,6 +157,9 @@ class StepResult:
     forward_backward_s: float
     optimizer_s: float
     total_s: float
+    moe: Mapping[str, float] = field(default_factory=dict)
+    """Routing metrics of a mixture-of-experts model (``moe/...``, `actors/trainer/backends/routing.py`); empty
+    for a dense one."""
 
     @property
     def skipped_minibatches(self) -> int:
@@ -352,10 +360,29 @@ def padded_micro_batch(batch: TrainBatch, seq_indices: list[int], device: torch.
         columns["advantages"][row, :n] = seq.advantages_per_token()
         if "proximal_logprobs" in columns:
             columns["proximal_logprobs"][row, :n] = seq.proximal_logprobs
+    columns.update(_route_columns(seqs, width))
     tensors = {k: torch.from_numpy(v).to(device) for k, v in columns.items()}
     return MicroBatch(
         seq_indices=tuple(seq_indices), proximal_logprobs=tensors.pop("proximal_logprobs", None), **tensors
     )
+
+
+def _route_columns(seqs: Sequence[TrainSequence], width: int) -> dict[str, np.ndarray]:
+    """``routes`` [S, T, L, K] int64 and ``routed`` [S, T] bool when any sequence has routes, else nothing."""
+    shapes = {np.asarray(s.routes).shape[1:] for s in seqs if s.routes is not None}
+    if not shapes:
+        return {}
+    if len(shapes) > 1:
+        raise ValueError(f"routes of one batch differ in [layers, top_k]: {sorted(shapes)}")
+    layers, top_k = shapes.pop()
+    routes = np.zeros((len(seqs), width, layers, top_k), np.int64)
+    routed = np.zeros((len(seqs), width), np.bool_)
+    for row, seq in enumerate(seqs):
+        if seq.routes is not None and seq.route_versions is not None:
+            n = seq.num_tokens
+            routes[row, :n] = seq.routes
+            routed[row, :n] = np.asarray(seq.route_versions) >= 0
+    return {"routes": routes, "routed": routed}
 
 
 def train_minibatches(

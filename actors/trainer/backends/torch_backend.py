@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -86,6 +87,7 @@ from actors.trainer.backends.packing import (
     unpack_to_padded,
     use_packed_attention,
 )
+from actors.trainer.backends.routing import MicroBatchRouting
 from pipeline.config import LeewayConfig
 from pipeline.rl.batching import ModelLimits
 
@@ -113,6 +115,7 @@ class TorchBackend(TrainingBackend):
         packing: bool = True,
         fused_kernels: FusedSetting = "auto",
         lm_head_chunk_tokens: int | None = None,
+        routing_replay: bool = False,
     ) -> None:
         check_options(temperature, grad_clip)
         reject_dropout(model)
@@ -125,6 +128,8 @@ class TorchBackend(TrainingBackend):
         if gradient_checkpointing:
             _enable_checkpointing(self.model)
         self._setup_forward(packing, fused_kernels, lm_head_chunk_tokens)
+        self.routing = MicroBatchRouting(self.model, replay=routing_replay, packed=self.packing)
+        """Routing replay and the ``moe/...`` metrics of a mixture-of-experts model (`moe.routing_replay`)."""
         self.data_parallel = is_data_parallel()
         """Inside a process group of several ranks: FSDP2-sharded, each rank trains its share (`data_parallel`)."""
         if self.data_parallel:
@@ -140,7 +145,7 @@ class TorchBackend(TrainingBackend):
         cls, config: LeewayConfig, model: PreTrainedModel, *, autocast: bool | None = None, **overrides: Any
     ) -> TorchBackend:
         """The backend of a run: the options every backend reads (`backend_options`), then packing, liger
-        kernels and the chunked LM head, which only this backend reads."""
+        kernels and the chunked LM head, which only this backend reads, and `moe.routing_replay`."""
         t = config.trainer
         return cls(
             model,
@@ -149,6 +154,7 @@ class TorchBackend(TrainingBackend):
             packing=t.packing,
             fused_kernels=t.fused_kernels,
             lm_head_chunk_tokens=t.lm_head_chunk_tokens,
+            routing_replay=config.moe.routing_replay,
         )
 
     # -- forward ---------------------------------------------------------------------------------
@@ -184,7 +190,8 @@ class TorchBackend(TrainingBackend):
         lengths = [s.num_tokens for s in batch.sequences]
         for pack in self._packs(lengths):
             micro = padded_micro_batch(batch, pack, self.device)
-            logp, _ = self._forward(micro, with_entropy=False)
+            with self.routing.around(micro, count=False):
+                logp, _ = self._forward(micro, with_entropy=False)
             for row, index in enumerate(pack):
                 out[index] = logp[row, : lengths[index]].float().cpu().numpy()
         return out
@@ -248,7 +255,14 @@ class TorchBackend(TrainingBackend):
             loss, entropy, stats = self._accumulate(batch, chunk, loss_fn, mb_index, num)
             return loss, entropy, stats, len(stats)
 
-        return train_minibatches(batch, num_minibatches, self.model, self.optimizer, accumulate, self._optimizer_update)
+        self.routing.reset()
+        result = train_minibatches(
+            batch, num_minibatches, self.model, self.optimizer, accumulate, self._optimizer_update
+        )
+        counters = self.routing.counters()
+        if self.data_parallel and counters:
+            counters = sum_over_ranks(counters)
+        return replace(result, moe=self.routing.metrics_from(counters))
 
     def _accumulate(
         self, batch: TrainBatch, chunk: list[int], loss_fn: LossFn, mb_index: int, num_minibatches: int
@@ -272,13 +286,8 @@ class TorchBackend(TrainingBackend):
         for micro_index in range(num_micro):
             padding = micro_index >= len(packs)
             micro = padded_micro_batch(batch, [chunk[0]] if padding else packs[micro_index], self.device)
-            logp, entropy = self._forward(micro, with_entropy=True)
-            assert entropy is not None
-            if padding:  # no sequence left here: a zero loss keeps this rank in the collectives
-                (logp.sum() * 0.0).backward()
-                continue
             extras = LossExtras(
-                entropy=entropy,
+                entropy=torch.empty(0),
                 minibatch_index=mb_index,
                 num_minibatches=num_minibatches,
                 micro_index=micro_index,
@@ -286,20 +295,37 @@ class TorchBackend(TrainingBackend):
                 minibatch_seq_indices=tuple(chunk),
                 minibatch_loss_tokens=loss_tokens,
             )
-            loss, stats = loss_fn(logp, micro, extras)
-            loss = check_loss(loss)
-            if self.data_parallel and not loss.requires_grad:
-                loss = loss + logp.sum() * 0.0  # every rank must run the backward's reduce-scatter
-            if loss.requires_grad:
-                loss.backward()
-            loss_total += float(loss.detach())
-            entropy_total += float(entropy[micro.loss_mask].double().sum())
-            stats_out.append({k: float(v) for k, v in stats.items()})
+            # Around forward and backward: a checkpointed forward runs again inside the backward.
+            with self.routing.around(micro, count=not padding):
+                done = self._micro_step(micro, extras, loss_fn, padding)
+            if done is not None:
+                loss_total += done[0]
+                entropy_total += done[1]
+                stats_out.append(done[2])
         if self.data_parallel:
             loss_total, entropy_total = sum_over_ranks([loss_total, entropy_total])
             gathered = all_gather_bytes(json.dumps(stats_out).encode())
             stats_out = [s for data in gathered for s in json.loads(data)]
         return loss_total, entropy_total, stats_out
+
+    def _micro_step(
+        self, micro: MicroBatch, extras: LossExtras, loss_fn: LossFn, padding: bool
+    ) -> tuple[float, float, dict[str, float]] | None:
+        """Forward and backward of one micro-batch: (loss, entropy summed over loss tokens, stats), None for a
+        filler micro-batch (no sequence left on this rank: a zero loss keeps it in the collectives)."""
+        logp, entropy = self._forward(micro, with_entropy=True)
+        assert entropy is not None
+        if padding:
+            (logp.sum() * 0.0).backward()
+            return None
+        loss, stats = loss_fn(logp, micro, replace(extras, entropy=entropy))
+        loss = check_loss(loss)
+        if self.data_parallel and not loss.requires_grad:
+            loss = loss + logp.sum() * 0.0  # every rank must run the backward's reduce-scatter
+        if loss.requires_grad:
+            loss.backward()
+        entropy_sum = float(entropy[micro.loss_mask].double().sum())
+        return float(loss.detach()), entropy_sum, {k: float(v) for k, v in stats.items()}
 
     def _optimizer_update(self) -> tuple[float, bool]:
         """Clip, then AdamW; a non-finite norm skips the update (and is reported, not hidden)."""
