@@ -36,6 +36,9 @@ REFUSE_VOCAB = "token_out_of_vocab"
 """Refusal reason: a token id >= the model's vocabulary size."""
 REFUSE_TOO_LONG = "sample_too_long"
 """Refusal reason: a sample with more tokens than the model has positions."""
+REFUSE_ROUTES = "routes_mismatch"
+"""Refusal reason: routes of another layout than the model's MoE layers, or an expert id past its experts (replaying
+them would index outside the router's experts on every resume)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,8 @@ class ModelLimits:
     vocab_size: int
     max_positions: int | None
     """None: the model names no context length (no length check)."""
+    routes: tuple[int, int, int] | None = None
+    """A MoE model's (layers, top_k, num_experts) (`actors.moe.RouteShape`); None for a dense model."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,24 @@ def check_model_limits(group: TrajectoryGroup, limits: ModelLimits) -> Refusal |
                 REFUSE_TOO_LONG,
                 f"{where}: {tokens.size} tokens > the model's context of {limits.max_positions} positions",
             )
+    return _check_route_limits(group, limits)
+
+
+def _check_route_limits(group: TrajectoryGroup, limits: ModelLimits) -> Refusal | None:
+    if group.routes is None:
+        return None
+    layout = tuple(group.routes.shape[1:])
+    if limits.routes is None or layout != limits.routes[:2]:
+        model = "a dense model" if limits.routes is None else f"{limits.routes[0]} MoE layers x top-{limits.routes[1]}"
+        return Refusal(REFUSE_ROUTES, f"routes of {layout[0]} layers x top-{layout[1]} for {model}")
+    if group.routes.size and int(group.routes.max()) >= limits.routes[2]:
+        flat = int(np.argmax(group.routes.reshape(len(group.routes), -1).max(axis=1) >= limits.routes[2]))
+        sample = int(np.searchsorted(group.offsets, flat, side="right")) - 1
+        return Refusal(
+            REFUSE_ROUTES,
+            f"sample {sample} ({group.trajectory_ids[sample]!r}): expert id {int(group.routes[flat].max())} at "
+            f"position {flat - int(group.offsets[sample])} >= the model's {limits.routes[2]} experts",
+        )
     return None
 
 
@@ -211,11 +234,9 @@ def _first_token_unmasked(mask: np.ndarray) -> np.ndarray:
 
 def _routes_of(group: TrajectoryGroup, s: slice) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The sample's routes and their versions (None, None for a dense model's group)."""
-    routes = getattr(group, "routes", None)
-    if routes is None:
+    if group.routes is None or group.route_versions is None:
         return None, None
-    versions = getattr(group, "route_versions", None)
-    return routes[s], None if versions is None else versions[s]
+    return group.routes[s], group.route_versions[s]
 
 
 def prepare_group(group: TrajectoryGroup, *, version: int, policy: GroupPolicy) -> PreparedGroup:

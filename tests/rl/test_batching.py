@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from pipeline.rl.batching import (
     DROP_CAP,
     DROP_FILTER,
+    REFUSE_ROUTES,
     REFUSE_TOO_LONG,
     REFUSE_VOCAB,
     GroupPolicy,
@@ -143,3 +146,31 @@ def test_the_door_refuses_samples_longer_than_the_context() -> None:
     assert refusal is not None and refusal.reason == REFUSE_TOO_LONG
     assert "sample 1" in refusal.detail and "9 tokens > the model's context of 8" in refusal.detail
     assert check_model_limits(_group(_with_tokens([1] * 9)), ModelLimits(vocab_size=21, max_positions=None)) is None
+
+
+def _routed(sample: Sample, top: int) -> Sample:
+    n = len(sample.tokens)
+    routes = np.arange(n * 2 * 2).reshape(n, 2, 2) % top
+    return dataclasses.replace(
+        sample, routes=routes.astype(np.uint8), route_versions=np.r_[np.full(n - 1, 5), -1].astype(np.int32)
+    )
+
+
+def test_a_moe_groups_routes_reach_its_train_sequences_and_the_door_checks_their_layout() -> None:
+    group = _group(_routed(_sample(1.0), 8), _routed(_sample(0.0), 8))
+    prepared = prepare_group(group, version=5, policy=POLICY)
+    assert prepared.trainable
+    for i, seq in enumerate(prepared.samples):
+        np.testing.assert_array_equal(seq.routes, group.routes[group.token_slice(i)])
+        assert seq.route_versions.tolist() == [5, 5, 5, 5, -1]
+    limits = ModelLimits(vocab_size=100, max_positions=None, routes=(2, 2, 8))
+    assert check_model_limits(group, limits) is None
+    other_layout = check_model_limits(group, ModelLimits(vocab_size=100, max_positions=None, routes=(3, 2, 8)))
+    assert other_layout is not None and other_layout.reason == REFUSE_ROUTES
+    dense = check_model_limits(group, ModelLimits(vocab_size=100, max_positions=None))
+    assert dense is not None and dense.reason == REFUSE_ROUTES and "dense" in dense.detail
+    past = check_model_limits(_group(_sample(1.0), _routed(_sample(0.0), 12)), limits)
+    assert (
+        past is not None and past.reason == REFUSE_ROUTES and "sample 1" in past.detail and "8 experts" in past.detail
+    )
+    assert check_model_limits(_group(_sample(1.0)), limits) is None  # a dense group for a MoE model: nothing to replay

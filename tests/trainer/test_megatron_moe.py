@@ -30,11 +30,6 @@ LENGTHS = (9, 6)
 RANK_TIMEOUT_S = 300
 """A rank that has not finished by then is hung; the test fails with its log."""
 
-needs_routes = pytest.mark.skipif(
-    "routes" not in getattr(TrainSequence, "__dataclass_fields__", {}),
-    reason="TrainSequence.routes / MicroBatch.routes land with the trainer helper's branch (issue 38)",
-)
-
 
 def _qwen3_moe(norm_topk_prob: bool = True) -> Qwen3MoeForCausalLM:
     """4 query heads over 2 KV heads of 16, 8 experts of 32, top-2; the routers' weights made large enough that
@@ -157,7 +152,6 @@ def _run_rank(out: Path) -> None:
         raise AssertionError(f"megatron rank exited {code}:\n{log.read_text()[-4000:]}")
 
 
-@needs_routes
 def test_megatron_and_torch_give_the_same_loss_on_a_routed_batch_with_replay(tmp_path: Path) -> None:
     _run_rank(tmp_path)
     got = load_file(tmp_path / "megatron.safetensors")

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from actors.moe import route_shape
 from actors.trainer.backends.base import (
     LossExtras,
     LossFn,
@@ -394,7 +395,12 @@ class TorchBackend(TrainingBackend):
         rows = self.model.get_input_embeddings().num_embeddings
         vocab = min(int(getattr(config, "vocab_size", rows) or rows), int(rows))
         positions = getattr(config, "max_position_embeddings", None)
-        return ModelLimits(vocab_size=vocab, max_positions=int(positions) if positions else None)
+        shape = route_shape(self.model)
+        return ModelLimits(
+            vocab_size=vocab,
+            max_positions=int(positions) if positions else None,
+            routes=None if shape is None else (shape.layers, shape.top_k, shape.num_experts),
+        )
 
     @torch.no_grad()
     def load_state(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> None:

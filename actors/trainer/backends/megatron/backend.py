@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from actors.moe import route_shape
 from actors.trainer.backends.base import (
     LossExtras,
     LossFn,
@@ -147,8 +148,11 @@ class MegatronBackend(TrainingBackend):
         self.temperature = float(temperature)
         self.autocast = default_autocast(self.device) if autocast is None else bool(autocast)
         rows = model.get_input_embeddings().num_embeddings
+        routes = route_shape(model)
         self._limits = ModelLimits(
-            vocab_size=min(self.shape.vocab_size, int(rows)), max_positions=self.shape.max_positions
+            vocab_size=min(self.shape.vocab_size, int(rows)),
+            max_positions=self.shape.max_positions,
+            routes=None if routes is None else (routes.layers, routes.top_k, routes.num_experts),
         )
         self._hf_names = list(model.state_dict())
         self.model = build_gpt_model(
@@ -189,7 +193,7 @@ class MegatronBackend(TrainingBackend):
             pipeline_parallel_size=m.pipeline_parallel_size,
             use_transformer_engine=None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
             autocast=autocast,
-            routing_replay=bool(getattr(getattr(config, "moe", None), "routing_replay", False)),
+            routing_replay=config.moe.routing_replay,
             seed=config.run.seed,
         )
 
@@ -270,7 +274,7 @@ class MegatronBackend(TrainingBackend):
         """The MoE routers' replay of ``micro``'s routes (``moe.routing_replay``; off: agreement only)."""
         if self.route_replay is None:
             return contextlib.nullcontext()
-        routes, routed = getattr(micro, "routes", None), getattr(micro, "routed", None)
+        routes, routed = micro.routes, micro.routed
         valid = micro.attention_mask.bool()
         return self.route_replay.replaying(routes, routed, valid, replay=self.routing_replay)
 
