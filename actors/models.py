@@ -15,6 +15,12 @@ A spec is either
   embeddings and every dropout at 0 (the trainer backend rejects dropout). Absolute positions make
   position-indexed tasks such as reversing digits learnable by RL in a few hundred steps; the CPU demo
   uses this preset, or
+- a named mixture-of-experts preset ``tiny-qwen3moe-<layers>x<hidden>`` or ``tiny-olmoe-<layers>x<hidden>``
+  (same optional ``-<positions>``): a randomly initialised Qwen3-MoE or OLMoE with the same heads and context,
+  every layer sparse, `MOE_EXPERTS` experts of which `MOE_TOP_K` are routed per token, each expert an MLP as
+  wide as the hidden size (Qwen3-MoE renormalises the top-k gate weights, OLMoE does not, as the released
+  models). Their routers are initialised at random by the model's own init (a zero router would tie every
+  expert for every token), so routing replay (`actors/moe.py`) has real choices to record, or
 - a named benchmark preset from `NAMED_PRESETS` (``llama-1.4b``): a randomly initialised Llama of a
   real size, so GPU benchmarks of the engine and the trainer measure a realistic shape with nothing
   downloaded. Its vocabulary is fixed (a tokenizer with more ids is refused).
@@ -38,8 +44,12 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from pipeline.chat.template import ChatTemplate, load_chat_template
@@ -76,7 +86,12 @@ Phi): a Qwen3 tokenizer has both <|endoftext|> and <|im_end|>, and a chat turn e
 BOS_TOKENS = ("<bos>", "<s>")
 PAD_TOKENS = ("<pad>", "<|pad|>")
 
-_PRESET_RE = re.compile(r"^tiny-(?P<family>llama|gpt2)-(?P<layers>\d+)x(?P<hidden>\d+)(?:-(?P<positions>\d+))?$")
+MOE_EXPERTS = 8
+"""Experts per MoE layer of the tiny MoE presets."""
+MOE_TOP_K = 2
+"""Experts routed per token and layer by the tiny MoE presets."""
+
+_PRESET_RE = re.compile(r"^tiny-(?P<family>llama|gpt2|qwen3moe|olmoe)-(?P<layers>\d+)x(?P<hidden>\d+)(?:-(?P<positions>\d+))?$")
 NAMED_PRESETS: dict[str, dict[str, int]] = {
     "llama-1.4b": {
         "hidden_size": 2048,
@@ -89,8 +104,17 @@ NAMED_PRESETS: dict[str, dict[str, int]] = {
 }
 """Named Llama shapes (untied embeddings, random init) for the GPU benchmarks; see the module docstring."""
 
+_PRESET_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
+    LlamaConfig: LlamaForCausalLM,
+    GPT2Config: GPT2LMHeadModel,
+    Qwen3MoeConfig: Qwen3MoeForCausalLM,
+    OlmoeConfig: OlmoeForCausalLM,
+}
+"""The model class of each preset config (what `build_model` builds and `write_model_config` names)."""
+
 PRESET_FORMS = (
-    "'tiny-llama-<layers>x<hidden>[-<positions>]', 'tiny-gpt2-<layers>x<hidden>[-<positions>]' or one of "
+    "'tiny-llama-<layers>x<hidden>[-<positions>]', 'tiny-gpt2-<layers>x<hidden>[-<positions>]', "
+    "'tiny-qwen3moe-<layers>x<hidden>[-<positions>]', 'tiny-olmoe-<layers>x<hidden>[-<positions>]' or one of "
     + ", ".join(repr(name) for name in NAMED_PRESETS)
 )
 
@@ -108,7 +132,8 @@ def preset_config(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
 ) -> PretrainedConfig:
-    """The config of a preset (`LlamaConfig` or `GPT2Config`); raises ValueError for a name that is not one.
+    """The config of a preset (`LlamaConfig`, `GPT2Config`, `Qwen3MoeConfig` or `OlmoeConfig`); raises ValueError
+    for a name that is not one.
 
     A named preset keeps its own vocabulary, which must hold ``vocab_size`` ids."""
     if spec in NAMED_PRESETS:
@@ -152,19 +177,36 @@ def preset_config(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
         )
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        intermediate_size=4 * hidden,
-        max_position_embeddings=positions,
-        tie_word_embeddings=False,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-    )
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "max_position_embeddings": positions,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "pad_token_id": pad_token_id,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+    }
+    if match["family"] == "qwen3moe":
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=HEAD_DIM,
+            intermediate_size=4 * hidden,  # dense MLP layers only; every layer of the preset is sparse
+            moe_intermediate_size=hidden,
+            num_experts=MOE_EXPERTS,
+            num_experts_per_tok=MOE_TOP_K,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if match["family"] == "olmoe":  # OLMoE's experts are `intermediate_size` wide
+        return OlmoeConfig(
+            **common, intermediate_size=hidden, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K
+        )
+    return LlamaConfig(**common, intermediate_size=4 * hidden)
 
 
 def build_model(
@@ -203,8 +245,7 @@ def build_model(
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model_class = GPT2LMHeadModel if isinstance(config, GPT2Config) else LlamaForCausalLM
-            model = model_class(config)
+            model = _PRESET_CLASSES[type(config)](config)
         model = model.to(dtype)
     elif Path(spec).is_dir():
         model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, dtype=dtype)
@@ -380,5 +421,5 @@ def write_model_config(cfg: LeewayConfig, tokenizer: Tokenizer, directory: Path)
         bos_token_id=special_token_id(tokenizer, BOS_TOKENS),
         eos_token_id=eos_token_id(tokenizer),
     )
-    config.architectures = ["GPT2LMHeadModel" if isinstance(config, GPT2Config) else "LlamaForCausalLM"]
+    config.architectures = [_PRESET_CLASSES[type(config)].__name__]
     config.save_pretrained(directory)

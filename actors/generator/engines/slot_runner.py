@@ -15,29 +15,42 @@ Two operations, each one batched forward:
   token at position 0, which is harmless because a free slot's cache is rewritten by its next prefill.
 
 `FastSlotRunner` re-implements the forward for the Llama family (Llama, Mistral without sliding window,
-Qwen2 = Llama + qkv bias, Qwen3 = + q/k norms) and GPT-2, calling the HF submodules (norms, projections,
-MLPs, rotary embedding) so it reads the very Parameter tensors the engine updates in place. On CUDA its
-decode step is captured in CUDA graphs (`actors/generator/engines/cuda_graphs.py`), one per bucket of
-(dense batch size, attended length). `HFSlotRunner` is the fallback for any other model: one HF forward
-per slot with a ``DynamicCache`` each -- correct, keeps the cache across weight swaps, but slow.
+Qwen2 = Llama + qkv bias, Qwen3 = + q/k norms per head, Qwen3-MoE = Qwen3 + sparse MoE blocks, OLMoE = Llama +
+q/k norms over the whole projection, before the heads are split, + sparse MoE blocks) and GPT-2, calling the HF
+submodules (norms, projections, MLPs, routers, experts, rotary embedding) so it reads the very Parameter tensors
+the engine updates in place. On CUDA its decode step of a dense model is captured in CUDA graphs
+(`actors/generator/engines/cuda_graphs.py`), one per bucket of (dense batch size, attended length).
+`HFSlotRunner` is the fallback for any other model: one HF forward per slot with a ``DynamicCache`` each --
+correct, keeps the cache across weight swaps, but slow.
+
+Routes (mixture-of-experts models): every operation records, through `actors.moe.RouteRecorder` (hooks on the
+routers the forward calls), the experts each MoE layer chose for each position the operation wrote, and leaves
+them in `SlotRunner.routes`: one ``[positions, layers, top_k]`` array per row of the call (per prompt for
+``prefill``, per slot for ``decode``, per suffix for ``extend``), padding and idle-slot rows dropped. A MoE decode
+step is never captured in a CUDA graph: hooks do not run on a graph's replay, and the experts' dispatch reads
+the routes on the host. A dense model records nothing (`SlotRunner.recorder` is None).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from actors.generator.engines.cuda_graphs import DecodeGraphs
+from actors.moe import RouteRecorder, route_shape
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
-"""``config.model_type`` values `FastSlotRunner` runs as Llama-like decoders (RMSNorm, RoPE, gated MLP, GQA)."""
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmoe")
+"""``config.model_type`` values `FastSlotRunner` runs as Llama-like decoders (RMSNorm, RoPE, gated MLP or sparse
+MoE block, GQA)."""
 
 
 class SlotRunner(ABC):
@@ -51,6 +64,27 @@ class SlotRunner(ABC):
         self.num_slots = num_slots
         self.max_len = max_len
         self.device = next(model.parameters()).device
+        self.recorder = RouteRecorder(model) if route_shape(model) is not None else None
+        """Records the routers of a MoE model during each operation; None for a dense model."""
+        self.routes: list[np.ndarray] = []
+        """MoE: the routes of the last operation, one ``[positions, layers, top_k]`` array per row of its call."""
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        if self.recorder is None:
+            yield
+            return
+        with self.recorder.recording():
+            yield
+
+    def _keep_routes(self, width: int, rows: Sequence[tuple[int, int]]) -> None:
+        """Cut what the last forward recorded (a ``[batch, width]`` input, flattened row-major) to ``rows``:
+        (batch row, its first n tokens) for each row of the call, in the call's order."""
+        if self.recorder is None:
+            return
+        flat = self.recorder.take()
+        grid = flat.reshape(-1, width, *flat.shape[1:])
+        self.routes = [grid[row, :n] for row, n in rows]
 
     @abstractmethod
     def prefill(self, prompts: Sequence[Sequence[int]], slot_groups: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -117,6 +151,10 @@ class FastSlotRunner(SlotRunner):
             self._heads = int(cfg.num_attention_heads)
             self._kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self._heads)
             self._head_dim = int(attn.head_dim)
+        norm = getattr(self._blocks[0].self_attn, "q_norm", None) if not self._gpt2 else None
+        self._full_qk_norm = norm is not None and norm.weight.shape[0] != self._head_dim
+        """OLMoE: q/k norms over the whole projection (before the head split), not per head (Qwen3)."""
+        self._clip_qkv: float | None = getattr(cfg, "clip_qkv", None)
         self._scales = [float(self._attention(block).scaling) for block in self._blocks]
         self._gpt2_blocks = [_Gpt2Block.of(block) for block in self._blocks] if self._gpt2 else []
         dtype = next(model.parameters()).dtype
@@ -127,7 +165,7 @@ class FastSlotRunner(SlotRunner):
         self.key_index = torch.arange(max_len, device=self.device)
         self.row_index = torch.arange(num_slots, device=self.device)
         self._graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and self.device.type == "cuda" and self.recorder is None:
             self._graphs = DecodeGraphs(self.decode_dense, num_slots=num_slots, max_len=max_len, device=self.device)
 
     def _attention(self, block: torch.nn.Module) -> Any:
@@ -146,7 +184,11 @@ class FastSlotRunner(SlotRunner):
         if self.device.type != "cuda":  # [group x width, width]: -inf above the diagonal, per query head of a group
             causal = torch.full((width, width), float("-inf"), dtype=self.cache.dtype).triu_(1)
             causal = causal.repeat(self._heads // self._kv_heads, 1)
-        hidden = self._forward(ids, positions, lambda layer, q, kv: self._prefill_attend(layer, q, kv, first, causal))
+        with self._recording():
+            hidden = self._forward(
+                ids, positions, lambda layer, q, kv: self._prefill_attend(layer, q, kv, first, causal)
+            )
+        self._keep_routes(width, [(row, len(p)) for row, p in enumerate(prompts)])
         logits = self._head(hidden[torch.arange(len(prompts), device=self.device), last])
         for group, prompt in zip(slot_groups, prompts, strict=True):
             if len(group) > 1:
@@ -176,7 +218,9 @@ class FastSlotRunner(SlotRunner):
         if self._graphs is not None:
             logits = self._graphs.run(token_t, position_t, max(positions) + 1)
         else:
-            logits = self.decode_dense(token_t, position_t, max(positions) + 1)
+            with self._recording():
+                logits = self.decode_dense(token_t, position_t, max(positions) + 1)
+            self._keep_routes(1, [(slot, 1) for slot in slots])
         if list(slots) == list(range(width)):  # the common case: every slot up to the last one is running
             return logits.float()
         return logits[torch.tensor(list(slots), device=self.device)].float()
@@ -201,7 +245,9 @@ class FastSlotRunner(SlotRunner):
                 q, keys, values, attn_mask=visible, scale=self._scales[layer], enable_gqa=self._heads != self._kv_heads
             )
 
-        hidden = self._forward(ids, positions, attend)
+        with self._recording():
+            hidden = self._forward(ids, positions, attend)
+        self._keep_routes(width, [(row, len(s)) for row, s in enumerate(suffixes)])
         last = torch.tensor([len(s) - 1 for s in suffixes], device=self.device)
         return self._head(hidden[torch.arange(n, device=self.device), last]).float()
 
@@ -286,23 +332,26 @@ class FastSlotRunner(SlotRunner):
         cos, sin = self._base.rotary_emb(hidden, positions)
         for layer, block in enumerate(self._blocks):
             attn = block.self_attn
-            x = block.input_layernorm(hidden)
-            q = _linear(attn.q_proj, x).view(batch, width, self._heads, self._head_dim)
-            k = _linear(attn.k_proj, x).view(batch, width, self._kv_heads, self._head_dim)
-            v = _linear(attn.v_proj, x).view(batch, width, self._kv_heads, self._head_dim).transpose(1, 2)
-            if hasattr(attn, "q_norm"):  # Qwen3
+            q, k, v = self._qkv(attn, block.input_layernorm(hidden))
+            q = q.view(batch, width, self._heads, self._head_dim)
+            k = k.view(batch, width, self._kv_heads, self._head_dim)
+            v = v.view(batch, width, self._kv_heads, self._head_dim).transpose(1, 2)
+            if hasattr(attn, "q_norm") and not self._full_qk_norm:  # Qwen3, Qwen3-MoE: per head
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             out = attend(layer, q, torch.stack((k, v), dim=1)).transpose(1, 2).reshape(batch * width, -1)
             hidden = hidden + _linear(attn.o_proj, out)
-            x = block.post_attention_layernorm(hidden)
-            mlp = block.mlp
-            if hasattr(mlp, "gate_proj"):
-                x = _linear(mlp.down_proj, _activation(mlp.act_fn)(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
-            else:
-                x = mlp(x)
-            hidden = hidden + x
+            hidden = hidden + _mlp(block.mlp, block.post_attention_layernorm(hidden))
         return self._base.norm(hidden).view(batch, width, -1)
+
+    def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k, v projections of ``x`` (``[tokens, hidden]``), with OLMoE's whole-projection norms and clip."""
+        q, k, v = _linear(attn.q_proj, x), _linear(attn.k_proj, x), _linear(attn.v_proj, x)
+        if self._full_qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        if self._clip_qkv is not None:
+            q, k, v = (t.clamp(-self._clip_qkv, self._clip_qkv) for t in (q, k, v))
+        return q, k, v
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden)
@@ -318,14 +367,18 @@ class HFSlotRunner(SlotRunner):
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]], slot_groups: Sequence[Sequence[int]]) -> torch.Tensor:
-        logits = []
+        logits, routes = [], []
         for prompt, group in zip(prompts, slot_groups, strict=True):
             ids = torch.as_tensor(list(prompt), dtype=torch.long, device=self.device)[None]
-            for slot in group:
+            for index, slot in enumerate(group):
                 cache = DynamicCache(config=self.model.config)
-                out = self.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
+                with self._recording():
+                    out = self.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
+                self._keep_routes(len(prompt), [(0, len(prompt))])
+                routes += self.routes if index == 0 else []  # the group's slots compute the same routes
                 self._caches[slot] = cache
             logits.append(out.logits[0, -1].float())
+        self.routes = routes
         return torch.stack(logits)
 
     @torch.inference_mode()
@@ -336,17 +389,33 @@ class HFSlotRunner(SlotRunner):
         positions: Sequence[int],
         idle_positions: Mapping[int, int] | None = None,
     ) -> torch.Tensor:
-        logits = []
+        logits, routes = [], []
         for slot, token, position in zip(slots, tokens, positions, strict=True):
             ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
             pos = torch.tensor([[position]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: self._caches[slot]})
+            cache = {self._cache_kwarg: self._caches[slot]}
+            with self._recording():
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache)
+            self._keep_routes(1, [(0, 1)])
+            routes += self.routes
             logits.append(out.logits[0, -1].float())
+        self.routes = routes
         return torch.stack(logits)
 
 
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
+
+
+def _mlp(mlp: Any, x: torch.Tensor) -> torch.Tensor:
+    """A decoder block's MLP on ``[tokens, hidden]`` rows: a gated MLP, or a sparse MoE block (its router, then
+    its experts on the routed rows: the block's own forward wants ``[batch, tokens, hidden]``)."""
+    if hasattr(mlp, "gate_proj"):
+        return _linear(mlp.down_proj, _activation(mlp.act_fn)(_linear(mlp.gate_proj, x)) * _linear(mlp.up_proj, x))
+    if hasattr(mlp, "experts"):
+        _, weights, experts = mlp.gate(x)
+        return mlp.experts(x, experts, weights)
+    return mlp(x)
 
 
 def _norm_args(module: Any) -> tuple[Any, ...]:
