@@ -91,7 +91,9 @@ MOE_EXPERTS = 8
 MOE_TOP_K = 2
 """Experts routed per token and layer by the tiny MoE presets."""
 
-_PRESET_RE = re.compile(r"^tiny-(?P<family>llama|gpt2|qwen3moe|olmoe)-(?P<layers>\d+)x(?P<hidden>\d+)(?:-(?P<positions>\d+))?$")
+_PRESET_RE = re.compile(
+    r"^tiny-(?P<family>llama|gpt2|qwen3moe|olmoe)-(?P<layers>\d+)x(?P<hidden>\d+)(?:-(?P<positions>\d+))?$"
+)
 NAMED_PRESETS: dict[str, dict[str, int]] = {
     "llama-1.4b": {
         "hidden_size": 2048,
@@ -203,9 +205,7 @@ def preset_config(
             mlp_only_layers=[],
         )
     if match["family"] == "olmoe":  # OLMoE's experts are `intermediate_size` wide
-        return OlmoeConfig(
-            **common, intermediate_size=hidden, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K
-        )
+        return OlmoeConfig(**common, intermediate_size=hidden, num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K)
     return LlamaConfig(**common, intermediate_size=4 * hidden)
 
 

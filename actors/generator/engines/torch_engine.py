@@ -38,7 +38,16 @@ fed), *parked* under those ids, up to
 A request whose prompt starts with a parked slot's ids (the longest such) takes that slot and computes only
 its new tokens (`SlotRunner.extend`). A weight update drops every parked slot, so a request's tokens still
 depend only on its prompt, its seed and the weights. `prefix_stats` counts lookups, hits, prompt tokens and
-prefilled tokens (a prompt shared by a group counts once).
+prefilled tokens (a prompt shared by a group counts once), and the positions of a dropped prefix (a weight update,
+eviction) that a later prompt extending it had computed again (``recomputed_prefix_tokens``).
+
+Routes (mixture-of-experts models): each request's result carries, for every position its forwards computed (the
+prompt from ``routes_start``, then each fed token; the last sampled token is never fed), the experts every MoE
+layer chose there (`GenerateResult.routes`) and the version of the weights of that forward (``route_versions``:
+the version of its step). The G requests of a prompt prefilled once share its routes. A prefix hit starts at the
+cached length (``routes_start``: the earlier turn carried the prefix's routes); a prompt that extends a dropped
+prefix is computed, and routed, from 0 under the current weights, which ``recomputed_prefix_tokens`` counts.
+A dense model records none (``routes`` None).
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -63,6 +72,7 @@ from actors.generator.engines.base import (
     NamedTensors,
     SamplingParams,
 )
+from actors.generator.engines.parked_prefixes import ParkedPrefixes
 from actors.generator.engines.sampling import sample_rows, sampling_logprobs, seed_key
 from actors.generator.engines.slot_runner import SlotRunner, build_slot_runner
 
@@ -101,8 +111,22 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routes: list[np.ndarray] | None = None
+    """MoE: the routes of each forward that computed some of its positions, in position order (the first chunk
+    is empty: it gives an empty result its shape); None for a dense model."""
+    route_versions: list[int] = field(default_factory=list)
+    """The weights version of each chunk of ``routes``."""
+
+    def add_routes(self, routes: np.ndarray, version: int) -> None:
+        assert self.routes is not None
+        self.routes.append(routes)
+        self.route_versions.append(version)
 
     def result(self, reason: FinishReason) -> GenerateResult:
+        routes = versions = None
+        if self.routes is not None:
+            routes = np.concatenate(self.routes)
+            versions = np.repeat(np.asarray(self.route_versions, dtype=np.int32), [len(r) for r in self.routes])
         return GenerateResult(
             token_ids=np.asarray(self.tokens, dtype=np.int32),
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
@@ -110,6 +134,9 @@ class _Request:
             finish_reason=reason,
             request_id=self.request.request_id,
             gen_s=time.perf_counter() - self.submitted_s,
+            routes=routes,
+            route_versions=versions,
+            routes_start=self.cached,
         )
 
 
@@ -181,10 +208,16 @@ class TorchEngine(Engine):
         self._epoch = 0
         self._loop: threading.Thread | None = None
         limit = max_slots if prefix_cache_slots is None else min(prefix_cache_slots, max_slots)
-        self._prefix_limit = limit if self._runner.supports_extend else 0
-        self._parked: OrderedDict[int, tuple[int, ...]] = OrderedDict()
-        """Free slots whose cache still holds these ids' keys and values, least recently parked first."""
-        self._stats = {"prefix_lookups": 0, "prefix_hits": 0, "prompt_tokens": 0, "prefilled_tokens": 0}
+        self._parked = ParkedPrefixes(limit if self._runner.supports_extend else 0)
+        self._stats = {
+            "prefix_lookups": 0,
+            "prefix_hits": 0,
+            "prompt_tokens": 0,
+            "prefilled_tokens": 0,
+            "recomputed_prefix_tokens": 0,
+        }
+        shape = self._runner.recorder.shape if self._runner.recorder is not None else None
+        self._no_routes = None if shape is None else np.zeros((0, shape.layers, shape.top_k), dtype=shape.dtype)
 
     @property
     def version(self) -> int:
@@ -205,7 +238,9 @@ class TorchEngine(Engine):
     @property
     def prefix_stats(self) -> dict[str, int]:
         """Prefix-reuse counters since start: ``prefix_lookups``, ``prefix_hits``, ``prompt_tokens`` (admitted
-        requests' prompts) and ``prefilled_tokens`` (positions actually computed for them)."""
+        requests' prompts), ``prefilled_tokens`` (positions actually computed for them) and
+        ``recomputed_prefix_tokens`` (positions of a kept prefix that was dropped, by a weight update or an
+        eviction, before a prompt extending it came: computed, and for a MoE model routed, again from 0)."""
         with self._lock:
             return dict(self._stats)
 
@@ -271,7 +306,7 @@ class TorchEngine(Engine):
                     self._version = update.version
                 if updates:
                     with self._lock:  # keys and values of other weights are not reused (module docstring)
-                        self._parked.clear()
+                        self._parked.drop_all()
                 if self._device.type == "cuda":
                     torch.cuda.synchronize(self._device)
         except BaseException as exc:
@@ -323,6 +358,9 @@ class TorchEngine(Engine):
                 seed = request.seed if request.seed is not None else fallback_seed
                 budget = min(request.max_new_tokens or params.max_new_tokens, self._max_len - len(prompt))
                 entry = _Request(request, prompt, params, seed, budget, self._epoch, Future(), now, seed_key(seed))
+                if self._no_routes is not None:
+                    entry.routes = []
+                    entry.add_routes(self._no_routes, self._version)
                 entry.future.set_running_or_notify_cancel()
                 futures.append(entry.future)
                 if budget < 1:
@@ -407,46 +445,10 @@ class TorchEngine(Engine):
                 running = [entry for entry in self._slots if entry is not None]
                 admitted = self._admit()
                 # a parked slot inside the dense decode takes its dummy write past its prefix, not over it
-                idle = {slot: len(ids) for slot, ids in self._parked.items()}
-            logits = []
-            if running:
-                logits.append(
-                    self._runner.decode(
-                        [e.slot for e in running],
-                        [e.tokens[-1] for e in running],
-                        [len(e.prompt) + len(e.tokens) - 1 for e in running],
-                        idle_positions=idle,
-                    )
-                )
-            hits = [entry for entry in admitted if entry.cached]
-            fresh = [entry for entry in admitted if not entry.cached]
-            if fresh:
-                groups: dict[tuple[int, ...], list[_Request]] = {}
-                for entry in fresh:
-                    groups.setdefault(tuple(entry.prompt), []).append(entry)
-                prompt_logits = self._runner.prefill(
-                    [list(p) for p in groups], [[e.slot for e in group] for group in groups.values()]
-                )
-                index = torch.tensor(
-                    [g for g, group in enumerate(groups.values()) for _ in group], device=prompt_logits.device
-                )
-                logits.append(prompt_logits[index])
-                fresh = [entry for group in groups.values() for entry in group]
-            if hits:
-                logits.append(
-                    self._runner.extend(
-                        [e.slot for e in hits], [e.prompt[e.cached :] for e in hits], [e.cached for e in hits]
-                    )
-                )
-            if admitted:
-                with self._lock:
-                    self._stats["prompt_tokens"] += sum(len(e.prompt) for e in admitted)
-                    self._stats["prefilled_tokens"] += sum(len(p) for p in groups) if fresh else 0
-                    self._stats["prefilled_tokens"] += sum(len(e.prompt) - e.cached for e in hits)
-            admitted = fresh + hits
-        rows = running + admitted
+                idle = {slot: len(ids) for slot, ids in self._parked.slots.items()}
+            logits, rows = self._forwards(running, admitted, idle, version)
         tokens, logprobs = sample_rows(
-            torch.cat(logits),
+            logits,
             [e.params for e in rows],
             [e.key for e in rows],
             [len(e.tokens) for e in rows],
@@ -465,17 +467,64 @@ class TorchEngine(Engine):
                 if self._slots[entry.slot] is entry:
                     self._slots[entry.slot] = None
                     if entry.request.keep_prefix:
-                        self._park(entry.slot, (*entry.prompt, *entry.tokens[:-1]))
+                        self._parked.park(entry.slot, (*entry.prompt, *entry.tokens[:-1]))
         return finished
 
-    def _park(self, slot: int, ids: tuple[int, ...]) -> None:
-        """Keep a finished slot's cache for prefix reuse; caller holds the scheduler lock."""
-        if not self._prefix_limit:
+    def _forwards(
+        self, running: list[_Request], admitted: list[_Request], idle: dict[int, int], version: int
+    ) -> tuple[torch.Tensor, list[_Request]]:
+        """The step's forwards, under the model lock: one decode of the running rows, one prefill of the distinct
+        new prompts, one extend of the prefix hits. Returns their logits and the request of each row; a MoE
+        model's routes go to the requests whose positions each forward computed, with ``version``."""
+        logits, rows = [], []
+        if running:
+            logits.append(
+                self._runner.decode(
+                    [e.slot for e in running],
+                    [e.tokens[-1] for e in running],
+                    [len(e.prompt) + len(e.tokens) - 1 for e in running],
+                    idle_positions=idle,
+                )
+            )
+            self._file_routes([[e] for e in running], version)
+            rows += running
+        hits = [entry for entry in admitted if entry.cached]
+        groups: dict[tuple[int, ...], list[_Request]] = {}
+        for entry in admitted:
+            if not entry.cached:
+                groups.setdefault(tuple(entry.prompt), []).append(entry)
+        if groups:
+            prompt_logits = self._runner.prefill(
+                [list(p) for p in groups], [[e.slot for e in group] for group in groups.values()]
+            )
+            index = torch.tensor(
+                [g for g, group in enumerate(groups.values()) for _ in group], device=prompt_logits.device
+            )
+            logits.append(prompt_logits[index])
+            self._file_routes(list(groups.values()), version)  # a group's slots share its prompt's routes
+            rows += [entry for group in groups.values() for entry in group]
+        if hits:
+            logits.append(
+                self._runner.extend(
+                    [e.slot for e in hits], [e.prompt[e.cached :] for e in hits], [e.cached for e in hits]
+                )
+            )
+            self._file_routes([[e] for e in hits], version)
+            rows += hits
+        if admitted:
+            with self._lock:
+                self._stats["prompt_tokens"] += sum(len(e.prompt) for e in admitted)
+                self._stats["prefilled_tokens"] += sum(len(p) for p in groups)
+                self._stats["prefilled_tokens"] += sum(len(e.prompt) - e.cached for e in hits)
+        return torch.cat(logits), rows
+
+    def _file_routes(self, owners: list[list[_Request]], version: int) -> None:
+        """The last runner call's routes, row ``i`` to every request of ``owners[i]`` (MoE models only)."""
+        if self._no_routes is None:
             return
-        self._parked[slot] = ids
-        self._parked.move_to_end(slot)
-        while len(self._parked) > self._prefix_limit:
-            self._parked.popitem(last=False)
+        for entries, routes in zip(owners, self._runner.routes, strict=True):
+            for entry in entries:
+                entry.add_routes(routes, version)
 
     def _admit(self) -> list[_Request]:
         """Waiting requests into free slots, caller holding the lock: a parked slot holding the longest prefix of
@@ -487,11 +536,11 @@ class TorchEngine(Engine):
             slot, cached = self._prefix_slot(new.prompt)
             if slot is None:
                 free = [i for i, entry in enumerate(self._slots) if entry is None]
-                unparked = [i for i in free if i not in self._parked]
-                slot = unparked[0] if unparked else next(iter(self._parked), None)
+                unparked = [i for i in free if i not in self._parked.slots]
+                slot = unparked[0] if unparked else next(iter(self._parked.slots), None)
                 if slot is None:
                     break
-                self._parked.pop(slot, None)
+                self._parked.evict(slot)
             self._waiting.popleft()
             new.slot, new.cached = slot, cached
             self._slots[slot] = new
@@ -500,23 +549,19 @@ class TorchEngine(Engine):
 
     def _prefix_slot(self, prompt: list[int]) -> tuple[int | None, int]:
         """(parked slot, cached length) of the longest parked ids that begin ``prompt`` and leave a token to
-        compute; (None, 0) when none do. Counts the lookup and the hit; caller holds the lock."""
-        if not self._prefix_limit:
+        compute; (None, 0) when none do. Counts the lookup, the hit and a recomputed dropped prefix; caller holds
+        the lock."""
+        if not self._parked.limit:
             return None, 0
         self._stats["prefix_lookups"] += 1
-        best, length = None, 0
-        for slot, ids in self._parked.items():
-            if length < len(ids) < len(prompt) and tuple(prompt[: len(ids)]) == ids:
-                best, length = slot, len(ids)
-        if best is None:
-            return None, 0
-        del self._parked[best]
-        self._stats["prefix_hits"] += 1
-        return best, length
+        slot, cached, recomputed = self._parked.take_longest(prompt)
+        self._stats["recomputed_prefix_tokens"] += recomputed
+        self._stats["prefix_hits"] += slot is not None
+        return slot, cached
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
-            self._parked.clear()  # a forward failed half-way: no cache content is trusted
+            self._parked.drop_all()  # a forward failed half-way: no cache content is trusted
             entries = [e for e in self._slots if e is not None] + list(self._waiting)
             self._slots = [None] * len(self._slots)
             self._waiting.clear()
@@ -526,6 +571,15 @@ class TorchEngine(Engine):
 
 
 def _deliver(finished: list[tuple[_Request, FinishReason]]) -> None:
+    """Resolve each future with its result, or with the error that building the result raised (the request has
+    left its slot by now: a caller waiting on it must not wait forever)."""
     for entry, reason in finished:
-        if not entry.future.done():
-            entry.future.set_result(entry.result(reason))
+        if entry.future.done():
+            continue
+        try:
+            result = entry.result(reason)
+        except Exception as exc:
+            log.exception("request %r: its result could not be built", entry.request.request_id)
+            entry.future.set_exception(exc)
+            continue
+        entry.future.set_result(result)
