@@ -175,7 +175,13 @@ class EngineConfig(Section):
     prefix_cache_slots: int | None = Field(None, ge=0)
     """Finished sequences whose KV cache the torch engine keeps for a next turn that extends them (multi-turn
     episodes prefill only their new tokens); least recently finished first out, and a slot a new request needs is
-    taken back. None: every free slot; 0: off. Dropped at every weight update."""
+    taken back. None: every free slot; 0: off. Dropped at every weight update unless prefix_across_updates."""
+    prefix_across_updates: bool = False
+    """Keep kept prefixes across weight updates (torch: parked slots; vLLM: its prefix cache is not salted by
+    version). A turn after an update then computes only its new positions and attends to keys and values the
+    earlier weights computed, as an in-flight update does within one request (with a MoE model, the route versions
+    record which weights computed each position). Off: a request's tokens depend only on its prompt, its seed and
+    the weights, at the cost of computing a long agent context again after every update."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters for every rollout."""
     vllm: VllmEngineConfig = Field(default_factory=VllmEngineConfig)

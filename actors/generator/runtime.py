@@ -112,6 +112,7 @@ def build_engine(cfg: LeewayConfig, tokenizer: Tokenizer, generator_id: str, con
         max_len=cfg.engine.max_len,
         cuda_graphs=cfg.engine.cuda_graphs,
         prefix_cache_slots=cfg.engine.prefix_cache_slots,
+        prefix_across_updates=cfg.engine.prefix_across_updates,
     )
 
 

@@ -28,8 +28,8 @@ def chat_template() -> ChatTemplate:
     return ChatTemplate(TOKENIZER, load_chat_template_text(), eos_token="<eos>", bos_token="<bos>")
 
 
-def model(seed: int = 0) -> torch.nn.Module:
-    return build_model(MODEL, vocab_size=TOKENIZER.get_vocab_size(), seed=seed)
+def model(seed: int = 0, spec: str = MODEL) -> torch.nn.Module:
+    return build_model(spec, vocab_size=TOKENIZER.get_vocab_size(), seed=seed)
 
 
 @dataclass
@@ -54,10 +54,20 @@ async def served(
     max_inflight: int = 64,
     max_body_bytes: int = 1 << 20,
     max_len: int | None = None,
+    model_spec: str = MODEL,
+    prefix_across_updates: bool = False,
 ) -> AsyncIterator[Served]:
     """An endpoint whose engine holds ``version`` (None: no weights yet, version -1)."""
-    net = model()
-    engine = TorchEngine(net, pad_token_id=0, seed=7, version=-1, max_slots=16, max_len=max_len)
+    net = model(spec=model_spec)
+    engine = TorchEngine(
+        net,
+        pad_token_id=0,
+        seed=7,
+        version=-1,
+        max_slots=16,
+        max_len=max_len,
+        prefix_across_updates=prefix_across_updates,
+    )
     if version is not None:
         engine.load_state(dict(net.state_dict()), version)
     service = EndpointService(

@@ -37,7 +37,9 @@ fed), *parked* under those ids, up to
 ``prefix_cache_slots`` slots, least recently parked first out, and only while no new request needs the slot.
 A request whose prompt starts with a parked slot's ids (the longest such) takes that slot and computes only
 its new tokens (`SlotRunner.extend`). A weight update drops every parked slot, so a request's tokens still
-depend only on its prompt, its seed and the weights. `prefix_stats` counts lookups, hits, prompt tokens and
+depend only on its prompt, its seed and the weights; unless ``prefix_across_updates`` keeps them (a later turn then
+attends to keys and values of the earlier weights, as an in-flight update does within a request, and computes only
+its new positions: the route versions say which weights computed each). `prefix_stats` counts lookups, hits, prompt tokens and
 prefilled tokens (a prompt shared by a group counts once), and the positions of a dropped prefix (a weight update,
 eviction) that a later prompt extending it had computed again (``recomputed_prefix_tokens``).
 
@@ -174,6 +176,7 @@ class TorchEngine(Engine):
         cuda_graphs: bool = True,
         fast_forward: bool = True,
         prefix_cache_slots: int | None = None,
+        prefix_across_updates: bool = False,
     ) -> None:
         self._model = model.eval()
         self._device = next(model.parameters()).device
@@ -209,6 +212,7 @@ class TorchEngine(Engine):
         self._loop: threading.Thread | None = None
         limit = max_slots if prefix_cache_slots is None else min(prefix_cache_slots, max_slots)
         self._parked = ParkedPrefixes(limit if self._runner.supports_extend else 0)
+        self._prefix_across_updates = prefix_across_updates
         self._stats = {
             "prefix_lookups": 0,
             "prefix_hits": 0,
@@ -304,7 +308,7 @@ class TorchEngine(Engine):
                     for name, tensor in update.tensors.items():
                         self._copy_tensor(self._tensors[name], tensor)
                     self._version = update.version
-                if updates:
+                if updates and not self._prefix_across_updates:
                     with self._lock:  # keys and values of other weights are not reused (module docstring)
                         self._parked.drop_all()
                 if self._device.type == "cuda":
