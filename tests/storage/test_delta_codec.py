@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -189,3 +191,15 @@ def test_workload_yields_hf_named_bf16_versions_that_codec_stats_round_trips() -
     assert stats["bit_exact"]
     assert 0 < stats["changed_fraction"] < 0.5
     assert stats["delta_bytes"] < stats["xor_zstd1_bytes"] < stats["full_bytes"]
+
+
+def test_a_moe_workload_has_hf_expert_tensors_whose_bytes_codec_stats_counts_apart() -> None:
+    shapes = transformer_shapes(400_000, experts=8)
+    experts = {name: shape for name, shape in shapes.items() if ".mlp.experts." in name}
+    assert len(experts) == 2 * 4 and all(shape[0] == 8 for shape in experts.values())
+    assert "model.layers.0.mlp.gate.weight" in shapes and "model.layers.0.mlp.up_proj.weight" not in shapes
+    prev, new = list(synthetic_versions(400_000, lr=1e-5, steps=1, warmup=1, experts=8))
+    stats = codec_stats(prev, new, timing_repeats=1)
+    expert_elements = sum(math.prod(shape) for shape in experts.values())
+    assert stats["expert_full_bytes"] == 2 * expert_elements  # bf16
+    assert 0 < stats["expert_delta_bytes"] < stats["delta_bytes"] and stats["bit_exact"]

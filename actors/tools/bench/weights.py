@@ -31,7 +31,15 @@ DEFAULT_PARAMS = 100_000_000
 DEFAULT_LR = 1e-6
 DEFAULT_STEPS = 3
 RUN = "bench-weights"
-_SUM_KEYS = ("full_bytes", "delta_bytes", "entropy_bound_bytes", "xor_zstd1_bytes", "index_value_bytes")
+_SUM_KEYS = (
+    "full_bytes",
+    "delta_bytes",
+    "entropy_bound_bytes",
+    "xor_zstd1_bytes",
+    "index_value_bytes",
+    "expert_full_bytes",
+    "expert_delta_bytes",
+)
 _MEAN_KEYS = ("changed_fraction", "encode_gbps", "decode_apply_gbps")
 
 
@@ -48,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--part-bytes", type=int, default=16 * 1024 * 1024, help="target size of one stored part")
     parser.add_argument("--parallelism", type=int, default=4, help="parallel transfers and codec threads in the store")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="a mixture-of-experts model: this many experts per layer (Qwen3-MoE layout); 0: dense. The expert "
+        "tensors' share of the full and delta bytes is reported",
+    )
 
 
 def _progress(message: str) -> None:
@@ -118,7 +133,9 @@ def _measure(args: argparse.Namespace, store: ObjectStore) -> dict[str, Any]:
     bit_exact = True
     prev: dict[str, torch.Tensor] | None = None
     try:
-        for version, tensors in enumerate(synthetic_versions(args.params, args.lr, args.steps, seed=args.seed)):
+        for version, tensors in enumerate(
+            synthetic_versions(args.params, args.lr, args.steps, seed=args.seed, experts=args.experts)
+        ):
             if prev is None:
                 full_s = _timed_round(pub, sub, version, tensors)
                 full_stored = sub.manifest(version).num_bytes
@@ -154,6 +171,9 @@ def _summary(
         out[key] = statistics.fmean(s[key] for s in stats)
     for key in _SUM_KEYS:
         out[key] = sum(s[key] for s in stats) / steps  # per delta step
+    out["experts"] = args.experts
+    out["expert_share_full"] = out["expert_full_bytes"] / out["full_bytes"]
+    out["expert_share_delta"] = out["expert_delta_bytes"] / out["delta_bytes"]
     out["ratio_vs_full"] = out["full_bytes"] / out["delta_bytes"]
     out["delta_vs_entropy_bound"] = out["delta_bytes"] / out["entropy_bound_bytes"]
     out["delta_vs_xor_zstd1"] = out["delta_bytes"] / out["xor_zstd1_bytes"]

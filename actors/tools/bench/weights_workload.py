@@ -36,11 +36,20 @@ ADAMW_BETAS = (0.9, 0.999)
 ADAMW_EPS = 1e-8
 
 
-def transformer_shapes(num_params: int) -> dict[str, tuple[int, ...]]:
-    """HF-named parameter shapes totalling about `num_params` (hidden d, FFN 3d, vocab 8d, tied head)."""
+EXPERT_MARK = ".mlp.experts."
+"""What an expert tensor's HF name holds (Qwen3-MoE and OLMoE: ``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+
+
+def transformer_shapes(num_params: int, experts: int = 0) -> dict[str, tuple[int, ...]]:
+    """HF-named parameter shapes totalling about `num_params` (hidden d, FFN 3d, vocab 8d, tied head). With
+    ``experts`` E > 0 each MLP is a Qwen3-MoE block instead: a router and E experts of width 3d/2 (top-2 of them
+    as wide as the dense FFN), stored fused as HF writes them."""
     if num_params < 1:
         raise ValueError(f"num_params must be >= 1, got {num_params}")
-    params_per_d2 = NUM_LAYERS * (4 + 3 * 3) + 8  # attention 4 d^2, MLP 3 * d * 3d, embedding 8d * d
+    if experts < 0:
+        raise ValueError(f"experts must be >= 0, got {experts}")
+    mlp = 3 * 3 if not experts else experts * 3 * 1.5  # per d^2: dense 3 * d * 3d, MoE E * 3 * d * 1.5d
+    params_per_d2 = NUM_LAYERS * (4 + mlp) + 8  # attention 4 d^2, the MLP, embedding 8d * d
     hidden = max(8, round(math.sqrt(num_params / params_per_d2) / 8) * 8)
     ffn = 3 * hidden
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (8 * hidden, hidden)}
@@ -50,6 +59,12 @@ def transformer_shapes(num_params: int) -> dict[str, tuple[int, ...]]:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             shapes[f"{prefix}.self_attn.{proj}.weight"] = (hidden, hidden)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+        if experts:
+            width = ffn // 2
+            shapes[f"{prefix}.mlp.gate.weight"] = (experts, hidden)
+            shapes[f"{prefix}{EXPERT_MARK}gate_up_proj"] = (experts, 2 * width, hidden)
+            shapes[f"{prefix}{EXPERT_MARK}down_proj"] = (experts, hidden, width)
+            continue
         shapes[f"{prefix}.mlp.gate_proj.weight"] = (ffn, hidden)
         shapes[f"{prefix}.mlp.up_proj.weight"] = (ffn, hidden)
         shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, ffn)
@@ -58,7 +73,7 @@ def transformer_shapes(num_params: int) -> dict[str, tuple[int, ...]]:
 
 
 def synthetic_versions(
-    num_params: int, lr: float, steps: int, warmup: int = 5, seed: int = 0
+    num_params: int, lr: float, steps: int, warmup: int = 5, seed: int = 0, experts: int = 0
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield `steps + 1` bf16 states: version 0 after `warmup` AdamW steps, then one per further step.
 
@@ -67,7 +82,7 @@ def synthetic_versions(
     """
     generator = torch.Generator().manual_seed(seed)
     params: dict[str, torch.nn.Parameter] = {}
-    for name, shape in transformer_shapes(num_params).items():
+    for name, shape in transformer_shapes(num_params, experts).items():
         tensor = torch.empty(shape, dtype=torch.float32)
         if len(shape) == 1:
             tensor.fill_(1.0)
@@ -109,7 +124,9 @@ def codec_stats(
         raise ValueError(f"codec_stats: timing_repeats must be >= 1, got {timing_repeats}")
     if prev.keys() != new.keys():
         raise ValueError(f"codec_stats: tensor names differ ({sorted(prev.keys() ^ new.keys())[:5]} ...)")
-    totals = dict.fromkeys(("full", "delta", "xor", "index_value", "bound_per_tensor", "changed"), 0.0)
+    totals = dict.fromkeys(
+        ("full", "delta", "xor", "index_value", "bound_per_tensor", "changed", "expert_full", "expert_delta"), 0.0
+    )
     encode_s = apply_s = 0.0
     bit_exact = True
     for name in prev:
@@ -128,6 +145,9 @@ def codec_stats(
         bit_exact &= bool(np.array_equal(target, new_bits))
         totals["full"] += old_bits.nbytes
         totals["delta"] += len(blob)
+        if EXPERT_MARK in name:
+            totals["expert_full"] += old_bits.nbytes
+            totals["expert_delta"] += len(blob)
         totals["xor"] += len(encode_xor_zstd_baseline(old_bits, new_bits))
         totals["index_value"] += index_value_baseline_bytes(old_bits, new_bits)
         totals["bound_per_tensor"] += entropy_bound_bytes(old_bits, new_bits)
@@ -143,6 +163,8 @@ def codec_stats(
         "changed_fraction": totals["changed"] / num_elements if num_elements else 0.0,
         "full_bytes": int(totals["full"]),
         "delta_bytes": int(totals["delta"]),
+        "expert_full_bytes": int(totals["expert_full"]),
+        "expert_delta_bytes": int(totals["expert_delta"]),
         "entropy_bound_bytes": bound,
         "entropy_bound_per_tensor_bytes": totals["bound_per_tensor"],
         "delta_vs_entropy_bound": totals["delta"] / bound if bound else float("nan"),
