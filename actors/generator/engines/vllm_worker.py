@@ -14,16 +14,19 @@ Mixture-of-experts routes (`leeway_record_routes`, `leeway_take_routes`): vLLM's
 (``vllm/config/vllm.py`` ``_verify_aux_output_compatibility`` refuses the flag on the V1 runner). The worker
 therefore records routes at the seam vLLM's capturer uses (``bind_routed_experts_capturer`` in
 ``vllm/model_executor/layers/fused_moe/routed_experts_capturer.py``): each MoE layer's router gets a capture callback
-(``BaseRouter.set_capture_fn``) that sees the logical expert ids of the step's flattened tokens; a wrapper around
-the runner's ``execute_model`` splits the step's rows by request (``input_batch.req_ids``, the scheduled token
-counts) and tags them with their positions (the runner's ``positions``) and the version of the weights loaded. One
-code path on CPU and GPU.
+(``BaseRouter.set_capture_fn``) that copies the logical expert ids of the step's flattened tokens into a fixed
+buffer; a wrapper around the V1 runner's ``execute_model`` splits the step's rows by request
+(``input_batch.req_ids``, the scheduled token counts) and tags them with their positions (the runner's
+``positions``) and the version of the weights loaded. The same code runs on GPU (untested there: no GPU in CI).
+
+vLLM 0.32 skips the CPU MoE kernel's weight prepack on an in-place reload; `_repack_cpu_experts` does it.
 
 This module is imported by vLLM in its worker processes; it imports nothing of Leeway's beyond the store's hash.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +37,8 @@ from safetensors import safe_open
 from storage.weights_base import tensor_hash
 
 __all__ = ["LeewayWorkerExtension"]
+
+log = logging.getLogger(__name__)
 
 
 def _sha256(tensor: torch.Tensor) -> str:
@@ -86,10 +91,10 @@ class LeewayWorkerExtension:
         """Record every MoE layer's routes from now on (idempotent). Returns ``{"layers": [layer index, ...]}``, the
         MoE layers in the column order of `leeway_take_routes`' routes."""
         if self._leeway_routes is None:
-            log = _RouteLog(lambda: self._leeway_version)
-            log.bind(self.model_runner.get_model())
-            log.wrap(self.model_runner)
-            self._leeway_routes = log
+            routes = _RouteLog(self.model_runner, lambda: self._leeway_version)
+            routes.bind(self.model_runner.get_model())
+            routes.wrap()
+            self._leeway_routes = routes
         return {"layers": self._leeway_routes.layer_ids}
 
     def leeway_take_routes(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
@@ -140,68 +145,86 @@ def _repack_cpu_experts(model: torch.nn.Module) -> None:
 
 
 class _RouteLog:
-    """Per request, the routes of every step that computed its tokens: ``(positions, routes, version)`` chunks."""
+    """Per request, the routes of every step that computed its tokens: ``(positions, routes, version)`` chunks.
 
-    def __init__(self, version: Callable[[], int]) -> None:
+    The routers write into one device buffer ``[tokens, layers, top_k]`` (what vLLM's capturer does: a copy into a
+    fixed buffer also replays inside a CUDA graph, a Python callback would not); each step starts it at -1, so a row
+    no router wrote is seen, and reads it back once after the forward."""
+
+    def __init__(self, runner: Any, version: Callable[[], int]) -> None:
+        if not hasattr(runner, "input_batch") or not isinstance(getattr(runner, "positions", None), torch.Tensor):
+            raise ValueError(
+                f"route recording needs vLLM's V1 model runner, not {type(runner).__name__} (VLLM_USE_V2_MODEL_RUNNER=0)"
+            )
+        self._runner = runner
         self._version = version
         self.layer_ids: list[int] = []
-        self._dtype = torch.uint8
-        self._step: dict[int, torch.Tensor] = {}  # layer index -> this step's topk ids [tokens, top_k]
+        self._dtype = np.dtype(np.uint8)
+        self._buffer: torch.Tensor | None = None
         self._chunks: dict[str, list[tuple[np.ndarray, np.ndarray, int]]] = {}
 
     def bind(self, model: torch.nn.Module) -> None:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-        layer_ids = []
-        for module in model.modules():
-            if not isinstance(module, MoERunner):
-                continue
+        layers = sorted((int(m.layer_id), m) for m in model.modules() if isinstance(m, MoERunner))
+        if not layers:
+            raise ValueError("no MoE layer found to record routes from")
+        for column, (_, module) in enumerate(layers):
             if module.is_monolithic or not isinstance(module.router, BaseRouter):
                 raise ValueError(f"MoE layer {module.layer_name}: its kernel routes inside (no router to record)")
-            module.router.set_capture_fn(self._capture(int(module.layer_id)))
-            layer_ids.append(int(module.layer_id))
-            if int(module.router.global_num_experts) > 256:  # Leeway's route dtype: uint8, else uint16 (numpy's)
-                self._dtype = torch.int32
-        if not layer_ids:
-            raise ValueError("no MoE layer found to record routes from")
-        self.layer_ids = sorted(layer_ids)
+            module.router.set_capture_fn(self._capture(column))
+        experts = max(int(m.router.global_num_experts) for _, m in layers)
+        self._dtype = np.dtype(np.uint8) if experts <= 256 else np.dtype(np.int32)  # the adapter narrows to uint16
+        self.layer_ids = [layer_id for layer_id, _ in layers]
+        top_k = int(layers[0][1].router.top_k)
+        positions = self._runner.positions
+        self._buffer = torch.full(
+            (positions.shape[0], len(layers), top_k), -1, dtype=torch.int32, device=positions.device
+        )
 
-    def _capture(self, layer_id: int) -> Callable[[torch.Tensor], None]:
+    def _capture(self, column: int) -> Callable[[torch.Tensor], None]:
         def capture(topk_ids: torch.Tensor) -> None:
-            self._step[layer_id] = topk_ids.detach().to("cpu", self._dtype)  # a copy: vLLM reuses its buffers
+            assert self._buffer is not None
+            self._buffer[: topk_ids.shape[0], column].copy_(topk_ids)
 
         return capture
 
-    def wrap(self, runner: Any) -> None:
-        """Split each step's captured rows by request after the runner's forward (its batch order is fixed then)."""
+    def wrap(self) -> None:
+        """Split each step's rows by request after the runner's forward (its batch order is fixed then)."""
+        runner = self._runner
         execute = runner.execute_model
 
         def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            self._step.clear()
-            out = execute(scheduler_output, *args, **kwargs)
             num_tokens = int(scheduler_output.total_num_scheduled_tokens)
-            if num_tokens and self._step:
-                self._split(runner, scheduler_output.num_scheduled_tokens, num_tokens)
+            if num_tokens and self._buffer is not None:
+                self._buffer[:num_tokens].fill_(-1)
+            out = execute(scheduler_output, *args, **kwargs)
+            if num_tokens and self._buffer is not None:
+                self._split(scheduler_output.num_scheduled_tokens, num_tokens)
             return out
 
         runner.execute_model = execute_model
 
-    def _split(self, runner: Any, scheduled: dict[str, int], num_tokens: int) -> None:
-        missing = [layer for layer in self.layer_ids if layer not in self._step]
-        if missing:
-            raise RuntimeError(f"a forward of {num_tokens} tokens left MoE layers {missing} unrecorded")
-        routes = torch.stack([self._step[layer][:num_tokens] for layer in self.layer_ids], dim=1).numpy()
-        positions = runner.positions[:num_tokens].to("cpu", torch.int64).numpy()
+    def _split(self, scheduled: dict[str, int], num_tokens: int) -> None:
+        """Rows ``[0, num_tokens)`` to their requests; a step with an unwritten row records nothing (its requests'
+        routes then have a gap, which the adapter reports as a broken contract) rather than wrong routes."""
+        assert self._buffer is not None
+        rows = self._buffer[:num_tokens].cpu()
+        if bool((rows < 0).any()):
+            log.error("a forward of %d tokens left routes unwritten: the step is not recorded", num_tokens)
+            return
+        routes = rows.numpy().astype(self._dtype)
+        positions = self._runner.positions[:num_tokens].to("cpu", torch.int64).numpy()
         version = self._version()
         at = 0
-        for request_id in list(runner.input_batch.req_ids):
+        for request_id in list(self._runner.input_batch.req_ids):
             n = int(scheduled[request_id])
-            chunk = (positions[at : at + n].copy(), routes[at : at + n].copy(), version)
+            chunk = (positions[at : at + n].copy(), routes[at : at + n], version)
             self._chunks.setdefault(request_id, []).append(chunk)
             at += n
         if at != num_tokens:
-            raise RuntimeError(f"the batch's requests hold {at} of the step's {num_tokens} tokens")
+            log.error("the batch's requests hold %d of the step's %d tokens: routes misattributed", at, num_tokens)
 
     def take(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
         taken = {}
