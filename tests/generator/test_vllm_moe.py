@@ -161,7 +161,7 @@ def test_positions_after_an_in_flight_update_carry_the_new_version_and_its_route
     old, new = _state(0), _state(1)
     engine.load_state(old, 1)
     prompt = [1, 2, 3, 9, 10]
-    params = SamplingParams(max_new_tokens=120, temperature=1.0)
+    params = SamplingParams(max_new_tokens=300, temperature=1.0)  # long enough for the update to land inside
     progress = Progress()
     engine.on_tokens = progress
     try:
@@ -202,3 +202,24 @@ def test_a_next_turn_from_the_prefix_cache_returns_routes_from_its_cached_length
     expected, _ = _reference([state], turn + second.token_ids.tolist())
     _assert_same_routes(second.routes, expected[cached : len(expected) - 1], cached)
     _assert_same_routes(first.routes[:cached], expected[:cached], 0)  # what the first turn sent covers the rest
+
+
+def test_an_aborted_generation_returns_routes_up_to_its_last_fed_token(engine) -> None:
+    state = _state(0)
+    engine.load_state(state, 4)
+    prompt = [1, 7, 7, 3, 40]
+    progress = Progress()
+    engine.on_tokens = progress
+    try:
+        (future,) = engine.submit([GenerateRequest(prompt, seed=9, request_id="cut")], SamplingParams(300))
+        progress.wait("cut", 10)
+        engine.abort(["cut"])
+        result = future.result(timeout=EVENT_DEADLINE_S)
+    finally:
+        engine.on_tokens = None
+    assert result.finish_reason == "abort" and 10 <= len(result.token_ids) < 300
+    assert result.routes is not None and result.route_versions is not None and result.routes_start == 0
+    ids = prompt + result.token_ids.tolist()
+    assert len(result.routes) == len(ids) - 1 and (result.route_versions == 4).all()
+    expected, _ = _reference([state], ids)
+    _assert_same_routes(result.routes, expected[: len(ids) - 1], 0)
