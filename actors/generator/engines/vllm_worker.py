@@ -167,7 +167,9 @@ class _RouteLog:
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-        layers = sorted((int(m.layer_id), m) for m in model.modules() if isinstance(m, MoERunner))
+        layers = sorted(
+            ((int(m.layer_id), m) for m in model.modules() if isinstance(m, MoERunner)), key=lambda pair: pair[0]
+        )
         if not layers:
             raise ValueError("no MoE layer found to record routes from")
         for column, (_, module) in enumerate(layers):
@@ -207,24 +209,31 @@ class _RouteLog:
         runner.execute_model = execute_model
 
     def _split(self, scheduled: dict[str, int], num_tokens: int) -> None:
-        """Rows ``[0, num_tokens)`` to their requests; a step with an unwritten row records nothing (its requests'
-        routes then have a gap, which the adapter reports as a broken contract) rather than wrong routes."""
+        """Rows ``[0, num_tokens)`` to their requests, in the batch's order. A step with an unwritten row, or whose
+        requests do not hold its tokens, records nothing (its requests' routes then have a gap, which the adapter
+        reports as a broken contract) rather than wrong routes."""
         assert self._buffer is not None
         rows = self._buffer[:num_tokens].cpu()
         if bool((rows < 0).any()):
             log.error("a forward of %d tokens left routes unwritten: the step is not recorded", num_tokens)
             return
+        request_ids = list(self._runner.input_batch.req_ids)
+        counts = [int(scheduled[request_id]) for request_id in request_ids]
+        if sum(counts) != num_tokens:
+            log.error(
+                "the batch's requests hold %d of the step's %d tokens: the step is not recorded",
+                sum(counts),
+                num_tokens,
+            )
+            return
         routes = rows.numpy().astype(self._dtype)
         positions = self._runner.positions[:num_tokens].to("cpu", torch.int64).numpy()
         version = self._version()
         at = 0
-        for request_id in list(self._runner.input_batch.req_ids):
-            n = int(scheduled[request_id])
+        for request_id, n in zip(request_ids, counts, strict=True):
             chunk = (positions[at : at + n].copy(), routes[at : at + n], version)
             self._chunks.setdefault(request_id, []).append(chunk)
             at += n
-        if at != num_tokens:
-            log.error("the batch's requests hold %d of the step's %d tokens: routes misattributed", at, num_tokens)
 
     def take(self, request_ids: list[str]) -> dict[str, dict[str, Any]]:
         taken = {}
