@@ -66,6 +66,7 @@ def test_the_shipped_configs_are_the_documented_ones() -> None:
         "gpu-qwen3.yaml",
         "gpu-single-node.yaml",
         "math.yaml",
+        "moe.yaml",
         "multi-node.yaml",
         "reasoning-gym.yaml",
         "reasoning.yaml",

@@ -140,6 +140,7 @@ def build_vllm_engine(cfg: LeewayConfig, tokenizer: Tokenizer, seed: int, config
         block_size=v.block_size,
         verify_weights=v.verify_weights,
         staging_dir=v.staging_dir,
+        prefix_across_updates=cfg.engine.prefix_across_updates,
     )
     try:
         return VllmEngine(

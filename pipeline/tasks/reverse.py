@@ -18,7 +18,7 @@ with ``num_digits + 1`` the policy must also learn to stop, since the extra posi
 at num_digits / (num_digits + 1).
 
 Prompts are an infinite deterministic stream from ``seed``: the same seed yields the same prompts and
-ids in every process.
+ids in every process. ``order: copy`` asks for the digits as given instead (same prompts, same reward rule).
 
 Tokenizer (``tokenizer`` argument, exposed as the task's ``tokenizer`` attribute, which generators and
 trainer use unless ``model.tokenizer`` is set): ``"char"`` (default), the shared char tokenizer of 21
@@ -49,9 +49,12 @@ class ReverseDigitsTask(Task):
 
     name = "reverse_digits"
 
-    def __init__(self, num_digits: int = 8, seed: int = 0, tokenizer: str = "char") -> None:
+    def __init__(self, num_digits: int = 8, seed: int = 0, tokenizer: str = "char", order: str = "reverse") -> None:
         if num_digits < 1:
             raise ValueError(f"reverse_digits: num_digits must be >= 1, got {num_digits}")
+        if order not in ORDERS:
+            raise ValueError(f"reverse_digits: order must be one of {list(ORDERS)}, got {order!r}")
+        self.order = order
         if tokenizer not in TOKENIZERS:
             raise ValueError(f"reverse_digits: tokenizer must be one of {sorted(TOKENIZERS)}, got {tokenizer!r}")
         self.num_digits = num_digits
@@ -66,7 +69,7 @@ class ReverseDigitsTask(Task):
             yield Prompt(
                 prompt_id=f"reverse_digits-s{self.seed}-{index}",
                 text=digits + SEPARATOR,
-                answer=digits[::-1],
+                answer=digits[::-1] if self.order == "reverse" else digits,
                 tags=("reverse_digits",),
             )
 
@@ -76,6 +79,10 @@ class ReverseDigitsTask(Task):
         return VerifierResult(*score_reversal(prompt.answer, completion_text))
 
 
+ORDERS = ("reverse", "copy")
+"""What a reply must write: the digits reversed (the demo: a positional task for learned absolute positions), or as
+given (``copy``: a constant offset back, which rotary positions express directly; the MoE demo's RoPE model learns
+it in the demo's time, where reversal takes it thousands of steps)."""
 TOKENIZERS = ("char", "digits")
 """Tokenizers a `ReverseDigitsTask` can choose."""
 

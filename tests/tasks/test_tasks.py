@@ -153,3 +153,14 @@ def test_prompt_files_load_from_jsonl_and_parquet(tmp_path) -> None:
     (tmp_path / "bad_id.jsonl").write_text('{"prompt": "x"}\n{"id": "a b", "prompt": "y"}\n')
     with pytest.raises(ValueError, match="row 1: prompt_id 'a b'"):  # an id must fit object keys and Nats-Msg-Id
         load_prompts(tmp_path / "bad_id.jsonl")
+
+
+def test_order_copy_asks_for_the_same_prompts_digits_as_given_and_a_bad_order_is_named() -> None:
+    reverse = list(itertools.islice(ReverseDigitsTask(num_digits=5, seed=2).prompts(), 20))
+    copy = list(itertools.islice(ReverseDigitsTask(num_digits=5, seed=2, order="copy").prompts(), 20))
+    assert [p.text for p in copy] == [p.text for p in reverse]
+    assert all(c.answer == c.text.rstrip(">") == r.answer[::-1] for c, r in zip(copy, reverse, strict=True))
+    task = ReverseDigitsTask(num_digits=5, order="copy")
+    assert task.verify(copy[0], copy[0].answer, []).reward == 1.0
+    with pytest.raises(ValueError, match="order"):
+        ReverseDigitsTask(order="sorted")

@@ -17,7 +17,8 @@ vLLM does the batching, the KV cache, prefix caching and the kernels; Leeway kee
   Version 0 comes from the store like every version: vLLM starts from ``config.json`` alone (``load_format:
   dummy``) at version -1.
 - Prefix caching is on and salted with the version a request was admitted at (``cache_salt``), so no request
-  reuses keys and values another version computed, as the torch engine drops its parked prefixes at an update.
+  reuses keys and values another version computed, as the torch engine drops its parked prefixes at an update
+  (``prefix_across_updates`` leaves the salt out, as the torch engine then keeps them).
 - Mixture-of-experts routes (`GenerateResult.routes`): for a MoE model (``num_experts`` or ``num_local_experts``
   with ``num_experts_per_tok`` in ``config.json``) Leeway's worker extension records, per request, the experts each
   MoE layer chose for every position a forward computed, with the version of the weights loaded at that step
@@ -90,6 +91,8 @@ class VllmSettings:
     block_size: int | None = None
     verify_weights: bool = True
     staging_dir: str | None = None
+    prefix_across_updates: bool = False
+    """`engine.prefix_across_updates`: no version salt, so a later request reuses blocks earlier weights computed."""
 
 
 def _model_limits(model_dir: Path) -> tuple[int, int | None]:
@@ -391,7 +394,8 @@ class VllmEngine(Engine):
         final: Any = None
         queue: Any = None
         try:
-            salted = TokensPrompt(prompt_token_ids=prompt, cache_salt=version_label(self._version))
+            salt = None if self._settings.prefix_across_updates else version_label(self._version)
+            salted = TokensPrompt(prompt_token_ids=prompt, cache_salt=salt)
             queue = await self._llm.add_request(internal, salted, sampling)  # AsyncLLM.generate's own first step
             if internal in self._aborted:  # aborted while it was on its way (abort found nothing to stop then)
                 await self._llm.abort(internal)
