@@ -15,12 +15,10 @@ from actors.generator.engines.torch_engine import sampling_logprobs
 from actors.generator.serve.replies import make_reply
 from pipeline.chat.tool_parsers import hermes
 from pipeline.rl.engine_records import GenerateResult, SamplingParams
-from tests.support.endpoints import EOS, MODEL, RUN, TOKENIZER, chat_template, served
+from tests.support.endpoints import EOS, MODEL, ONE_TOKEN, RUN, TOKENIZER, chat_template, served
 
 TOOLS = [{"type": "function", "function": {"name": "get_digits", "parameters": {"type": "object", "properties": {}}}}]
 CALL = {"id": "call_0", "type": "function", "function": {"name": "get_digits", "arguments": "{}"}}
-ONE_TOKEN = {"stop_token_ids": list(range(TOKENIZER.get_vocab_size()))}
-"""Every id stops a reply: each turn samples exactly one token and ends with ``stop``, whatever the random weights."""
 START = [
     {"role": "user", "content": "r"},
     {"role": "assistant", "content": None, "tool_calls": [CALL]},

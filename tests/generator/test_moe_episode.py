@@ -14,11 +14,11 @@ import torch
 
 from actors.generator.agents import AgentRunner
 from pipeline.tasks.agents import AgentContext, AgentOutcome
+from pipeline.tasks.tool_reverse import ReverseToolTask
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
-from tests.generator.test_agents import PROMPT
-from tests.generator.test_endpoint import ONE_TOKEN
-from tests.support.endpoints import Served, served
+from tests.support.endpoints import ONE_TOKEN, Served, served
 
+PROMPT = next(ReverseToolTask(digits_per_turn=2, turns=2, seed=3).prompts())
 MOE = "tiny-qwen3moe-2x64"
 """The first turn samples one token and stops (`ONE_TOKEN`), so the second continues the episode's branch."""
 

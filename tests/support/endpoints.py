@@ -22,6 +22,8 @@ TOKENIZER = load_chat_tokenizer()
 EOS = TOKENIZER.token_to_id("<eos>")
 MODEL = "tiny-gpt2-2x64"
 RUN = "endpoint-test"
+ONE_TOKEN = {"stop_token_ids": list(range(TOKENIZER.get_vocab_size()))}
+"""Every id stops a reply: each turn samples exactly one token and ends with ``stop``, whatever the random weights."""
 
 
 def chat_template() -> ChatTemplate:
