@@ -113,7 +113,24 @@ class RouteRecorder:
         return torch.stack(per_layer, dim=1).cpu().numpy().astype(self.shape.dtype)
 
 
-class RouteReplay:
+class RouteCounters:
+    """What a replay measured since `reset` (both backends' replays keep these; the trainer turns them into
+    ``moe/*`` step metrics): positions x layers compared and agreeing, unrouted positions, expert load."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.agree = self.compared = self.unrouted = 0
+        self.load = torch.zeros(num_experts, dtype=torch.float64)
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / self.compared if self.compared else float("nan")
+
+    def reset(self) -> None:
+        self.agree = self.compared = self.unrouted = 0
+        self.load.zero_()
+
+
+class RouteReplay(RouteCounters):
     """Routes forwards through recorded experts while `replaying`. ``routes``: ``[tokens, layers, top_k]`` aligned
     with the flattened tokens of the next forward (a batch ``[B, T]`` -> ``B x T`` rows); ``recorded``: ``[tokens]``
     bool, False where a position has no record (the trainer's own top-k is used there and counted).
@@ -124,13 +141,10 @@ class RouteReplay:
     def __init__(self, model: nn.Module) -> None:
         self.routers = moe_routers(model)
         self.shape = route_shape(model)
+        super().__init__(self.shape.num_experts if self.shape else 0)
         self._routes: torch.Tensor | None = None
         self._recorded: torch.Tensor | None = None
         self._replay = True
-        self.agree = 0
-        self.compared = 0
-        self.unrouted = 0
-        self.load = torch.zeros(self.shape.num_experts if self.shape else 0, dtype=torch.float64)
         for layer, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(layer))
 
@@ -143,14 +157,6 @@ class RouteReplay:
             yield self
         finally:
             self._routes = self._recorded = None
-
-    @property
-    def agreement(self) -> float:
-        return self.agree / self.compared if self.compared else float("nan")
-
-    def reset(self) -> None:
-        self.agree = self.compared = self.unrouted = 0
-        self.load.zero_()
 
     def _hook(self, layer: int):  # type: ignore[no-untyped-def]
         def replay(

@@ -352,6 +352,9 @@ def _endpoint_fields(endpoint: Endpoint, service: EndpointService | None) -> dic
         lookups, prompt = stats["prefix_lookups"], stats["prompt_tokens"]
         fields["engine_prefix_hit_rate"] = stats["prefix_hits"] / lookups if lookups else None
         fields["engine_prefilled_fraction"] = stats["prefilled_tokens"] / prompt if prompt else None
+        for key in ("recomputed_prefix_tokens", "recomputed_route_positions"):  # a kept prefix computed again
+            if key in stats:
+                fields[f"engine_{key}"] = stats[key]
     if service is not None:
         m = service.metrics
         fields |= {

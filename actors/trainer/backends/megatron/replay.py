@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from actors.moe import RouteCounters
+
 TopK = Callable[..., tuple[Tensor, Tensor]]
 
 
@@ -41,7 +43,7 @@ def replay_topk(scores: Tensor, own: Tensor, chosen: Tensor, keep: Tensor) -> tu
     return scores.gather(1, indices), indices
 
 
-class MegatronRouteReplay:
+class MegatronRouteReplay(RouteCounters):
     """Replays recorded routes on every MoE router of one pipeline stage while `replaying`; counts like
     `actors.moe.RouteReplay` (``agree`` / ``compared`` over recorded positions, ``unrouted`` positions
     that had none, ``load`` per expert of the routes used)."""
@@ -51,19 +53,10 @@ class MegatronRouteReplay:
         self._routes: Tensor | None = None
         self._routed: Tensor | None = None
         self._replay = True
-        self.agree = self.compared = self.unrouted = 0
-        self.load = torch.zeros(num_experts, dtype=torch.float64)
+        super().__init__(num_experts)
         routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
         for local, router in enumerate(routers):
             router.router_replay = _LayerReplay(self, layer_offset + local)
-
-    @property
-    def agreement(self) -> float:
-        return self.agree / self.compared if self.compared else float("nan")
-
-    def reset(self) -> None:
-        self.agree = self.compared = self.unrouted = 0
-        self.load.zero_()
 
     @contextmanager
     def replaying(
