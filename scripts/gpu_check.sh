@@ -58,6 +58,8 @@ for ENGINE in vllm sglang; do
         step "engine contract ${ENGINE}" python3 -m pytest -q -p no:cacheprovider tests/generator/test_engine_contract.py \
             -k "${ENGINE} or torch"
         if [ "${ENGINE}" = vllm ]; then
+            # MoE routes from vLLM's workers under CUDA graphs, against transformers' forward
+            step "vllm moe routes" python3 -m pytest -q -p no:cacheprovider tests/generator/test_vllm_moe.py
             step "bench engine vllm" python3 -m actors.cli bench engine --json --engine vllm --model llama-1.4b \
                 --requests 64 --prompt-tokens 128 --new-tokens 256 --repeats 3 --set engine.vllm.enforce_eager=false \
                 --set engine.vllm.gpu_memory_utilization=0.4
@@ -66,6 +68,9 @@ for ENGINE in vllm sglang; do
         echo "gpu_check: NOT RUN: ${ENGINE} does not import here (engine contract and bench engine for ${ENGINE})" >&2
     fi
 done
+
+# routing replay: replay on vs off on one recorded MoE batch (the trainer's device is the CPU; measures the method)
+step "bench moe" python3 -m actors.cli bench moe --json
 
 # bench trainer: the backend (packed, fused kernels, chunked LM head) vs a plain HF loop, then the padded fallback
 step "bench trainer" python3 -m actors.cli bench trainer --json --device cuda --model llama-1.4b

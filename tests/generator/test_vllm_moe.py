@@ -97,7 +97,14 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
     model_dir = tmp_path_factory.mktemp("vllm-moe")
     _config().save_pretrained(Path(model_dir))
-    settings = VllmSettings(kv_cache_gib=0.25, max_num_seqs=8, block_size=BLOCK)
+    cuda = torch.cuda.is_available()  # scripts/gpu_check.sh runs this module on a GPU: CUDA graphs, the routes' buffer
+    settings = VllmSettings(
+        kv_cache_gib=0.25,
+        max_num_seqs=8,
+        block_size=BLOCK,
+        enforce_eager=not cuda,
+        gpu_memory_utilization=0.3 if cuda else None,
+    )
     engine = VllmEngine(model_dir, dtype="float32", settings=settings, seed=1, max_len=MAX_LEN)
     try:
         yield engine
