@@ -1,4 +1,4 @@
-"""The trajectory record, schema version 2: one `TrajectoryGroup` = all samples of one prompt.
+"""The trajectory record, schema version 3: one `TrajectoryGroup` = all samples of one prompt.
 
 A group crosses process boundaries (generator -> NATS -> trainer, and into Parquet for replay), so
 its layout is fixed and versioned (`SCHEMA_VERSION`), and everything that enters or leaves the wire
