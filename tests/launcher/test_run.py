@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ from tests.support.runs import (
     REPO,
     ROLE_STOP_DEADLINE_S,
     alive,
+    assert_reward_rises,
     leeway_argv,
     log_tails,
     processes_mentioning,
@@ -64,10 +64,6 @@ from tests.support.runs import children_of as _children_of
 
 DEMO_STEPS = 120
 """The demo's reward sits near chance (~0.08) for its first ~60 steps, then climbs (0.15 by step 100)."""
-EDGE = 10
-"""Reward rises: the mean of the last EDGE steps beats the mean of the first EDGE steps by more than
-three standard errors of that difference (and by at least MIN_RISE)."""
-MIN_RISE = 0.01
 UNBOUNDED_STEPS = 1_000_000
 """trainer.max_steps of a run that a test stops itself, once the events it waits for were seen."""
 EVENT_DEADLINE_S = 150.0
@@ -383,17 +379,10 @@ def test_short_demo_learns_within_the_cap(
     assert not (run_dir / "stack").exists(), "a healthy stack at nats.stack_dir must be used, not a private one"
     assert load_state(stack.dir) is not None and load_state(stack.dir).processes  # type: ignore[union-attr]
 
-    # the reward rises: last steps against first steps, by a margin well above the step-to-step noise.
-    # Per-step noise from successive differences (a slow trend barely inflates it): sigma ~ sd(diff)/sqrt(2);
-    # the difference of two means of EDGE steps then has standard error sigma * sqrt(2 / EDGE).
+    # the reward rises: last steps against first steps, by a margin well above the step-to-step noise
     records = run_records(run_dir)
     assert [r["step"] for r in records] == list(range(1, DEMO_STEPS + 1))
-    rewards = [float(r["reward/unfiltered_mean"]) for r in records]
-    first, last = rewards[:EDGE], rewards[-EDGE:]
-    sigma = statistics.pstdev([b - a for a, b in zip(rewards, rewards[1:], strict=False)]) / 2**0.5
-    rise = statistics.mean(last) - statistics.mean(first)
-    margin = max(MIN_RISE, 3 * sigma * (2 / EDGE) ** 0.5)
-    assert rise > margin, f"reward rose by {rise:.3f} (needed {margin:.3f}): {[round(r, 3) for r in rewards]}"
+    assert_reward_rises(records)
 
     # every trained token is within the cap: checked on the recorded groups, not the trainer's metric
     groups = {g.group_id: g for g in asyncio.run(recorded_groups(cfg))}

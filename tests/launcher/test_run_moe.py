@@ -16,11 +16,17 @@ import pytest
 
 from infra.stack import StackState
 from pipeline.config import load_config
-from tests.support.runs import COMMON, DEMO_DEADLINE_S, REPO, recorded_groups, run_records, run_to_end
+from tests.support.runs import (
+    COMMON,
+    DEMO_DEADLINE_S,
+    REPO,
+    assert_reward_rises,
+    recorded_groups,
+    run_records,
+    run_to_end,
+)
 
 STEPS = {"torch": 60, "vllm": 60}
-EDGE = 10
-MIN_RISE = 0.01
 
 
 @pytest.mark.slow
@@ -50,11 +56,7 @@ def test_the_moe_demo_learns_with_replayed_routes_and_no_group_trained_twice(
     assert f"step {steps}/{steps} reward" in text
 
     records = run_records(cfg.run.run_dir)
-    rewards = [float(r["reward/unfiltered_mean"]) for r in records]
-    sigma = statistics.pstdev([b - a for a, b in zip(rewards, rewards[1:], strict=False)]) / 2**0.5
-    rise = statistics.mean(rewards[-EDGE:]) - statistics.mean(rewards[:EDGE])
-    margin = max(MIN_RISE, 3 * sigma * (2 / EDGE) ** 0.5)
-    assert rise > margin, f"reward rose by {rise:.3f} (needed {margin:.3f}): {[round(r, 3) for r in rewards]}"
+    assert_reward_rises(records)
     trained = [group_id for record in records for group_id in record["trained_group_ids"]]
     assert trained and len(trained) == len(set(trained)), "a group was trained twice"
 

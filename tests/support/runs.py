@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,19 @@ def run_plumbing(cfg: LeewayConfig, tmp_path: Path, procs: list[subprocess.Popen
     assert newest >= 1, "no trained group was generated with weights this trainer published"
     assert "checkpoint written" in (run_dir / "logs" / "trainer.log").read_text(), "the trainer stopped cleanly"
     return records
+
+
+RISE_EDGE = 10
+RISE_MIN = 0.01
+
+
+def assert_reward_rises(records: list[dict[str, Any]]) -> None:
+    """The reward rises: the mean of the last `RISE_EDGE` steps beats the mean of the first by more than three
+    standard errors of that difference (and by at least `RISE_MIN`). Per-step noise from successive differences
+    (a slow trend barely inflates it): sigma ~ sd(diff)/sqrt(2); the difference of two means of RISE_EDGE steps
+    then has standard error sigma * sqrt(2 / RISE_EDGE)."""
+    rewards = [float(r["reward/unfiltered_mean"]) for r in records]
+    sigma = statistics.pstdev([b - a for a, b in zip(rewards, rewards[1:], strict=False)]) / 2**0.5
+    rise = statistics.mean(rewards[-RISE_EDGE:]) - statistics.mean(rewards[:RISE_EDGE])
+    margin = max(RISE_MIN, 3 * sigma * (2 / RISE_EDGE) ** 0.5)
+    assert rise > margin, f"reward rose by {rise:.3f} (needed {margin:.3f}): {[round(r, 3) for r in rewards]}"
