@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.wire.trajectory import (
+    MAX_ROUTE_BYTES_PER_TOKEN,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     TOKEN_COLUMNS,
@@ -397,7 +398,7 @@ def _routes(batch: pa.RecordBatch, offsets: np.ndarray, group_id: str) -> dict[s
                 "routes present but route_itemsize is 0", group_id=group_id, column="routes"
             )
         return {"routes": None, "route_versions": None}
-    if itemsize not in (1, 2) or layers < 1 or top_k < 1:
+    if itemsize not in (1, 2) or layers < 1 or top_k < 1 or layers * top_k * itemsize > MAX_ROUTE_BYTES_PER_TOKEN:
         raise TrajectoryValidationError(
             f"route layout {layers} x {top_k} of {itemsize}-byte ids is not one this build reads",
             group_id=group_id,

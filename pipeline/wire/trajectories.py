@@ -46,6 +46,7 @@ from pipeline.wire.jetstream import (
 )
 from pipeline.wire.names import RunNames
 from pipeline.wire.trajectory import (
+    MAX_ROUTE_BYTES_PER_TOKEN,
     READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     TrajectoryGroup,
@@ -207,8 +208,6 @@ DECODED_BYTES_PER_SAMPLE = 64 * 1024
 """Generous room for one row's ids, tags, scalars and offsets; a row with more is refused as `too_large`."""
 DECODED_BYTES_PER_GROUP = 1024 * 1024
 """Schema-independent slack: buffer padding and validity bitmaps."""
-MAX_ROUTE_BYTES_PER_TOKEN = 1 << 16
-"""The most route bytes one position may claim (256 layers x 128 experts of uint16 ids): a header above is refused."""
 
 
 def decoded_bytes_bound(num_samples: int, num_tokens: int, route_bytes: int = 0) -> int:

@@ -53,6 +53,9 @@ READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 """Versions this build decodes: schema 1 lacks ``episode_id`` and ``branch`` (read as ``""`` and 0), schemas 1 and
 2 lack routes (read as a dense model's group)."""
 ROUTE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
+MAX_ROUTE_BYTES_PER_TOKEN = 1 << 16
+"""The most route bytes one position may take (256 layers x 128 experts of uint16 ids); a message claiming more is
+refused before any size is computed from its claim."""
 """Expert ids: uint8 when a layer has at most 256 experts, uint16 otherwise."""
 
 LOGPROB_MAX = 1e-3

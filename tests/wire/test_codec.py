@@ -339,3 +339,17 @@ def test_routes_that_do_not_fit_their_tokens_name_sample_and_column() -> None:
     broken = batch.set_column(index, batch.schema.field(index), cut).replace_schema_metadata(batch.schema.metadata)
     with pytest.raises(TrajectoryValidationError, match="sample 1 column 'routes'"):
         decode_group(_ipc(broken))
+
+
+def test_a_route_layout_past_the_per_position_bound_is_refused_before_any_size_is_taken_from_it() -> None:
+    rng = np.random.default_rng(7)
+    good = _routed(rng, _sample(rng, n=12, prompt=4), 2, 2, np.uint8)
+    batch = group_to_record_batch(
+        TrajectoryGroup.from_samples(group_id="g", prompt_id="p", generator_id="x", samples=[good])
+    )
+    for name in ("route_layers", "route_top_k"):
+        index = batch.schema.get_field_index(name)
+        batch = batch.set_column(index, batch.schema.field(index), pa.array([2**31 - 1], pa.int32()))
+    batch = batch.replace_schema_metadata(group_to_record_batch(_group()).schema.metadata)
+    with pytest.raises(TrajectoryValidationError, match="route layout 2147483647 x 2147483647"):
+        decode_group(_ipc(batch))
