@@ -24,6 +24,7 @@ the bridge differ from a fresh render; the endpoint still bridges, and says so o
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from pipeline.chat.literal import LiteralSpecials
+from pipeline.chat.template_budget import TemplateBudget, check_template_budget
 
 Message = dict[str, Any]
 """An OpenAI chat message: ``role``, ``content`` (str, None, or a list of text parts), ``tool_calls``,
@@ -72,7 +74,9 @@ def load_chat_template(path: str | Path) -> str:
 
 class ChatTemplate:
     """A Jinja chat template over a `tokenizers.Tokenizer`; ``eos_token`` is the end-of-turn token the
-    model samples (the engine's stop token)."""
+    model samples (the engine's stop token). Built only after the template rendered probe conversations within
+    `budget` (`pipeline/chat/template_budget.py`; `TemplateBudgetError` names ``source``, where the template came
+    from, and the budget)."""
 
     def __init__(
         self,
@@ -82,9 +86,15 @@ class ChatTemplate:
         eos_token: str,
         bos_token: str | None = None,
         template_args: Mapping[str, Any] | None = None,
+        source: str | None = None,
+        budget: TemplateBudget | None = None,
     ) -> None:
         if tokenizer.token_to_id(eos_token) is None:
             raise ValueError(f"chat template: the tokenizer has no end-of-turn token {eos_token!r}")
+        if source is None:
+            source = f"chat template (sha256 {hashlib.sha256(template.encode(errors='replace')).hexdigest()[:12]})"
+        tokens = {"eos_token": eos_token} if bos_token is None else {"eos_token": eos_token, "bos_token": bos_token}
+        check_template_budget(template, source=source, variables={**tokens, **(template_args or {})}, budget=budget)
         self.tokenizer = tokenizer
         self.template = template
         self.eos_token = eos_token
