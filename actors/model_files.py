@@ -337,7 +337,7 @@ def _check_parameters(config: Any, shapes: Mapping[str, tuple[int, ...]], where:
                 if isinstance(v, int) and not isinstance(v, bool) and v > 1 and v in built and v not in held
             ]
             raise ModelFilesError(
-                f"{where}: {', '.join(fields) or 'its dimensions'} make {name} {list(built)}, but the run's weights "
+                f"{where}: {', '.join(fields) or 'its dimensions'} give {name} {list(built)}, but the run's weights "
                 f"hold {list(held)}; refusing to build a model the weights do not fit"
             )
 
