@@ -2,7 +2,9 @@
 and a generator that cannot see that directory builds the model from them alone; its version-0 weights equal the
 trainer's bit for bit (Llama with GQA and tied embeddings, Qwen2, Qwen3, each with a tokenizer and a chat
 template). A generator whose spec is not the run's, and a trainer that brings other files to a run, are refused
-naming the field or the file."""
+naming the field or the file; so is a hostile model manifest in a real store (code files, paths, files over their
+caps, an auto_map to the checkpoint's own code, config dimensions the published weights do not hold), before
+anything is built, and a terminal's "y" never runs a checkpoint's code."""
 
 from __future__ import annotations
 
