@@ -23,7 +23,8 @@ The store's files are untrusted input to a generator (whoever can write the stor
 anything is built from them (`fetch_model_files`):
 - the manifest names only `actors.models.MODEL_FILES` (no code, no paths: anything else is refused, naming it);
 - each file is at most `MAX_MODEL_FILE_BYTES` (`MAX_CONFIG_BYTES` for the two configs) and all together at most
-  `MAX_MODEL_FILES_BYTES`, checked by the store's size before a byte is read and by the bytes read;
+  `MAX_MODEL_FILES_BYTES`, checked by the store's size before a byte is read and by the bytes read (a trainer
+  refuses to publish what its generators would refuse);
 - ``config.json`` names an architecture transformers has (``model_type``): an ``auto_map`` to the model's own
   code is never followed (every load passes ``trust_remote_code=False``, so no terminal prompt can enable it);
 - its dimensions agree with the tensor shapes of the run's newest weight manifest (`check_config_shapes`:
