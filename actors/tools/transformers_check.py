@@ -23,8 +23,8 @@ def transformers_greedy_pass1(
 
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=False).eval()
     stops = model.generation_config.eos_token_id
     stops = set(stops if isinstance(stops, list) else [] if stops is None else [stops])
     right = 0
