@@ -412,13 +412,17 @@ def load_chat_template_for(cfg: LeewayConfig, tokenizer: Tokenizer, task: Task |
     the task), else the task's ``chat_template`` text; None when there is none.
     Its end-of-turn token is the first of `END_OF_TURN_TOKENS` the template writes, else the tokenizer's EOS."""
     text: str | None = None
+    source = "the chat template"
     tokenizer_dir = tokenizer_path(cfg)
     if cfg.model.chat_template is not None:
         text = load_chat_template(cfg.model.chat_template)
+        source = f"model.chat_template ({cfg.model.chat_template})"
     elif tokenizer_dir is not None and any((tokenizer_dir / name).is_file() for name in CHAT_TEMPLATE_FILES):
         text = chat_template_in(tokenizer_dir)
+        source = f"the chat template of {tokenizer_dir}"
     elif task is not None:
         text = task.chat_template
+        source = f"task {cfg.task.name}'s chat template"
     if text is None:
         return None
     written = [t for t in END_OF_TURN_TOKENS if t in text]
@@ -435,6 +439,7 @@ def load_chat_template_for(cfg: LeewayConfig, tokenizer: Tokenizer, task: Task |
         eos_token=tokenizer.id_to_token(eos),
         bos_token=None if bos is None else tokenizer.id_to_token(bos),
         template_args=cfg.model.chat_template_args,
+        source=source,
     )
 
 
