@@ -80,5 +80,7 @@ def _used_published_files(directory: Path, tokenizer: Tokenizer, template: ChatT
         return {}  # the run encoded with another tokenizer (the task's): that one is written
     out = {"tokenizer.json": path.read_bytes()}
     if chat_template_in(directory) == (template.template if template is not None else None):
-        out.update({name: (directory / name).read_bytes() for name in TOKENIZER_SIDE_FILES if (directory / name).is_file()})
+        out.update(
+            {name: (directory / name).read_bytes() for name in TOKENIZER_SIDE_FILES if (directory / name).is_file()}
+        )
     return out
