@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.cli_args import WithConfig, add_config_arguments
+from actors.tools.export_weights import ExportError
 from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,6 @@ INFO_FORMAT = 1
 DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 
 Say = Callable[[str], None]
-
-
-class ExportError(ValueError):
-    """The export cannot be made; the message names the version, file, tensor or directory at fault."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,23 +10,31 @@ the store holds), a manifest of the chain (pruned or damaged), or a part or tens
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from actors.tools.export import ExportError
-from pipeline.config import LeewayConfig
 from storage.manifest import Manifest, ManifestError
-from storage.objectstore import ObjectStore
-from storage.subscriber import WeightSubscriber
-from storage.weights_base import WeightPullError, list_versions
+
+if TYPE_CHECKING:  # torch and the weight store are imported when an export runs, not for `leeway export --help`
+    import torch
+
+    from pipeline.config import LeewayConfig
+    from storage.objectstore import ObjectStore
+    from storage.subscriber import WeightSubscriber
 
 MiB = 1024 * 1024
+
+
+class ExportError(ValueError):
+    """The export cannot be made; the message names the version, file, tensor or directory at fault."""
 
 
 def pull_version(
     store: ObjectStore, cfg: LeewayConfig, version: int | None, say: Callable[[str], None]
 ) -> tuple[dict[str, torch.Tensor], Manifest, tuple[int, ...]]:
     """(tensors of `version`, its manifest, the versions applied: full snapshot first); `ExportError` otherwise."""
+    from storage.subscriber import WeightSubscriber
+    from storage.weights_base import WeightPullError
+
     run = cfg.run.name
     with WeightSubscriber(store, run, parallelism=cfg.weights.parallelism) as subscriber:
         version = _resolve(store, subscriber, run, version)
@@ -52,6 +60,8 @@ def pull_version(
 
 def _resolve(store: ObjectStore, subscriber: WeightSubscriber, run: str, version: int | None) -> int:
     """`version`, or LATEST; refused naming the versions the store holds when it has no such version."""
+    from storage.weights_base import list_versions
+
     if version is None:
         version = subscriber.latest_version()
         if version is None:
