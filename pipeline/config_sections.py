@@ -270,6 +270,9 @@ class TrainerConfig(Section):
     Torch backend only (a positive value is refused under megatron)."""
     checkpoint_every: int = Field(50, ge=1)
     """Write a resumable checkpoint every this many trainer steps (and at the end of a session)."""
+    export_every: int = Field(0, ge=0)
+    """Export every this many-th published version as a Hugging Face checkpoint into `<run.dir>/exports/v<V>/`
+    (`leeway export` in a background process; the step never waits for it). 0: off."""
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for the trainer process."""
     device: str = "cpu"

@@ -59,6 +59,7 @@ from actors.trainer.checkpoints import (
     write_checkpoint,
 )
 from actors.trainer.claim_gc import collect_claims
+from actors.trainer.export_every import PeriodicExports
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import EVAL_LOG, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
@@ -145,6 +146,8 @@ class LiveSession:
         self.last_checkpoint_step = 0
         self.dead_letter_check = DeadLetterCheck(link.js, link.names)
         """Only dead letters of messages that exist return slots; `dead_letter_check.forged` counts the rest."""
+        self.exports = PeriodicExports(cfg)
+        """`trainer.export_every`: due versions exported in the background after they are published."""
 
     @classmethod
     async def open(
@@ -369,6 +372,7 @@ class LiveSession:
         )
         if self.kv is not None:  # a doorbell only: a failure warns (generators poll LATEST too), never ends the run
             await try_announce(self.kv, version)
+        self.exports.published(version)
         log.debug("published version %d (%s, parent %s)", version, manifest.kind, manifest.parent_version)
 
     async def ack(self, seqs: Sequence[int]) -> None:
@@ -438,6 +442,7 @@ class LiveSession:
         await self.consumer.close()
         await self.link.nc.drain()
         await asyncio.to_thread(self.publisher.close)
+        await asyncio.to_thread(self.exports.close)
 
 
 def build_weight_publisher(cfg: LeewayConfig, store: ObjectStore, model: PreTrainedModel) -> WeightPublisher:
