@@ -29,7 +29,9 @@ def transformers_greedy_pass1(
     stops = set(stops if isinstance(stops, list) else [] if stops is None else [stops])
     right = 0
     for prompt in prompts:
-        if prompt.messages:
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+        elif prompt.messages:
             ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         else:
