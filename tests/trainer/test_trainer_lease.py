@@ -74,10 +74,15 @@ def test_a_trainer_whose_lease_was_taken_over_stops_and_writes_nothing_more(stac
 class _ReplyLease:
     """A lease whose renewal waits for its reply through `asyncio.wait_for`, as every NATS request does."""
 
+    run, ttl_s, renewed_at = "r", 60.0, None  # never renewed here: no fence
+
     def __init__(self) -> None:
         self.reply: asyncio.Future[None] | None = None
         self.renewals = 0
         self.released = False
+
+    def token(self) -> dict[str, object]:
+        return {"holder": "reply-lease"}
 
     async def renew(self) -> None:
         self.reply = asyncio.get_running_loop().create_future()
