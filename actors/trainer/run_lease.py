@@ -5,7 +5,9 @@ The trainer stops writing as soon as it may have lost the lease, before anyone c
 renewal finds the lease taken over, or when its last successful renewal is older than its fence
 (`fence_after_s`: halfway from `trainer.lease_heartbeat_s` to `trainer.lease_ttl_s`, on its monotonic clock),
 whether or not NATS answers (a trainer cut off from NATS still reaches the store). Then:
-- every write raises `LeaseLost` instead of writing: publish, checkpoint, ack, nak, in-progress, fetch,
+- every write raises `LeaseLost` instead of writing (the first one refused makes the loss final; a renewal that
+  lands before any write was refused, after the event loop was blocked say, lifts the fence: its
+  compare-and-set proves nobody took over): publish, checkpoint, ack, nak, in-progress, fetch,
   prompt admission, dead letters (`LeasedSession`), and every write to the object store, checked just before
   each request (`FencedStore`: weight parts, manifests and `LATEST`, checkpoint files, resume counts, claim
   deletes), so a write already under way stops at its next object; `LeaseLost` is never retried;
@@ -104,11 +106,16 @@ class LeaseKeeper:
         return dataclasses.replace(link, store=FencedStore(link.store, self.check))
 
     def check(self) -> None:
-        """Raise `LeaseLost` if the lease is lost or this holder is past its fence (from any thread)."""
-        if self.lost is None and self._fence_in() <= 0:
+        """Raise `LeaseLost` if the lease is lost or this holder is past its fence (from any thread). A write
+        refused at the fence makes the loss final: the trainer stops, even if a renewal lands later."""
+        if self.lost is None and self.past_fence():
             self.lost = self._fence_message()
         if self.lost is not None:
             raise LeaseLost(self.lost)
+
+    def past_fence(self) -> bool:
+        """True while the last successful renewal is older than the fence: nothing may be written."""
+        return self._fence_in() <= 0
 
     def _fence_in(self) -> float:
         renewed = self.lease.renewed_at
@@ -128,16 +135,24 @@ class LeaseKeeper:
         self.on_lost()
 
     async def _beat(self) -> None:
+        """Renew every `heartbeat_s`. Past the fence it keeps trying: a renewal that lands (compare-and-set on our
+        revision: nobody took over) lifts the fence if no write was refused meanwhile (say the event loop was
+        blocked); once one was (`check`), or a renewal finds the lease taken over, the loss is final."""
+        warned = False
         while not self._closing.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), max(0.0, min(self.heartbeat_s, self._fence_in())))
+                await asyncio.wait_for(self._closing.wait(), self.heartbeat_s)
             if self._closing.is_set():
                 return
-            if self.lost is not None or self._fence_in() <= 0:
-                self._lose(self._fence_message())
+            if self.lost is not None:
+                self._lose(self.lost)
                 return
+            if self.past_fence() and not warned:
+                warned = True
+                log.warning("%s (unless a renewal lands before the next write)", self._fence_message())
             try:
                 await asyncio.wait_for(self.lease.renew(), self.heartbeat_s)
+                warned = False
             except LeaseLost as exc:
                 self._lose(str(exc))
                 return
