@@ -5,9 +5,9 @@ The trainer stops writing as soon as it may have lost the lease, before anyone c
 renewal finds the lease taken over, or when its last successful renewal is older than its fence
 (`fence_after_s`: halfway from `trainer.lease_heartbeat_s` to `trainer.lease_ttl_s`, on its monotonic clock),
 whether or not NATS answers (a trainer cut off from NATS still reaches the store). Then:
-- every write raises `LeaseLost` instead of writing (the first one refused makes the loss final; a renewal that
-  lands before any write was refused, after the event loop was blocked say, lifts the fence: its
-  compare-and-set proves nobody took over): publish, checkpoint, ack, nak, in-progress, fetch,
+- every write raises `LeaseLost` instead of writing (the session's own writes first try one renewal, and one
+  that lands lifts the fence: after a blocked event loop, say, its compare-and-set proves nobody took over; the
+  first write refused makes the loss final): publish, checkpoint, ack, nak, in-progress, fetch,
   prompt admission, dead letters (`LeasedSession`), and every write to the object store, checked just before
   each request (`FencedStore`: weight parts, manifests and `LATEST`, checkpoint files, resume counts, claim
   deletes), so a write already under way stops at its next object; `LeaseLost` is never retried;
@@ -113,6 +113,19 @@ class LeaseKeeper:
         if self.lost is not None:
             raise LeaseLost(self.lost)
 
+    async def ensure(self) -> None:
+        """`check` for the session's own writes: past the fence (and not yet refused), one renewal is tried first,
+        and one that lands lifts the fence (the event loop was blocked; the compare-and-set proves nobody took
+        over). One that does not (NATS away) leaves the write refused."""
+        if self.lost is None and self.past_fence():
+            try:
+                await asyncio.wait_for(self.lease.renew(), self.heartbeat_s)
+            except LeaseLost as exc:
+                self.lost = str(exc)
+            except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+                log.warning("renewing the run lease at its fence failed (%s: %s)", type(exc).__name__, exc)
+        self.check()
+
     def past_fence(self) -> bool:
         """True while the last successful renewal is older than the fence: nothing may be written."""
         return self._fence_in() <= 0
@@ -217,9 +230,9 @@ class LeasedSession(LiveSession):
 
     lease: LeaseKeeper | None = None
 
-    def _check(self) -> None:
+    async def _check(self) -> None:
         if self.lease is not None:
-            self.lease.check()
+            await self.lease.ensure()
 
     async def start(self) -> TrainerState:
         """Record the lease epoch before the run is read (a resume then skips superseded checkpoints), and name
@@ -232,39 +245,39 @@ class LeasedSession(LiveSession):
         return await super().start()
 
     async def admit(self, state: TrainerState, pending_dropped: int = 0) -> None:
-        self._check()
+        await self._check()
         await super().admit(state, pending_dropped)
 
     async def new_dead_letters(self, state: TrainerState) -> list[DeadLetterEntry]:
-        self._check()
+        await self._check()
         return await super().new_dead_letters(state)
 
     async def fetch(self, max_groups: int, timeout_s: float) -> list[Delivery]:
-        self._check()
+        await self._check()
         return await super().fetch(max_groups, timeout_s)
 
     async def refuse(self, delivery: Delivery, reason: str, detail: str) -> None:
-        self._check()
+        await self._check()
         await super().refuse(delivery, reason, detail)
 
     async def keep_alive(self) -> None:
-        self._check()
+        await self._check()
         await super().keep_alive()
 
     async def publish(self, state: TrainerState) -> None:
-        self._check()
+        await self._check()
         await super().publish(state)
 
     async def ack(self, seqs: Sequence[int]) -> None:
-        self._check()
+        await self._check()
         await super().ack(seqs)
 
     async def give_back(self) -> None:
-        self._check()
+        await self._check()
         await super().give_back()
 
     async def checkpoint(self, state: TrainerState, handled: RecentIds, *, final: bool) -> None:
-        self._check()
+        await self._check()
         await super().checkpoint(state, handled, final=final)
 
     async def close(self) -> None:
