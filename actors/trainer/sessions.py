@@ -41,7 +41,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -148,6 +148,8 @@ class LiveSession:
         """Only dead letters of messages that exist return slots; `dead_letter_check.forged` counts the rest."""
         self.exports = PeriodicExports(cfg)
         """`trainer.export_every`: due versions exported in the background after they are published."""
+        self.holder: dict[str, Any] | None = None
+        """The run lease's holder token, written into every checkpoint manifest (`actors/trainer/run_lease.py`)."""
 
     @classmethod
     async def open(
@@ -409,7 +411,14 @@ class LiveSession:
             tensors, meta = self.backend.state_tensors(), self.backend.state_meta()
             attempt = new_attempt()  # one attempt for every retry: a commit of unknown outcome is adopted
             write = lambda: asyncio.to_thread(  # noqa: E731
-                write_checkpoint, self.link.store, self.names.run, state, tensors, meta, attempt=attempt
+                write_checkpoint,
+                self.link.store,
+                self.names.run,
+                state,
+                tensors,
+                meta,
+                attempt=attempt,
+                holder=self.holder,
             )
         await retry_async(
             write,
