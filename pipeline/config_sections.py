@@ -287,7 +287,8 @@ class TrainerConfig(Section):
     """Collective timeout of the trainer ranks, on top of queue_wait_timeout_s (rank 0 may wait that long for groups)."""
     lease_ttl_s: float = Field(20.0, gt=0)
     """One trainer per run: a run lease not renewed for this long is stale and taken over (a killed trainer's);
-    a second trainer watches a live one's lease this long before it refuses to start, naming the holder."""
+    a second trainer watches a live one's lease this long before it refuses to start, naming the holder. A holder stops
+    writing (ttl + heartbeat) / 2 after its last renewal, before anyone can take over, and exits naming the lease."""
     lease_heartbeat_s: float = Field(5.0, gt=0)
     """How often the trainer renews its run lease; must be below lease_ttl_s."""
 
