@@ -8,7 +8,8 @@ group still in flight (never accepting it while it is), and count every other on
 
 Oversized groups and honest-header inflation: whatever sizes a message's headers claim, a trainer's
 `GroupLimits` refuses it as `group_too_large` (naming the cap) exactly when the claim is past the caps, from
-the headers alone (the body is never read: a garbage body would otherwise be a `decode_error`).
+the headers alone (the body is never read: a garbage body would otherwise be a `decode_error`); and a
+generator turns a group it assembled past the caps into its prompt's `GroupTooLarge` instead of publishing it.
 
 Oversized prompt rows: a prompts file is refused when it is loaded if any row can never be admitted,
 and the error names the file and the first such row; a file whose rows all fit loads whole.
@@ -26,16 +27,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors.generator.rollouts import GroupTooLarge, capped
 from actors.trainer.prompt_feed import PromptFeed
 from actors.trainer.slots import DeadLetterCheck
 from infra.stack import StackState
 from pipeline.config import load_config
 from pipeline.tasks import get_task
 from pipeline.wire.consumer import TrajectoryConsumer, ensure_trainer_consumer
-from pipeline.wire.group_limits import GROUP_TOO_LARGE, GroupLimits
+from pipeline.wire.group_limits import GROUP_SAMPLES_PER_GROUP_SIZE, GROUP_TOO_LARGE, GroupLimits
 from pipeline.wire.headers import H_MAX_VERSION, H_MIN_VERSION, H_MSG_ID, H_NUM_SAMPLES, H_NUM_TOKENS, H_SCHEMA
 from pipeline.wire.jetstream import DeadLetterEntry, DeadLetterError, connect
 from pipeline.wire.names import RunNames
+from pipeline.wire.prompts import Prompt
 from pipeline.wire.trajectories import TrajectoryPublisher, decode_payload, ensure_trajectory_streams
 from tests.support.builders import wire_group
 
@@ -164,3 +167,28 @@ def test_a_prompts_file_is_refused_at_load_naming_its_first_row_too_big_for_the_
     first_big = sizes.index("big")
     with pytest.raises(ValueError, match=rf"{path}: row {first_big} .* over stream.max_msg_bytes = {MAX_MSG_BYTES}"):
         PromptFeed(cfg, task, start=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=40),
+    max_samples=st.one_of(st.none(), st.integers(2, 30)),
+    max_tokens=st.one_of(st.none(), st.integers(1, 400)),
+)
+def test_a_generator_never_publishes_a_group_past_the_caps(
+    sizes: list[int], max_samples: int | None, max_tokens: int | None
+) -> None:
+    """The generator's side of the caps: an assembled group past them becomes its prompt's `GroupTooLarge`."""
+    limits = GroupLimits.for_run(group_size=2, max_sample_tokens=None, max_samples=max_samples, max_tokens=max_tokens)
+    samples = [wire_group("g.0", num_samples=1, num_tokens=8 + n).sample(0) for n in sizes]
+    prompt = Prompt(prompt_id="g.0", text="x")
+    [outcome] = capped([prompt], [samples], limits)
+    tokens = sum(8 + n for n in sizes)
+    too_large = len(sizes) > (max_samples or 2 * GROUP_SAMPLES_PER_GROUP_SIZE) or (
+        max_tokens is not None and tokens > max_tokens
+    )
+    if too_large:
+        assert isinstance(outcome, GroupTooLarge) and outcome.reason == GROUP_TOO_LARGE, outcome
+        assert "over the cap of" in str(outcome)
+    else:
+        assert outcome is samples
