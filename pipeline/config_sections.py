@@ -393,6 +393,14 @@ class RolloutConfig(Section):
     goes on."""
     strict_truncation: bool = False
     """End an episode with reward 0 when one reply fills its whole token limit (instead of scoring what it has)."""
+    max_group_samples: int | None = Field(None, ge=2)
+    """Samples one group may hold: a generator refuses to publish a larger one (`GroupTooLarge`) and the trainer
+    dead-letters one (`group_too_large`) from its headers, before decoding it, so no step ever lays out its
+    [samples, tokens] loss. None: `GROUP_SAMPLES_PER_GROUP_SIZE` (64) x advantages.group_size, room for an agent's
+    branches."""
+    max_group_tokens: int | None = Field(None, ge=1)
+    """Tokens one group may hold, all samples together (checked like max_group_samples). None: no cap beyond the
+    model's context times the group's samples, which the trainer always applies before inflating a body."""
 
 
 class SandboxConfig(Section):

@@ -49,7 +49,7 @@ from nats.js.kv import KeyValue
 from transformers import PreTrainedModel
 
 from actors.models import load_chat_template_for, load_tokenizer
-from actors.trainer.admission import admission_count, count_lost_to_retention
+from actors.trainer.admission import admission_count, count_lost_to_retention, group_limits
 from actors.trainer.backends import TrainingBackend
 from actors.trainer.checkpoints import (
     RecentIds,
@@ -144,7 +144,7 @@ class LiveSession:
         self.poisoned: set[str] = set()
         """Ids of groups this session dead-lettered from the catch-up: a durable redelivery of one is acked."""
         self.last_checkpoint_step = 0
-        self.dead_letter_check = DeadLetterCheck(link.js, link.names)
+        self.dead_letter_check = DeadLetterCheck(link.js, link.names, terminated=consumer.dead_letters.terminated)
         """Only dead letters of messages that exist return slots; `dead_letter_check.forged` counts the rest."""
         self.exports = PeriodicExports(cfg)
         """`trainer.export_every`: due versions exported in the background after they are published."""
@@ -168,7 +168,8 @@ class LiveSession:
         await ensure_trajectory_streams(js, names, cfg.stream)
         await ensure_trainer_consumer(js, names)
         await ensure_prompt_queue(js, names, cfg.stream)
-        consumer = await TrajectoryConsumer.bind(js, names, cfg.stream, link.store)
+        limits = group_limits(cfg, backend.model_limits().max_positions)
+        consumer = await TrajectoryConsumer.bind(js, names, cfg.stream, link.store, limits=limits)
         kv = await version_kv(js, names) if cfg.weights.announce else None
         queue = PromptQueue(js, names, cfg.stream)
         session = cls(cfg, link, backend, publisher, task, consumer, queue, kv, resume=resume, ranks=ranks)
@@ -273,6 +274,7 @@ class LiveSession:
         )
         selection = ReplaySelection(from_seq=seq, until_seq=info.state.last_seq)
         self.catch_up = await ReplayReader.open(self.link.js, self.names, self.cfg.stream, self.link.store, selection)
+        self.catch_up.limits = self.consumer.limits  # a group too large is skipped before it inflates
         log.info("catching up: re-reading trajectory stream seqs %d..%d", seq, info.state.last_seq)
 
     # ---- versions and admission
