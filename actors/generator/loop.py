@@ -72,7 +72,7 @@ from tokenizers import Tokenizer
 from actors.generator.agents import AgentRunner
 from actors.generator.engines.base import Engine, SamplingParams
 from actors.generator.metrics import GeneratorMetrics, metered, metered_submit
-from actors.generator.rollouts import Outcome, Rollouts
+from actors.generator.rollouts import GroupTooLarge, Outcome, Rollouts
 from actors.generator.weight_sync import (
     WeightPullTimeout,
     WeightSync,
@@ -403,7 +403,9 @@ class Generator:
             failed = []
             for lease, outcome, result in zip(leases, outcomes, published, strict=True):
                 error = outcome if isinstance(outcome, BaseException) else result
-                if isinstance(error, BaseException):
+                if isinstance(error, GroupTooLarge):  # the trainer's door would refuse it: dead-lettered, not retried
+                    await _reject(lease, error.reason, str(error))
+                elif isinstance(error, BaseException):
                     log.error(
                         "group %s not published (its %s failed); its prompt goes back to the queue",
                         lease.prompt.prompt_id,

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from actors.trainer.admission import count_lost_to_retention
+from actors.trainer.admission import count_lost_to_retention, group_limits
 from actors.trainer.checkpoints import RecentIds, TrainerState
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import replay_metrics_path
@@ -51,8 +51,11 @@ class ReplaySession:
         """Groups that claimed a version the store never had: dropped, the replay's version unmoved."""
 
     @classmethod
-    async def open(cls, cfg: LeewayConfig, link: RunLink, selection: ReplaySelection) -> ReplaySession:
+    async def open(
+        cls, cfg: LeewayConfig, link: RunLink, selection: ReplaySelection, *, max_positions: int | None = None
+    ) -> ReplaySession:
         reader = await ReplayReader.open(link.js, link.names, cfg.stream, link.store, selection)
+        reader.limits = group_limits(cfg, max_positions)  # the live door's caps: a recorded giant is refused too
         return cls(cfg, link, reader)
 
     async def start(self) -> TrainerState:

@@ -77,7 +77,7 @@ async def open_trainer(
             if is_data_parallel():
                 group = RankGroup(cfg, backend, link.store, None)
                 backend = LeaderBackend(group)
-            session = await ReplaySession.open(cfg, link, replay)
+            session = await ReplaySession.open(cfg, link, replay, max_positions=backend.model_limits().max_positions)
         else:
             lease = await LeaseKeeper.take(cfg, link.js, link.names, on_lost=stop.set)
             link = lease.fenced(link)  # past its fence the trainer writes no object (`run_lease.FencedStore`)
