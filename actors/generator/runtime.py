@@ -47,6 +47,7 @@ from actors.generator.engines.torch_engine import TorchEngine
 from actors.generator.loop import Generator
 from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report, metered_submit
 from actors.generator.serve import Endpoint, EndpointService, build_app, read_api_key
+from actors.generator.serve.conversations import SessionLimits
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
 from actors.model_files import fetch_model_files, local_config, needs_model_files
 from actors.models import (
@@ -296,11 +297,11 @@ async def open_endpoint(
     task: Task,
     sampling: SamplingParams,
     metrics: GeneratorMetrics | None = None,
-) -> tuple[EndpointService, Endpoint, str | None]:
-    """The generator's endpoint, started: its service, its server and its API key (None: keyless loopback).
+) -> tuple[EndpointService, Endpoint, str]:
+    """The generator's endpoint, started: its service, its server and its API key (configured, else generated).
     A chat template that does not render turns by appending is said once here, not per request."""
     serve = cfg.generator.serve
-    api_key = read_api_key(env_name=serve.api_key_env, file=serve.api_key_file, host=serve.host)
+    api_key = read_api_key(env_name=serve.api_key_env, file=serve.api_key_file, run_dir=cfg.run.run_dir)
     template = load_chat_template_for(cfg, tokenizer, task)
     if template is not None:
         for problem in template.append_only_problems():
@@ -314,6 +315,7 @@ async def open_endpoint(
         model_names=(cfg.run.name, cfg.model.name_or_path),
         max_inflight=serve.max_inflight,
         max_sessions=serve.max_sessions,
+        session_limits=SessionLimits(serve.max_session_branches, serve.max_session_tokens),
         submit=None if metrics is None else metered_submit(engine.submit, metrics),
     )
     endpoint = Endpoint(
