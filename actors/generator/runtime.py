@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import contextlib
 import importlib.util
 import logging
@@ -322,6 +323,9 @@ async def open_endpoint(
         build_app(service, api_key=api_key, max_body_bytes=serve.max_body_bytes), host=serve.host, port=serve.port
     )
     await endpoint.start()
+    # What the process built so far (model, tokenizer, template, libraries) lives as long as it does: out of the
+    # collector's sight, a full collection, which holds the GIL and so the event loop, scans only what came after.
+    gc.freeze()
     return service, endpoint, api_key
 
 

@@ -250,13 +250,15 @@ Route = Literal["chat", "completions", "tokens"]
 
 
 def parse_body(model: type[BaseModel], data: object) -> Any:
-    """Validate a decoded JSON body; a failure is a 400 naming the first bad field."""
+    """Validate a decoded JSON body; a failure is a 400 naming the bad field (the deepest, when a value matched no
+    branch of a union: ``messages.0.content.list[_Part].0.type``, not just ``content``)."""
     if not isinstance(data, dict):
         raise EndpointError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        first = max(errors, key=lambda e: len(e["loc"]))  # of a union's failed branches, the one that got furthest
         where = ".".join(str(p) for p in first["loc"]) or None
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":

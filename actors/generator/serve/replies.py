@@ -159,9 +159,10 @@ class Answer:
             model=self.model, choices=choices, usage=self.usage, prompt_token_ids=self.shown_prompt_ids
         )
 
-    def chat_chunks(self, *, include_usage: bool) -> list[ChatCompletionStreamResponse]:
+    def chat_chunks(self, *, include_usage: bool) -> Iterator[ChatCompletionStreamResponse]:
         """The streamed form of `chat`: per choice a role chunk, content deltas token by token (or one delta
-        with the tool calls), then a chunk with the finish reason and the id extras; the usage last, if asked."""
+        with the tool calls), then a chunk with the finish reason and the id extras; the usage last, if asked.
+        Made one at a time, so a long stream never holds all its chunks as objects."""
         head = ChatCompletionStreamResponse(model=self.model, choices=[])
 
         def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> ChatCompletionStreamResponse:
@@ -169,11 +170,11 @@ class Answer:
                 id=head.id, created=head.created, model=self.model, choices=[choice], prompt_token_ids=prompt_token_ids
             )
 
-        chunks = []
         for index, reply in enumerate(self.replies):
             first = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
-            chunks.append(chunk(first, self.shown_prompt_ids if index == 0 else None))
-            chunks += [chunk(choice) for choice in self._deltas(index, reply)]
+            yield chunk(first, self.shown_prompt_ids if index == 0 else None)
+            for choice in self._deltas(index, reply):
+                yield chunk(choice)
             last = ChatStreamChoice(
                 index=index,
                 delta=ChatDelta(),
@@ -181,10 +182,9 @@ class Answer:
                 token_ids=reply.result.token_ids.tolist(),
                 policy_versions=reply.result.versions.tolist(),
             )
-            chunks.append(chunk(last))
+            yield chunk(last)
         if include_usage:
-            chunks.append(head.model_copy(update={"usage": self.usage}))
-        return chunks
+            yield head.model_copy(update={"usage": self.usage})
 
     def completion(self) -> CompletionResponse:
         choices = []

@@ -365,9 +365,9 @@ class EndpointService:
         return None if bridge is None else [int(t) for t in ids] + bridge
 
     def _reply(self, result: GenerateResult, stops: Sequence[str]) -> Reply:
-        return make_reply(self.tokenizer, result, stops, self.sampling.stop_token_ids, self._parse)
+        return make_reply(self.tokenizer, result, stops, self.sampling.stop_token_ids, self.parse_reply)
 
-    def _parse(self, text: str) -> ParsedReply:
+    def parse_reply(self, text: str) -> ParsedReply:
         """The tool parser, bounded at this door: a reply it cannot take is content with one unparseable call
         (logged), never a failed request."""
         try:
