@@ -22,8 +22,8 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import contextlib
+import gc
 import importlib.util
 import logging
 import os
