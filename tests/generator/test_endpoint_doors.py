@@ -238,7 +238,6 @@ MALFORMED: list[tuple[str, dict[str, Any], int, str]] = [
         400,
         "arguments",
     ),
-    ("message-string", {"messages": ["hi"]}, 400, "messages"),
     ("tool-call-id-int", {"messages": [{"role": "tool", "tool_call_id": 7, "content": "x"}]}, 400, "tool_call_id"),
     ("tools-function-string", {"messages": USER, "tools": [{"type": "function", "function": "f"}]}, 400, "tools"),
     ("too-many-stops", {"messages": USER, "stop": ["x"] * (MAX_STOP_STRINGS + 1)}, 400, "MAX_STOP_STRINGS"),
