@@ -197,7 +197,7 @@ class Conversation:
     def samples(self) -> list[BranchSample]:
         """Every trainable branch as arrays; a shared sampled token is trained in its first branch only."""
         out: list[BranchSample] = []
-        trie: dict[tuple[int, int], int] = {}  # (prefix node, next id) -> node: one node per distinct prefix
+        trie: dict[int, int] = {}  # (prefix node, next id) -> node: one node per distinct prefix
         sampled_at: set[int] = set()  # nodes whose last token an earlier branch sampled
         for index, branch in enumerate(self.branches):
             if branch.after_length or not branch.turns:
@@ -227,11 +227,12 @@ class Conversation:
         return out
 
 
-def _prefix_nodes(trie: dict[tuple[int, int], int], tokens: np.ndarray) -> list[int]:
-    """The trie node of each prefix ``tokens[: p + 1]`` (added when new): equal prefixes, equal nodes."""
+def _prefix_nodes(trie: dict[int, int], tokens: np.ndarray) -> list[int]:
+    """The trie node of each prefix ``tokens[: p + 1]`` (added when new): equal prefixes, equal nodes. An edge is
+    keyed ``node << 32 | id`` (a plain int: no tuple for the garbage collector to walk)."""
     node, nodes = 0, []
     for token in tokens.tolist():
-        node = trie.setdefault((node, token), len(trie) + 1)
+        node = trie.setdefault(node << 32 | token, len(trie) + 1)
         nodes.append(node)
     return nodes
 
