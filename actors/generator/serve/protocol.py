@@ -6,7 +6,11 @@ Field names follow OpenAI and vLLM, which agent harnesses already speak: ``max_t
 and the extras ``return_token_ids``, ``session_id``, ``stop_token_ids``, ``ignore_eos`` (vLLM's: the run's stop
 tokens do not end the reply; not on a trained session, whose sampling is the run's). Fields a harness sends by habit and
 that change nothing here (``user``, ``stream_options``, ``parallel_tool_calls``, ``metadata``, ``store``) are
-accepted; a penalty or logit bias other than the neutral value is refused, never silently ignored.
+accepted; a penalty or logit bias other than the neutral value is refused, never silently ignored. Every
+message, tool call and tool is checked for its shape (`Message`, `Tool`): a ``content`` that is not text, a
+``tool_calls`` that is not a list of calls with a ``function`` object, is a 400 naming the field, never an error
+deep in the template. Stop strings are bounded (`MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS` characters, as
+vLLM bounds them), and so are ``stop_token_ids``.
 
 Responses carry, beside OpenAI's keys, the extras agent trainers read: each choice's ``token_ids`` (the
 sampled ids, exactly) and ``policy_versions`` (the policy version of each), and the body's
@@ -229,7 +233,7 @@ class GenerateSamplingParams(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1, le=64)
     seed: int | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     logprobs: int | None = None
 
