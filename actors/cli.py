@@ -286,6 +286,11 @@ COMMANDS: tuple[Command | Group, ...] = (
         "actors.tools.evaluate",
     ),
     Command(
+        "export",
+        "write one published policy version as a Hugging Face checkpoint directory (transformers, vLLM, SGLang)",
+        "actors.tools.export",
+    ),
+    Command(
         "fleet",
         "place a run's trainer and generators on a Ray cluster; scale, inspect and stop them",
         "actors.fleet.commands",

@@ -26,6 +26,9 @@ A spec is either
   downloaded. Its vocabulary is fixed (a tokenizer with more ids is refused).
 
 The tiny presets are sized for the CPU demo, which trains on 2 cores.
+
+No checkpoint's own code ever runs: every transformers load passes ``trust_remote_code=False`` (so no terminal
+prompt can turn it on), and a config is built only for an architecture transformers has (`config_from_dict`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 from transformers import (
-    AutoConfig,
+    CONFIG_MAPPING,
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
@@ -232,10 +235,15 @@ def build_model(
     (`actors/model_files.py`).
     """
     if config_dir is not None:
-        config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
+        path = config_dir / "config.json"
+        try:
+            raw = json.loads(path.read_bytes())
+        except ValueError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from exc
+        config = config_from_dict(raw, str(path))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
         model = model.to(dtype)
         _check_rows(model, spec, vocab_size)
         return model.eval()
@@ -248,11 +256,11 @@ def build_model(
             model = _PRESET_CLASSES[type(config)](config)
         model = model.to(dtype)
     elif Path(spec).is_dir():
-        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, dtype=dtype, trust_remote_code=False)
         _check_rows(model, spec, vocab_size)
     elif "/" in spec and not spec.startswith(("/", ".")):
         try:
-            model = AutoModelForCausalLM.from_pretrained(spec, revision=revision, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(spec, revision=revision, dtype=dtype, trust_remote_code=False)
         except OSError as exc:  # not in the cache and no Hub (HF_HUB_OFFLINE), or no such repo or revision
             raise ValueError(f"model.name_or_path = {spec!r} (revision {revision!r}): cannot load it: {exc}") from exc
         _check_rows(model, spec, vocab_size)
@@ -262,6 +270,27 @@ def build_model(
             "nor a Hub id (owner/name)"
         )
     return model.eval()
+
+
+def config_from_dict(raw: object, where: str) -> PretrainedConfig:
+    """The transformers config of a ``config.json``'s contents (`where` names the file in errors), of an
+    architecture transformers has: its ``model_type`` picks the class; an ``auto_map`` (the checkpoint's own
+    code) is never followed. Raises ValueError naming the field."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        custom = (
+            f", and its auto_map names the checkpoint's own code ({raw['auto_map']!r})" if "auto_map" in raw else ""
+        )
+        raise ValueError(
+            f"{where}: model_type = {model_type!r} is not an architecture transformers has{custom}; Leeway never "
+            "runs a checkpoint's own code (trust_remote_code is off)"
+        )
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(raw)
+    except Exception as exc:  # untrusted input: whatever the config class raises on it is a bad file
+        raise ValueError(f"{where}: not a valid {model_type} config: {type(exc).__name__}: {exc}") from exc
 
 
 def _check_rows(model: PreTrainedModel, spec: str, vocab_size: int) -> None:
@@ -383,13 +412,17 @@ def load_chat_template_for(cfg: LeewayConfig, tokenizer: Tokenizer, task: Task |
     the task), else the task's ``chat_template`` text; None when there is none.
     Its end-of-turn token is the first of `END_OF_TURN_TOKENS` the template writes, else the tokenizer's EOS."""
     text: str | None = None
+    source = "the chat template"
     tokenizer_dir = tokenizer_path(cfg)
     if cfg.model.chat_template is not None:
         text = load_chat_template(cfg.model.chat_template)
+        source = f"model.chat_template ({cfg.model.chat_template})"
     elif tokenizer_dir is not None and any((tokenizer_dir / name).is_file() for name in CHAT_TEMPLATE_FILES):
         text = chat_template_in(tokenizer_dir)
+        source = f"the chat template of {tokenizer_dir}"
     elif task is not None:
         text = task.chat_template
+        source = f"task {cfg.task.name}'s chat template"
     if text is None:
         return None
     written = [t for t in END_OF_TURN_TOKENS if t in text]
@@ -406,6 +439,7 @@ def load_chat_template_for(cfg: LeewayConfig, tokenizer: Tokenizer, task: Task |
         eos_token=tokenizer.id_to_token(eos),
         bos_token=None if bos is None else tokenizer.id_to_token(bos),
         template_args=cfg.model.chat_template_args,
+        source=source,
     )
 
 

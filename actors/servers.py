@@ -2,21 +2,27 @@
 
 Every process of a run resolves its servers the same way, so `leeway run`, `leeway trainer` and
 `leeway generator` launched by hand in separate terminals meet on the same servers. Credentials come
-from the environment (AWS_*), the embedded stack's 0600 credentials file (its S3 key, and its NATS
-token, carried in `Servers.nats_url` as `nats://TOKEN@host:port`), or `nats.creds_file`; none of
-them is ever logged or written into a config (`Servers.__repr__` masks the token).
+from the environment (AWS_*), the embedded stack's 0600 credentials file (its S3 key, its NATS token: the
+operator's, carried in `Servers.nats_url`, and one NATS user per role: `Servers.nats_role_urls`), or
+`nats.creds_file`; for an external server a role's password comes from `LEEWAY_NATS_<ROLE>_PASSWORD` or the
+0600 file `LEEWAY_NATS_<ROLE>_PASSWORD_FILE` names (user = the role's name, as in `infra/k8s/nats.yaml`). The
+trainer and generators connect as their role (`connect_nats`'s `role`), so a generator cannot publish what
+is the trainer's (`infra.nats_server.GENERATOR_PUBLISH_DENY`); tools connect as the operator. None of them
+is ever logged or written into a config (`Servers.__repr__` masks them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from nats.aio.client import Client as NatsClient
 
-from infra.nats_server import redact_url
+from infra.nats_server import ROLE_USERS, redact_url, url_with_user
 from infra.orphans import stop_needs_servers
 from infra.stack import StackState, load_credentials, load_state, stack_status
 from pipeline.config import LeewayConfig
@@ -37,6 +43,13 @@ class Servers:
     nats_url: str
     store_url: str
     store_options: dict[str, Any]
+    nats_role_urls: Mapping[str, str] = field(default_factory=dict)
+    """The URL each role with a user of its own connects with (`infra.nats_server.ROLE_USERS`); others use
+    `nats_url`."""
+
+    def nats_url_for(self, role: str | None) -> str:
+        """The URL `role` connects with: its own user's where it has one, else `nats_url`."""
+        return self.nats_role_urls.get(role or "", self.nats_url)
 
     def __repr__(self) -> str:  # never print the S3 secret or the NATS token
         return f"Servers(nats_url={redact_url(self.nats_url)!r}, store_url={self.store_url!r})"
@@ -86,11 +99,13 @@ def resolve_servers(cfg: LeewayConfig, *, nats: bool = True) -> Servers:
             "read_timeout_s": store.read_timeout_s,
         }
     nats_url = cfg.nats.url if nats else ""
+    role_urls = _external_role_urls(nats_url) if nats_url else {}
     store_url = store.url
     if nats_url is None or (store.url.startswith("s3://") and store.endpoint is None):
         state = _embedded_state(cfg)
         if nats_url is None:
             nats_url = state.nats_url
+            role_urls = {role: state.role_url(role) for role in state.nats_passwords}
         if store.url.startswith("s3://") and store.endpoint is None:
             credentials = load_credentials(state.dir)
             bucket_and_prefix = store.url[len("s3://") :].split("/", 1)
@@ -102,7 +117,24 @@ def resolve_servers(cfg: LeewayConfig, *, nats: bool = True) -> Servers:
                 access_key_id=credentials.access_key_id,
                 secret_access_key=credentials.secret_access_key,
             )
-    return Servers(nats_url=nats_url, store_url=store_url, store_options=options)
+    return Servers(nats_url=nats_url, store_url=store_url, store_options=options, nats_role_urls=role_urls)
+
+
+def _external_role_urls(nats_url: str) -> dict[str, str]:
+    """For a server the config names: each role's URL whose password the environment gives (the variable, or the
+    owner-only file it names); a file readable by others is refused, naming it (never its contents)."""
+    out: dict[str, str] = {}
+    for role in ROLE_USERS:
+        var = f"LEEWAY_NATS_{role.upper()}_PASSWORD"
+        password = os.environ.get(var, "")
+        path = os.environ.get(f"{var}_FILE")
+        if not password and path:
+            if Path(path).stat().st_mode & 0o077:
+                raise ServerError(f"{var}_FILE={path}: readable by others; chmod 600 it")
+            password = Path(path).read_text().strip()
+        if password:
+            out[role] = ",".join(url_with_user(u.strip(), role, password) for u in nats_url.split(","))
+    return out
 
 
 def watch_servers(cfg: LeewayConfig) -> None:
@@ -122,12 +154,18 @@ def open_run_store(cfg: LeewayConfig, servers: Servers | None = None) -> ObjectS
     return open_store(servers.store_url, **servers.store_options)
 
 
-async def connect_nats(cfg: LeewayConfig, servers: Servers | None = None, *, name: str) -> NatsClient:
+async def connect_nats(
+    cfg: LeewayConfig, servers: Servers | None = None, *, name: str, role: str | None = None
+) -> NatsClient:
     """`pipeline.wire.jetstream.connect` (the one connect: reconnect forever, 64 MiB buffer, logged state) to
-    this config's server, with its credentials file and connect timeout."""
+    this config's server as `role` (`trainer`, `generator`: their own users; None: the operator), with its
+    credentials file and connect timeout."""
     servers = servers or resolve_servers(cfg)
     return await connect(
-        servers.nats_url, creds_file=cfg.nats.creds_file, connect_timeout_s=cfg.nats.connect_timeout_s, name=name
+        servers.nats_url_for(role),
+        creds_file=cfg.nats.creds_file,
+        connect_timeout_s=cfg.nats.connect_timeout_s,
+        name=name,
     )
 
 

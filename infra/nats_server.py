@@ -8,10 +8,17 @@ picks a free port first and binds it later, so two servers never race for one.
 The config is written next to the data (`<stack>/nats/nats.conf`, 0600) on every start, because the
 port changes between starts while the store directory does not.
 
-Authentication: the server requires the stack's token (an `authorization { token }` block in the
-config, never on the command line, so `ps` and `stack.json` never show it). Clients carry it as the
-URL's userinfo, `nats://TOKEN@127.0.0.1:PORT`, which nats-py sends as `auth_token` on every connect
-and reconnect. Anything printed goes through `redact_url`.
+Authentication: a lone server requires its token (an `authorization { token }` block in the config,
+never on the command line, so `ps` never shows it); clients carry it as the URL's userinfo,
+`nats://TOKEN@127.0.0.1:PORT`, which nats-py sends as `auth_token` on every connect and reconnect. The
+embedded stack's server has one user per role instead (`role_users`): `leeway` (the operator: tools,
+tests, the launcher's probes; its password is the stack's token), `trainer`, and `generator`, whose
+publish permissions leave out everything that is the trainer's: its dead letters (`leeway.*.dlq.traj`), its
+acks and deliveries (`$JS.ACK.*.trainer.>`, the trainer consumer's API), every KV key (`$KV.>`: the run
+lease, the version doorbell), prompts (`leeway.*.prompts`: admission is the trainer's) and the stream calls
+that update, purge or delete. A generator may publish trajectories, its reports and prompt dead letters. A
+denied publish is a permissions violation at the server: nothing is stored. Clients carry a role's user and
+password as the URL's userinfo (`url_with_user`). Anything printed goes through `redact_url`.
 
 Durability: `sync_interval` sets how often the file store fsyncs. The stack defaults to nats-server's
 own default, `2m`: a killed *process* loses nothing (the data is in the OS page cache), but an OS
@@ -32,7 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,6 +80,29 @@ RANDOM_PORT = -1
 PORTS_FILE_SUFFIX = ".ports"
 """nats-server writes `<executable>_<pid>.ports` into `--ports_file_dir` once it listens, and removes it on exit."""
 
+OPERATOR_USER = "leeway"
+"""The stack's user with every permission (tools, tests, the launcher's probes); its password is the token."""
+ROLE_USERS = ("trainer", "generator")
+"""The roles that connect as users of their own (`actors.servers.connect_nats`'s `role`); any other is the operator."""
+GENERATOR_PUBLISH_DENY = (
+    "leeway.*.dlq.traj",
+    "leeway.*.prompts",
+    "$KV.>",
+    "$JS.ACK.*.trainer.>",
+    "$JS.API.CONSUMER.MSG.NEXT.*.trainer",
+    "$JS.API.CONSUMER.CREATE.*.trainer",
+    "$JS.API.CONSUMER.CREATE.*.trainer.>",
+    "$JS.API.CONSUMER.DURABLE.CREATE.*.trainer",
+    "$JS.API.CONSUMER.DELETE.*.trainer",
+    "$JS.API.STREAM.UPDATE.>",
+    "$JS.API.STREAM.DELETE.>",
+    "$JS.API.STREAM.PURGE.>",
+    "$JS.API.STREAM.MSG.DELETE.>",
+)
+"""Subjects a generator may not publish on (everything else it may): the trainer's dead letters, prompts, KV
+keys, the trainer consumer's acks, deliveries and settings (the server refuses a durable name on the nameless
+`$JS.API.CONSUMER.CREATE.<stream>`), and stream updates, purges and deletes."""
+
 _SYNC_INTERVAL_RE = re.compile(r"^(always|\d+(\.\d+)?(ns|us|ms|s|m|h))$")
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{16,}$")
 _AUTH_VIOLATION = "authorization violation"
@@ -93,25 +123,53 @@ def validate_sync_interval(sync_interval: str) -> str:
 
 
 def render_config(
-    *, port: int, store_dir: Path, sync_interval: str, token: str, max_file_store_bytes: int | None = None
+    *,
+    port: int,
+    store_dir: Path,
+    sync_interval: str,
+    token: str,
+    max_file_store_bytes: int | None = None,
+    role_passwords: Mapping[str, str] | None = None,
 ) -> str:
     """nats-server config: loopback only, `token` required, 8 MB payloads, JetStream file store under `store_dir`.
 
     `port` 0: the OS picks one (read it back with `read_port`). `max_file_store_bytes` caps the store (a test's
-    nearly full disk; default: the server's own limit, most of the disk). Holds the token: write it owner-only.
+    nearly full disk; default: the server's own limit, most of the disk). With `role_passwords` (one per
+    `ROLE_USERS`), users instead of the token (`role_users`; the token is the operator's password). Holds
+    secrets: write it owner-only.
     """
     validate_sync_interval(sync_interval)
     _validate_token(token)
     store_limit = f"  max_file_store: {max_file_store_bytes}\n" if max_file_store_bytes is not None else ""
+    auth = f"  token: {_quote(token)}\n" if role_passwords is None else role_users(token, role_passwords)
     return (
         f"listen: 127.0.0.1:{port or RANDOM_PORT}\n"
         f"max_payload: {MAX_PAYLOAD}\n"
-        f"authorization {{\n  token: {_quote(token)}\n}}\n"
+        f"authorization {{\n{auth}}}\n"
         "jetstream {\n"
         f"  store_dir: {_quote(str(store_dir))}\n"
         f"  sync_interval: {_quote(sync_interval)}\n"
         f"{store_limit}"
         "}\n"
+    )
+
+
+def role_users(token: str, role_passwords: Mapping[str, str]) -> str:
+    """The `users` of an `authorization` block: the operator (password `token`, every permission), `trainer`
+    (every permission) and `generator` (publish denied on `GENERATOR_PUBLISH_DENY`)."""
+    missing = set(ROLE_USERS) - set(role_passwords)
+    if missing:
+        raise ValueError(f"nats users: no password for {sorted(missing)}")
+    for password in role_passwords.values():
+        _validate_token(password)
+    deny = ", ".join(_quote(subject) for subject in GENERATOR_PUBLISH_DENY)
+    return (
+        "  users = [\n"
+        f"    {{user: {_quote(OPERATOR_USER)}, password: {_quote(token)}}}\n"
+        f'    {{user: "trainer", password: {_quote(role_passwords["trainer"])}}}\n'
+        f'    {{user: "generator", password: {_quote(role_passwords["generator"])}, '
+        f"permissions: {{publish: {{deny: [{deny}]}}}}}}\n"
+        "  ]\n"
     )
 
 
@@ -150,6 +208,14 @@ def url_with_token(endpoint: str, token: str) -> str:
     parts = urllib.parse.urlsplit(endpoint)
     host = parts.netloc.rsplit("@", 1)[-1]
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{token}@{host}"))
+
+
+def url_with_user(endpoint: str, user: str, password: str) -> str:
+    """`nats://USER:PASSWORD@host:port`: a role's URL (nats-py sends the userinfo as user and password)."""
+    _validate_token(password)
+    parts = urllib.parse.urlsplit(endpoint)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{urllib.parse.quote(user, safe='')}:{password}@{host}"))
 
 
 def redact_url(nats_url: str) -> str:

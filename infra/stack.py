@@ -8,8 +8,9 @@ Three processes: nats-server, the SeaweedFS master (`seaweed_master`) and the re
 ```
 <dir>/                       0700 (default .leeway/stack)
   stack.json                 StackState: endpoints, bucket, pids with their start identity, logs
-  credentials.json   0600    the S3 key and the NATS token, generated once per dir (never in stack.json or logs)
-  nats/nats.conf     0600    listen address, the token, JetStream file store under nats/jetstream/
+  credentials.json   0600    the S3 key, the NATS token (the operator user's password) and one NATS password per
+                             role (`trainer`, `generator`), generated once per dir (never in stack.json or logs)
+  nats/nats.conf     0600    listen address, the users with their permissions, JetStream file store under nats/jetstream/
   seaweed/s3.json    0600    SeaweedFS S3 identity
   seaweed/config/security.toml  0600   JWT keys for volume and filer writes, gRPC TLS paths (new each start)
   seaweed/config/tls/  0700      gRPC CA certificate, one cert and key per component (0600, new each start)
@@ -19,7 +20,8 @@ Three processes: nats-server, the SeaweedFS master (`seaweed_master`) and the re
 
 Invariants:
 - Both servers listen on 127.0.0.1 only, on ports chosen free at start; two stacks on one machine
-  never share a port. nats-server refuses clients without the token; SeaweedFS's volume and filer
+  never share a port. nats-server refuses clients without a user's password, and a generator's user may not
+  publish what is the trainer's (`infra.nats_server.role_users`); SeaweedFS's volume and filer
   HTTP ports refuse unsigned writes, its master's HTTP port refuses every guarded call (limits:
   README, "The embedded servers"). Ports may change between starts; data directories do not, so
   `up` after `down` finds earlier objects and messages (also in a dir from the one-process layout).
@@ -38,7 +40,6 @@ import contextlib
 import fcntl
 import json
 import os
-import secrets
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -60,8 +61,19 @@ from infra.process import (
     wait_ready,
 )
 from infra.seaweed import Credentials
+from infra.stack_secrets import (
+    CREDENTIALS_FILE,
+    ensure_credentials,
+    ensure_nats_token,
+    ensure_role_passwords,
+    load_credentials,
+    load_nats_token,
+    read_secrets,
+    role_passwords,
+)
 
 __all__ = [
+    "CREDENTIALS_FILE",
     "DEFAULT_STACK_DIR",
     "Credentials",
     "StackError",
@@ -80,7 +92,6 @@ DEFAULT_STACK_DIR = Path(".leeway") / "stack"
 """Where `leeway stack up` keeps the stack when no `--dir` is given (relative to the working directory)."""
 
 STATE_FILE = "stack.json"
-CREDENTIALS_FILE = "credentials.json"
 LOCK_FILE = ".lock"
 STATE_SCHEMA_VERSION = 2
 """2: the NATS address is stored as `nats_endpoint`, without credentials (1 called it `nats_url`; still read)."""
@@ -132,8 +143,9 @@ class StackState:
     """What a running stack offers its clients, and what `down` needs to stop it (`<dir>/stack.json`).
 
     `stack.json` holds no secrets: the S3 key and the NATS token are in `<dir>/credentials.json`
-    (`load_credentials`, `load_nats_token`). `load_state` fills in `nats_token`, so `nats_url`
-    (`nats://TOKEN@127.0.0.1:PORT`) connects as is; print `nats_endpoint` instead, never `nats_url`.
+    (`load_credentials`, `load_nats_token`). `load_state` fills in `nats_token` and the roles' `nats_passwords`,
+    so `nats_url` (the operator, `nats://leeway:TOKEN@127.0.0.1:PORT`) and `role_url(role)` connect as they are;
+    print `nats_endpoint` instead, never either URL.
     `processes` is empty after `stop_stack`.
     """
 
@@ -145,11 +157,23 @@ class StackState:
     fsync: str
     processes: tuple[ProcessInfo, ...] = field(default_factory=tuple)
     nats_token: str = field(default="", repr=False)
+    nats_passwords: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+    """Each role user's password (`infra.nats_server.ROLE_USERS`); empty for a stack from before role users."""
 
     @property
     def nats_url(self) -> str:
-        """The URL to connect with: the endpoint with the token as userinfo (a secret: never print it)."""
-        return nats_server.url_with_token(self.nats_endpoint, self.nats_token)
+        """The operator's URL (every permission: tools, tests, probes), a secret: never print it. A stack from
+        before role users has only the token."""
+        if not self.nats_passwords:
+            return nats_server.url_with_token(self.nats_endpoint, self.nats_token)
+        return nats_server.url_with_user(self.nats_endpoint, nats_server.OPERATOR_USER, self.nats_token)
+
+    def role_url(self, role: str) -> str:
+        """The URL a role connects with: its own user where it has one (`trainer`, `generator`), else the operator's."""
+        password = self.nats_passwords.get(role)
+        if not password:
+            return self.nats_url
+        return nats_server.url_with_user(self.nats_endpoint, role, password)
 
     def process(self, name: str) -> ProcessInfo | None:
         return next((p for p in self.processes if p.name == name), None)
@@ -187,7 +211,9 @@ class StackState:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], nats_token: str = "") -> StackState:
+    def from_json(
+        cls, data: Mapping[str, Any], nats_token: str = "", nats_passwords: Mapping[str, str] | None = None
+    ) -> StackState:
         version = data.get("schema_version")
         if version not in (1, STATE_SCHEMA_VERSION):
             raise StackError(f"stack state schema_version={version!r}, expected {STATE_SCHEMA_VERSION}")
@@ -201,6 +227,7 @@ class StackState:
             fsync=str(data["fsync"]),
             processes=tuple(ProcessInfo.from_json(p) for p in data.get("processes", [])),
             nats_token=nats_token,
+            nats_passwords=dict(nats_passwords or {}),
         )
 
 
@@ -215,29 +242,12 @@ def load_state(dir: str | Path) -> StackState | None:
     except FileNotFoundError:
         return None
     try:
-        return StackState.from_json(json.loads(text), nats_token=_read_secrets(Path(dir)).get("nats_token", ""))
+        secrets_ = read_secrets(Path(dir))
+        return StackState.from_json(
+            json.loads(text), nats_token=secrets_.get("nats_token", ""), nats_passwords=role_passwords(secrets_)
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise StackError(f"{path}: unreadable stack state: {exc}") from exc
-
-
-def load_nats_token(dir: str | Path) -> str:
-    """The stack's NATS token from `<dir>/credentials.json` (0600), created by the first `start_stack` there."""
-    token = _read_secrets(Path(dir)).get("nats_token")
-    if not isinstance(token, str) or not token:
-        raise StackError(f"{Path(dir) / CREDENTIALS_FILE}: no NATS token; start the stack there (leeway stack up)")
-    return token
-
-
-def load_credentials(dir: str | Path) -> Credentials:
-    """The stack's S3 key from `<dir>/credentials.json` (0600), created by the first `start_stack` there."""
-    path = Path(dir) / CREDENTIALS_FILE
-    try:
-        data = json.loads(path.read_text())
-        return Credentials(access_key_id=data["access_key_id"], secret_access_key=data["secret_access_key"])
-    except FileNotFoundError as exc:
-        raise StackError(f"{path}: no stack credentials; start the stack there first (leeway stack up)") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StackError(f"{path}: unreadable stack credentials ({type(exc).__name__})") from exc
 
 
 def s3_client(state: StackState, credentials: Credentials | None = None) -> BaseClient:
@@ -272,12 +282,18 @@ def start_stack(
     with _locked(root):
         existing = load_state(root)
         if existing is not None and existing.processes:
-            if existing.nats_token and _healthy(existing) and nats_server.refuses_anonymous(existing.nats_url):
+            if (
+                existing.nats_token
+                and existing.nats_passwords
+                and _healthy(existing)
+                and nats_server.refuses_anonymous(existing.nats_url)
+            ):
                 return _reuse(root, existing, bucket)
             _stop(existing.processes, DEFAULT_STOP_TIMEOUT_S)
             _write_state(root, replace(existing, processes=()))
-        credentials = _ensure_credentials(root)
-        nats_token = _ensure_nats_token(root)
+        credentials = ensure_credentials(root)
+        nats_token = ensure_nats_token(root)
+        passwords = ensure_role_passwords(root)
         binaries = (nats_server.binary_path(nats_bin), seaweed.binary_path(weed_bin))
         attempts = 1 if ports is not None else 2
         for attempt in range(attempts):
@@ -287,7 +303,7 @@ def start_stack(
                     binaries,
                     ports or StackPorts.free(),
                     credentials,
-                    nats_token,
+                    (nats_token, passwords),
                     fsync=fsync,
                     bucket=bucket,
                     timeout_s=timeout_s,
@@ -363,16 +379,19 @@ def _launch(
     binaries: tuple[Path, Path],
     ports: StackPorts,
     credentials: Credentials,
-    nats_token: str,
+    nats_secrets: tuple[str, Mapping[str, str]],
     *,
     fsync: str,
     bucket: str,
     timeout_s: float,
 ) -> StackState:
-    """Start the servers, record them, wait until they answer, create the bucket; on failure stop all of them."""
+    """Start the servers, record them, wait until they answer, create the bucket; on failure stop all of them.
+
+    `nats_secrets`: the token (the operator's password) and each role user's password."""
     deadline = time.monotonic() + timeout_s
     layout = _Layout.of(root)
-    _write_configs(layout, ports, credentials, nats_token, fsync=fsync)
+    nats_token, passwords = nats_secrets
+    _write_configs(layout, ports, credentials, nats_secrets, fsync=fsync)
     state = StackState(
         dir=str(root),
         nats_endpoint=nats_server.url(ports.nats),
@@ -381,6 +400,7 @@ def _launch(
         region=seaweed.REGION,
         fsync=fsync,
         nats_token=nats_token,
+        nats_passwords=dict(passwords),
     )
     started: list[tuple[subprocess.Popen[bytes], ProcessInfo]] = []
     try:
@@ -408,7 +428,12 @@ def _launch(
 
 
 def _write_configs(
-    layout: _Layout, ports: StackPorts, credentials: Credentials, nats_token: str, *, fsync: str
+    layout: _Layout,
+    ports: StackPorts,
+    credentials: Credentials,
+    nats_secrets: tuple[str, Mapping[str, str]],
+    *,
+    fsync: str,
 ) -> None:
     """Write every server's config, owner-only (the token, the S3 key, new signing keys and certificates)."""
     weed = layout.weed_dir  # each dir named before its children: `parents=True` would not make a parent 0700
@@ -416,7 +441,13 @@ def _write_configs(
         d.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     write_private(
         layout.nats_conf,
-        nats_server.render_config(port=ports.nats, store_dir=layout.nats_dir, sync_interval=fsync, token=nats_token),
+        nats_server.render_config(
+            port=ports.nats,
+            store_dir=layout.nats_dir,
+            sync_interval=fsync,
+            token=nats_secrets[0],
+            role_passwords=nats_secrets[1],
+        ),
     )
     write_private(layout.s3_conf, seaweed.s3_identity_config(credentials))
     write_private(
@@ -496,51 +527,6 @@ def _probe(state: StackState, name: str) -> str | None:
 def _endpoint(state: StackState, name: str) -> str | None:
     """What clients connect to; None for the master, which no client uses directly."""
     return {NATS: state.nats_endpoint, SEAWEED: state.s3_endpoint}.get(name)
-
-
-def _ensure_credentials(root: Path) -> Credentials:
-    """Load the dir's S3 key, or generate one on first use; the file is kept at 0600."""
-    path = root / CREDENTIALS_FILE
-    if path.exists():
-        if path.stat().st_mode & 0o077:
-            path.chmod(0o600)
-        return load_credentials(root)
-    credentials = Credentials(
-        access_key_id="LW" + secrets.token_hex(9).upper(), secret_access_key=secrets.token_urlsafe(30)
-    )
-    write_private(
-        path,
-        json.dumps({"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}),
-    )
-    return credentials
-
-
-def _ensure_nats_token(root: Path) -> str:
-    """Load the dir's NATS token, or add a new one to `credentials.json` (a dir from before authentication has none).
-
-    Kept across restarts, like the S3 key: clients that reconnect forever after `down` and `up` get back in.
-    """
-    data = _read_secrets(root)
-    token = data.get("nats_token")
-    if isinstance(token, str) and token:
-        return token
-    token = nats_server.new_token()
-    write_private(root / CREDENTIALS_FILE, json.dumps({**data, "nats_token": token}))
-    return token
-
-
-def _read_secrets(root: Path) -> dict[str, Any]:
-    """`credentials.json` as a dict ({} when absent); the error for an unreadable file never quotes its contents."""
-    path = root / CREDENTIALS_FILE
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except ValueError as exc:
-        raise StackError(f"{path}: unreadable stack credentials ({type(exc).__name__})") from exc
-    if not isinstance(data, dict):
-        raise StackError(f"{path}: unreadable stack credentials (not a JSON object)")
-    return data
 
 
 def _write_state(root: Path, state: StackState) -> None:

@@ -277,6 +277,9 @@ class TrainerConfig(Section):
     Torch backend only (a positive value is refused under megatron)."""
     checkpoint_every: int = Field(50, ge=1)
     """Write a resumable checkpoint every this many trainer steps (and at the end of a session)."""
+    export_every: int = Field(0, ge=0)
+    """Export every this many-th published version as a Hugging Face checkpoint into `<run.dir>/exports/v<V>/`
+    (`leeway export` in a background process; the step never waits for it). 0: off."""
     torch_threads: int = Field(1, ge=1)
     """torch.set_num_threads for the trainer process."""
     device: str = "cpu"
@@ -291,7 +294,8 @@ class TrainerConfig(Section):
     """Collective timeout of the trainer ranks, on top of queue_wait_timeout_s (rank 0 may wait that long for groups)."""
     lease_ttl_s: float = Field(20.0, gt=0)
     """One trainer per run: a run lease not renewed for this long is stale and taken over (a killed trainer's);
-    a second trainer watches a live one's lease this long before it refuses to start, naming the holder."""
+    a second trainer watches a live one's lease this long before it refuses to start, naming the holder. A holder stops
+    writing (ttl + heartbeat) / 2 after its last renewal, before anyone can take over, and exits naming the lease."""
     lease_heartbeat_s: float = Field(5.0, gt=0)
     """How often the trainer renews its run lease; must be below lease_ttl_s."""
 
@@ -396,6 +400,14 @@ class RolloutConfig(Section):
     goes on."""
     strict_truncation: bool = False
     """End an episode with reward 0 when one reply fills its whole token limit (instead of scoring what it has)."""
+    max_group_samples: int | None = Field(None, ge=2)
+    """Samples one group may hold: a generator refuses to publish a larger one (`GroupTooLarge`) and the trainer
+    dead-letters one (`group_too_large`) from its headers, before decoding it, so no step ever lays out its
+    [samples, tokens] loss. None: `GROUP_SAMPLES_PER_GROUP_SIZE` (64) x advantages.group_size, room for an agent's
+    branches."""
+    max_group_tokens: int | None = Field(None, ge=1)
+    """Tokens one group may hold, all samples together (checked like max_group_samples). None: no cap beyond the
+    model's context times the group's samples, which the trainer always applies before inflating a body."""
 
 
 class SandboxConfig(Section):

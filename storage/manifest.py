@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 __all__ = [
@@ -159,6 +159,9 @@ class Manifest:
     schema: int = SCHEMA_VERSION
     hash_algorithm: str = HASH_ALGORITHM
     codec: str = DELTA_CODEC
+    holder: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    """The publishing trainer's run lease token (host, pid, since_s, holder id, lease revision and epoch); None in
+    manifests written before it existed. For people and tools: subscribers do not check it."""
 
     @property
     def num_bytes(self) -> int:
@@ -243,7 +246,14 @@ def _build(raw: dict[str, Any]) -> Manifest:
         parts=parts,
         hash_algorithm=_str(raw["hash_algorithm"], "hash_algorithm"),
         codec=_str(raw["codec"], "codec"),
+        holder=_holder(raw.get("holder")),
     )
+
+
+def _holder(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"holder must be an object or null, got {type(value).__name__}")
+    return value
 
 
 def _check(m: Manifest, key: str) -> None:

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -140,6 +141,9 @@ class WeightPublisher(RunWeights):
         self._held: tuple[StagedParts, Manifest | None] | None = None
         # The version this publisher committed whose `LATEST` advance has not succeeded yet.
         self._unadvanced: Manifest | None = None
+        self.holder: dict[str, Any] | None = None
+        """Who publishes (the trainer's run lease holder token, `actors/trainer/run_lease.py`): every manifest
+        this publisher commits names it (`Manifest.holder`)."""
 
     def publish(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> Manifest:
         """Publish `version`; returns its manifest once it exists and `LATEST` is at least `version`.
@@ -226,6 +230,7 @@ class WeightPublisher(RunWeights):
             model_config_hash=self.model_config_hash,
             publish_id=mine.publish_id,
             published_at=self.clock(),
+            holder=self.holder,
             tensors=tuple(t for s in every for t in s.tensors),
             parts=tuple(p for s in every for p in s.parts),
             codec=FULL_CODEC if full else DELTA_CODEC,

@@ -27,6 +27,7 @@ COMMANDS = (
     ("replay",),
     ("purge",),
     ("eval",),
+    ("export",),
     ("sft",),
     ("tasks", "check"),
     ("fleet", "up"),

@@ -2,12 +2,16 @@
 and a generator that cannot see that directory builds the model from them alone; its version-0 weights equal the
 trainer's bit for bit (Llama with GQA and tied embeddings, Qwen2, Qwen3, each with a tokenizer and a chat
 template). A generator whose spec is not the run's, and a trainer that brings other files to a run, are refused
-naming the field or the file."""
+naming the field or the file; so is a hostile model manifest in a real store (code files, paths, files over their
+caps, an auto_map to the checkpoint's own code, config dimensions the published weights do not hold), before
+anything is built, and a terminal's "y" never runs a checkpoint's code."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,8 +22,19 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
+from actors import model_files
 from actors.generator.runtime import build_engine
-from actors.model_files import ModelFilesError, fetch_model_files, local_config, needs_model_files, publish_model_files
+from actors.model_files import (
+    MAX_CONFIG_BYTES,
+    MAX_MODEL_FILE_BYTES,
+    ModelFiles,
+    ModelFilesError,
+    fetch_model_files,
+    local_config,
+    model_prefix,
+    needs_model_files,
+    publish_model_files,
+)
 from actors.models import build_policy_model, load_chat_template_for, load_tokenizer
 from actors.trainer.sessions import build_weight_publisher
 from infra.stack import StackState
@@ -227,3 +242,118 @@ def test_a_hub_id_at_a_pinned_revision_loads_model_tokenizer_and_template_from_t
         timeout=300,
     )
     assert missing.returncode != 0 and "model.tokenizer = 'leeway-test/tiny-qwen3'" in missing.stderr
+
+
+# ---- a hostile model manifest: the store's files are untrusted ------------------------------------------------
+
+EVIL_CODE = "import pathlib, sys\npathlib.Path(sys.argv[1]).write_text('ran')\n"
+AUTO_MAP = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}
+
+
+@pytest.fixture(scope="module")
+def published_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A run's store as its trainer leaves it (model files, then version 0 of a Llama checkpoint); each test
+    copies it before making it hostile."""
+    root = tmp_path_factory.mktemp("published")
+    checkpoint = _checkpoint(root / "ckpt", "llama")
+    cfg = _cfg(checkpoint)
+    with FileStore(root / "store") as store:
+        publish_model_files(store, cfg)
+        model = build_policy_model(cfg, load_tokenizer(cfg, get_task(cfg.task.name, **cfg.task.args)))
+        publisher = build_weight_publisher(cfg, store, model)
+        publisher.publish(0, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        publisher.close()
+    return checkpoint, root / "store"
+
+
+HOSTILE = {
+    "code-file": ({"configuration_evil.py": EVIL_CODE.encode()}, r"'configuration_evil.py', which is not one of"),
+    "modeling-file": ({"modeling_evil.py": EVIL_CODE.encode()}, r"'modeling_evil.py', which is not one of"),
+    "parent-path": ({"../weights/LATEST": b"{}"}, r"'\.\./weights/LATEST', which is not one of"),
+    "absolute-path": ({"/etc/passwd": b""}, r"'/etc/passwd', which is not one of"),
+    "sub-directory": ({"sub/tokenizer.json": b"{}"}, r"'sub/tokenizer.json', which is not one of"),
+    "auto-map-and-its-code": (
+        {"config.json": {"model_type": "leeway_evil", "auto_map": AUTO_MAP}, "configuration_evil.py": b"x"},
+        r"'configuration_evil.py', which is not one of",
+    ),
+    "auto-map": ({"config.json": {"model_type": "leeway_evil", "auto_map": AUTO_MAP}}, r"model_type.*auto_map"),
+    "huge-config": ({"config.json": {"padding": " " * MAX_CONFIG_BYTES}}, r"config.json: \d+ bytes, over the cap"),
+    "huge-tokenizer": ({"tokenizer.json": b"x" * (MAX_MODEL_FILE_BYTES + 1)}, r"tokenizer.json: \d+ bytes, over"),
+    "huge-vocab": ({"config.json": {"vocab_size": 2**34}}, r"vocab_size = 17179869184, but the run's weights hold"),
+    "huge-hidden": ({"config.json": {"hidden_size": 2**16}}, r"hidden_size = 65536, but"),
+    "many-layers": ({"config.json": {"num_hidden_layers": 4096}}, r"num_hidden_layers = 4096, but"),
+    "wide-mlp": ({"config.json": {"intermediate_size": 2**30}}, r"intermediate_size = 1073741824 give model\.layers"),
+    "many-experts": ({"config.json": {"model_type": "qwen3_moe", "num_experts": 10**6}}, r"num_experts = 1000000"),
+    "not-json": ({"config.json": b"{"}, r"config.json: not JSON"),
+}
+"""Each case: the files it writes beside the trainer's (a dict for config.json: keys changed in the trainer's
+config), and the error it must be refused with."""
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_model_manifest_is_refused_before_anything_is_built(
+    tmp_path: Path, published_run: tuple[Path, Path], case: str
+) -> None:
+    """Names outside the known files (code, paths), files over their cap, an auto_map to the checkpoint's own
+    code, and config dimensions the weights do not hold (a `config.json` that once made a generator allocate
+    768 GiB before any hash was checked) are each refused naming the file, cap or field; nothing is written."""
+    checkpoint, template = published_run
+    shutil.copytree(template, tmp_path / "store")
+    cfg = _cfg(checkpoint)
+    files, expected = HOSTILE[case]
+    with FileStore(tmp_path / "store") as store:
+        prefix = model_prefix(cfg.run.name)
+        manifest = ModelFiles.parse(store.get(prefix + "manifest.json"), "manifest.json")
+        digests = dict(manifest.files)
+        for name, content in files.items():
+            if isinstance(content, dict):  # the trainer's config.json with these keys changed
+                content = json.dumps({**json.loads(store.get(prefix + "config.json")), **content}).encode()
+            digests[name] = hashlib.sha256(content).hexdigest()
+            if ".." not in name and not name.startswith("/"):
+                store.put(prefix + name, content)
+        store.put(prefix + "manifest.json", ModelFiles(manifest.spec, digests).to_json())
+        into = tmp_path / "generator" / "model"
+        with pytest.raises(ModelFilesError, match=expected):
+            fetch_model_files(store, cfg, into, wait_s=5)
+    assert not into.exists()
+
+
+def test_the_model_files_are_capped_together(
+    tmp_path: Path, published_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checkpoint, template = published_run
+    shutil.copytree(template, tmp_path / "store")
+    monkeypatch.setattr(model_files, "MAX_MODEL_FILES_BYTES", 1000)  # the trainer's files are a few KiB together
+    with FileStore(tmp_path / "store") as store, pytest.raises(ModelFilesError, match="over the cap of 1000 bytes"):
+        fetch_model_files(store, _cfg(checkpoint), tmp_path / "g", wait_s=5)
+
+
+BUILD_FROM_EVIL = """
+import sys
+from pathlib import Path
+from actors.models import build_model
+try:
+    build_model("evil", vocab_size=8, seed=0, config_dir=Path(sys.argv[1]))
+except ValueError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_config_with_auto_map_never_runs_its_code_even_when_a_terminal_answers_yes(tmp_path: Path) -> None:
+    """transformers asks on stdin whether to run a checkpoint's own code; Leeway never lets it ask."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    sentinel = tmp_path / "the-code-ran"
+    (directory / "config.json").write_text(json.dumps({"model_type": "leeway_evil", "auto_map": AUTO_MAP}))
+    for module in ("configuration_evil.py", "modeling_evil.py"):
+        (directory / module).write_text(EVIL_CODE.replace("sys.argv[1]", repr(str(sentinel))))
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_FROM_EVIL, str(directory)],
+        input="y\ny\ny\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert not sentinel.exists(), done.stdout + done.stderr
+    assert "refused:" in done.stdout and "auto_map" in done.stdout, done.stdout + done.stderr

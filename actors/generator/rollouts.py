@@ -5,7 +5,9 @@ Agent tasks (`task.agent`) run an agent function per sample against the generato
 samples are done (`Rollouts.stream_groups`); multi-turn tasks (an environment,
 `pipeline.rl.episodes.environment_factory`) run `run_group` per prompt, calling the engine once per turn.
 A prompt whose rollout fails gets its exception in place of its samples, so it fails alone; the
-generator's loop (`actors/generator/loop.py`) decides what to publish, nak or dead-letter.
+generator's loop (`actors/generator/loop.py`) decides what to publish, nak or dead-letter. A group past the run's
+caps (`rollout.max_group_samples`, `rollout.max_group_tokens`: `pipeline.wire.group_limits`) is never published:
+it fails as `GroupTooLarge`, which the trainer's door would refuse anyway (`group_too_large`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pipeline.rl.engine_records import Generate
 from pipeline.rl.episodes import environment_factory
 from pipeline.rl.scoring import group_requests, run_group, score_group
 from pipeline.tasks import Task, VerifierPool
+from pipeline.wire.group_limits import GROUP_TOO_LARGE, GroupLimits
 from pipeline.wire.prompts import Prompt
 from pipeline.wire.trajectory import Sample
 
@@ -33,6 +36,29 @@ log = logging.getLogger(__name__)
 
 Outcome = list[Sample] | BaseException
 """What a batch's rollout yields per prompt: its group's samples, or the exception that failed it alone."""
+
+
+class GroupTooLarge(Exception):
+    """A group past the run's caps (samples or tokens): not published; `reason` is the trainer's dead-letter code."""
+
+    reason = GROUP_TOO_LARGE
+
+    def __init__(self, group_id: str, why: str) -> None:
+        super().__init__(f"group {group_id!r} not published: {why}")
+        self.group_id = group_id
+
+
+def capped(prompts: Sequence[Prompt], outcomes: Sequence[Outcome], limits: GroupLimits) -> list[Outcome]:
+    """`outcomes` with every group past `limits` replaced by its `GroupTooLarge` (a typed failure of that prompt)."""
+    out: list[Outcome] = []
+    for prompt, outcome in zip(prompts, outcomes, strict=True):
+        if not isinstance(outcome, BaseException):
+            why = limits.refusal(len(outcome), sum(int(s.tokens.size) for s in outcome))
+            if why is not None:
+                log.error("group %s is too large to publish: %s", prompt.prompt_id, why)
+                outcome = GroupTooLarge(prompt.prompt_id, why)
+        out.append(outcome)
+    return out
 
 
 class Rollouts:
@@ -63,16 +89,25 @@ class Rollouts:
         self.verifiers = verifiers
         self.group_size = group_size
         self.environment = environment_factory(task)
+        self.limits = GroupLimits.for_run(
+            group_size=group_size,
+            max_sample_tokens=None,  # the engine bounds each sample by its own context
+            max_samples=self.rollout.max_group_samples,
+            max_tokens=self.rollout.max_group_tokens,
+        )
 
     async def run(self, prompts: list[Prompt], prompt_ids: Sequence[list[int]]) -> list[Outcome]:
         """Every prompt's group: agent runs for an agent task, episodes for a multi-turn task, else one streamed
-        engine call."""
+        engine call; a group past the caps fails as `GroupTooLarge`."""
+        outcomes: list[Outcome]
         if self.agents is not None:
             runs = (self.agents.group(prompt, self.group_size) for prompt in prompts)
-            return list(await asyncio.gather(*runs, return_exceptions=True))
-        if self.environment is not None:
-            return await self.episodes(prompts)
-        return await self.stream_groups(prompts, list(prompt_ids))
+            outcomes = list(await asyncio.gather(*runs, return_exceptions=True))
+        elif self.environment is not None:
+            outcomes = await self.episodes(prompts)
+        else:
+            outcomes = await self.stream_groups(prompts, list(prompt_ids))
+        return capped(prompts, outcomes, self.limits)
 
     async def stream_groups(self, prompts: list[Prompt], prompt_ids: list[list[int]]) -> list[Outcome]:
         """All groups' requests (concurrency x group_size) go to the engine at once; each group is scored as

@@ -232,7 +232,7 @@ class GeneratorRuntime:
             opened.push_async_callback(
                 _close_logged, "the weight subscriber", lambda: asyncio.to_thread(subscriber.close)
             )
-            nc = await connect_nats(cfg, servers, name=f"leeway-generator-{generator_id}")
+            nc = await connect_nats(cfg, servers, name=f"leeway-generator-{generator_id}", role="generator")
             opened.push_async_callback(_close_logged, "the NATS connection", nc.drain)
             js = nc.jetstream()
             await ensure_trajectory_streams(js, names, cfg.stream)

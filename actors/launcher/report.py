@@ -27,6 +27,10 @@ SMOOTH_STEPS = 10
 EDGE_STEPS = 5
 """The summary's reward "at the start" and "at the end" are means over this many steps."""
 NO_PLOTS = "no report.png: plots need matplotlib: pip install 'leeway[plots]'"
+FINAL_DIR = "final"
+"""Under `run.dir`: the run's final policy as a Hugging Face checkpoint (`leeway export`), written as the run ends."""
+EXPORT_INFO = "leeway.json"
+"""What `leeway export` writes beside the checkpoint: run, version, step, dtype and hashes."""
 
 
 def can_plot() -> bool:
@@ -68,6 +72,15 @@ def read_evals(run_dir: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict) and "skipped" not in record and record.get("mean_reward") is not None:
             out.append(record)
     return sorted(out, key=lambda r: r.get("version", 0))
+
+
+def read_final(run_dir: Path) -> dict[str, Any] | None:
+    """`<run_dir>/final/leeway.json` (the run's exported final policy), None when there is none."""
+    try:
+        info = json.loads((run_dir / FINAL_DIR / EXPORT_INFO).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) and "version" in info else None
 
 
 def plot_run(
@@ -162,9 +175,13 @@ def _f(value: float | None, spec: str = ".3f") -> str:
 
 
 def summarize(
-    records: list[dict[str, Any]], cfg: LeewayConfig | None = None, evals: Sequence[dict[str, Any]] = ()
+    records: list[dict[str, Any]],
+    cfg: LeewayConfig | None = None,
+    evals: Sequence[dict[str, Any]] = (),
+    final: dict[str, Any] | None = None,
 ) -> str:
-    """The markdown summary: a title, a table of the numbers that matter, and where to look next."""
+    """The markdown summary: a title, a table of the numbers that matter, where to look next, and the exported
+    final policy (`final`: its `leeway.json`) with the lines that load it."""
     title = "# Leeway run" + ("" if cfg is None else f" `{cfg.run.name}`")
     if not records:
         return f"{title}\n\nNo training step was completed, so there is nothing to report. See `logs/`.\n"
@@ -221,6 +238,19 @@ def summarize(
         "Files here: `metrics.jsonl` (one record per step), `report.png` (reward, staleness, throughput over time),",
         "`config.yaml` (the resolved config every process ran with), `logs/` (one log per process).",
     ]
+    if final is not None:
+        lines += [
+            "",
+            f"The final policy (version {final.get('version')}, step {final.get('step')}, {final.get('dtype')}) is a "
+            f"Hugging Face checkpoint in `{FINAL_DIR}/` (`leeway export`; `{FINAL_DIR}/{EXPORT_INFO}` names the version "
+            "and every hash):",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("{FINAL_DIR}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{FINAL_DIR}")',
+            "```",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -231,5 +261,5 @@ def write_report(run_dir: Path, records: list[dict[str, Any]], cfg: LeewayConfig
     if records and can_plot():
         plot_run(records, run_dir / "report.png", cfg, evals)
     summary = run_dir / "summary.md"
-    summary.write_text(summarize(records, cfg, evals))
+    summary.write_text(summarize(records, cfg, evals, read_final(run_dir)))
     return summary

@@ -54,8 +54,8 @@ from typing import Any
 from actors.cli_args import WithConfig, add_config_arguments
 from actors.launcher.live_view import LiveView
 from actors.launcher.queue_probe import QueueProbe
-from actors.launcher.report import NO_PLOTS, can_plot, write_report
-from actors.launcher.roles import RunProcesses, generator_ids, start_roles
+from actors.launcher.report import FINAL_DIR, NO_PLOTS, can_plot, read_final, write_report
+from actors.launcher.roles import RunProcesses, generator_ids, spawn_role, start_roles
 from actors.launcher.run_dir import STACK_STOP_TIMEOUT_S, RunDirInUse, prepare_run_dir
 from actors.servers import private_stack_dir, stack_bucket
 from infra.orphans import tied_to_this_process
@@ -66,6 +66,8 @@ from pipeline.config import LeewayConfig
 
 POLL_S = 0.5
 """Refresh interval of the live view."""
+EXPORT_THREADS = 2
+"""Torch threads of the final export (the roles have stopped: the cores are free)."""
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -133,6 +135,10 @@ class RunOutcome:
     """The private stack this run started (stopped again at the end), or None."""
     evaluator_rc: int | None = None
     """The exit status of the run's evaluator (`eval.every_steps`), None without one."""
+    final_dir: Path | None = None
+    """`<run.dir>/final/`: the final version as a Hugging Face checkpoint, once `leeway export` wrote it."""
+    final_error: str | None = None
+    """Why the final export failed (the end of its log), None when it was written or not attempted."""
 
     @property
     def ok(self) -> bool:
@@ -211,6 +217,8 @@ def run_pipeline(
     error: str | None = None
     stack_started: Path | None = None
     probe: QueueProbe | None = None
+    final_dir: Path | None = None
+    final_error: str | None = None
     ours = set(generator_ids(num_generators))
     with _Signals(processes) as signals:
         try:
@@ -248,6 +256,9 @@ def run_pipeline(
                 processes.stop(cfg.stop_grace_s)
                 tail.poll()
                 _show(view, records, processes, None, stopped=True)
+                trainer_done = processes.trainer is not None and processes.trainer.returncode == 0
+                if trainer_done and not interrupted and error is None:
+                    final_dir, final_error = export_final(run_dir, processes)
             finally:
                 if stack_started is not None:
                     stop_stack(stack_started, timeout_s=0.0 if processes.hurry.is_set() else STACK_STOP_TIMEOUT_S)
@@ -262,6 +273,36 @@ def run_pipeline(
         generator_rcs={g.name: g.returncode for g in processes.generators},
         evaluator_rc=processes.evaluator.returncode if processes.evaluator else None,
         stack_dir=stack_started,
+        final_dir=final_dir,
+        final_error=final_error,
+    )
+
+
+def export_final(run_dir: Path, processes: RunProcesses) -> tuple[Path | None, str | None]:
+    """`leeway export` of the newest version into `<run_dir>/final/` (replacing an earlier run's), as a role
+    process logging to `logs/export.log`, while the run's servers are still up; (directory, None) or (None, why).
+    A second Ctrl-C (`processes.hurry`) stops it; then nothing is left in `final/`."""
+    final = run_dir / FINAL_DIR
+    _say(f"leeway run: exporting the final policy into {final} ...")
+    log_path = run_dir / "logs" / "export.log"
+    role = spawn_role("export", run_dir / "config.yaml", [], log_path, EXPORT_THREADS, flags=("--to", str(final)))
+    while role.popen.poll() is None:
+        if processes.hurry.is_set():
+            role.popen.terminate()
+        time.sleep(POLL_S)
+    if role.popen.returncode != 0:
+        return None, f"leeway export exited {role.popen.returncode}; the end of {log_path}:\n{log_tail(log_path)}"
+    return final, None
+
+
+def final_line(outcome: RunOutcome) -> str:
+    """What `final/leeway.json` says: the version and step, and how to load it."""
+    info = read_final(outcome.run_dir)
+    if info is None:
+        return "no leeway.json"
+    return (
+        f"version {info['version']}, step {info['step']}, {info['dtype']}; "
+        f"AutoModelForCausalLM.from_pretrained({str(outcome.final_dir)!r})"
     )
 
 
@@ -331,6 +372,12 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
         f"leeway run: metrics {outcome.run_dir / 'metrics.jsonl'}, summary {report}"
         + (f", plot {plot}" if plot.exists() else "")
     )
+    if outcome.final_dir is not None:
+        print(
+            f"leeway run: the final policy is a Hugging Face checkpoint in {outcome.final_dir} ({final_line(outcome)})"
+        )
+    elif outcome.final_error is not None:
+        print(f"leeway run: the final policy was not exported: {outcome.final_error}", file=sys.stderr)
     if outcome.records and not can_plot():
         print(f"leeway run: {NO_PLOTS}")
     if outcome.interrupted:
@@ -347,6 +394,8 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     if reason is not None:  # an expected stop (a refused task, no learning signal): why, as the last line
         print(f"leeway run: the trainer stopped the run: {reason}", file=sys.stderr)
         return 2
+    if outcome.final_error is not None:
+        return 1
     if outcome.trainer_rc != 0:
         print(
             f"leeway run: the trainer exited with {outcome.trainer_rc}; the end of {outcome.trainer_log}:",

@@ -12,6 +12,9 @@ must never mix in one, and `--fresh` must never delete what `leeway run` did not
   directory, home or `/` or a parent of them (`protected_reason`), and stops the private stack recorded
   in it first (`infra.stack.stop_stack`), e.g. one left running by a killed run (`RunDirRefused`
   otherwise).
+
+The guards are `check_deletable` and `mark_new_dir`, shared with `leeway sft --fresh` (`sft.output_dir`,
+its own marker): whatever a Leeway command deletes whole, it created.
 """
 
 from __future__ import annotations
@@ -82,11 +85,18 @@ def prepare_run_dir(cfg: LeewayConfig, fresh: bool, *, resume: bool = False, dis
             f"(--fresh --discard-checkpoints once it trained steps), or choose another directory with "
             f"--set run.dir=... (and a new run.name if the servers are shared)"
         )
-    new = not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir()))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    return mark_new_dir(run_dir, RUN_MARKER, "leeway run")
+
+
+def mark_new_dir(directory: Path, marker: str, command: str) -> Path:
+    """Create `directory` (parents too); one created here or found empty gets `marker`, the proof
+    `check_deletable` asks for before `command --fresh` deletes it. A directory already holding other files
+    gets none: it is not the command's to delete."""
+    new = not directory.exists() or (directory.is_dir() and not any(directory.iterdir()))
+    directory.mkdir(parents=True, exist_ok=True)
     if new:
-        (run_dir / RUN_MARKER).write_text("created by `leeway run`; `leeway run --fresh` may delete this directory\n")
-    return run_dir
+        (directory / marker).write_text(f"created by `{command}`; `{command} --fresh` may delete this directory\n")
+    return directory
 
 
 def trained_steps(run_dir: Path) -> int:
@@ -118,25 +128,40 @@ def protected_reason(path: Path) -> str | None:
     return None
 
 
+def check_deletable(directory: Path, *, marker: str, command: str, setting: str) -> bool:
+    """The guards of `command --fresh` before it deletes `directory` whole: True when it may, False for an
+    empty directory without `marker` (nothing to delete).
+
+    Raises `RunDirRefused` naming `setting` for a protected directory (`protected_reason`: a link to one
+    included), a link or a file, and a directory holding files but not `marker` (not one `command` created:
+    `mark_new_dir`)."""
+    reason = protected_reason(directory)
+    if reason is not None:
+        raise RunDirRefused(
+            f"--fresh refuses to delete {directory}: it is {reason}; set {setting} to a directory of its own"
+        )
+    if directory.is_symlink() or not directory.is_dir():
+        raise RunDirRefused(
+            f"--fresh refuses to delete {directory}: not a directory (a link or a file); set {setting} to the "
+            "real directory"
+        )
+    if not (directory / marker).is_file():
+        if not any(directory.iterdir()):
+            return False
+        raise RunDirRefused(
+            f"--fresh deletes only a directory `{command}` created (it holds {marker}); {directory} has none: "
+            f"delete it yourself, or choose another directory with --set {setting}=..."
+        )
+    return True
+
+
 def delete_run_dir(run_dir: Path) -> None:
     """`--fresh`: stop the private stack recorded in `run_dir`, then delete the directory.
 
-    Only a real directory holding `RUN_MARKER` is deleted, and never a protected one (`protected_reason`);
+    Only a real directory holding `RUN_MARKER` is deleted, and never a protected one (`check_deletable`);
     an empty directory without the marker is kept (there is nothing to delete). Raises `RunDirRefused`.
     """
-    reason = protected_reason(run_dir)
-    if reason is not None:
-        raise RunDirRefused(
-            f"--fresh refuses to delete {run_dir}: it is {reason}; set run.dir to a directory of its own"
-        )
-    if run_dir.is_symlink() or not run_dir.is_dir():
-        raise RunDirRefused(f"--fresh refuses to delete {run_dir}: not a directory (a link or a file)")
-    if not (run_dir / RUN_MARKER).is_file():
-        if not any(run_dir.iterdir()):
-            return
-        raise RunDirRefused(
-            f"--fresh deletes only a run directory `leeway run` created (it holds {RUN_MARKER}); {run_dir} "
-            f"has none: delete it yourself, or choose another directory with --set run.dir=..."
-        )
+    if not check_deletable(run_dir, marker=RUN_MARKER, command="leeway run", setting="run.dir"):
+        return
     stop_stack(run_dir / "stack", timeout_s=STACK_STOP_TIMEOUT_S)  # e.g. left running by a killed run
     shutil.rmtree(run_dir)

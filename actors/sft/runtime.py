@@ -8,7 +8,9 @@ The model starts from ``sft.base_model`` (default ``model.name_or_path``) and tr
 ``trainer.device``, packed without padding, FSDP2 over ``--nproc`` ranks like the trainer
 (`actors/trainer/distributed.py`); the tokenizer and chat template are the run's, so the checkpoint speaks the
 ids the generators will sample. An existing result is never overwritten silently: `--resume` continues the
-saved state, `--fresh` deletes it first.
+saved state, `--fresh` deletes it first, with `leeway run --fresh`'s guards (`actors/launcher/run_dir.py`): only
+a real directory holding `SFT_MARKER` (written when this command created it), never the working directory, home,
+`/` or a parent of them, never through a link.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from actors.launcher.run_dir import RunDirRefused, check_deletable, mark_new_dir
 from actors.sft.examples import (
     ExampleError,
     ExampleSet,
@@ -40,6 +43,9 @@ from actors.tools.evaluate import EVAL_FILE
 from pipeline.config import LeewayConfig
 
 log = logging.getLogger(__name__)
+
+SFT_MARKER = ".leeway-sft"
+"""Written into every sft.output_dir `leeway sft` creates; `--fresh` deletes only a directory holding it."""
 
 
 def output_dir(cfg: LeewayConfig) -> Path:
@@ -64,7 +70,11 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     rank_env = RankEnv.from_environ()
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         if args.fresh:  # once, here, before any rank looks for state
-            _fresh(output_dir(cfg))
+            try:
+                _fresh(output_dir(cfg))
+            except RunDirRefused as exc:
+                print(f"leeway sft: {exc}", file=sys.stderr, flush=True)
+                return 2
         argv = [a for a in args.argv if a != "--fresh"]
         return launch_ranks([sys.executable, "-m", "actors.cli", *argv], nproc, grace_s=cfg.stop_grace_s)
     logging.basicConfig(
@@ -80,7 +90,11 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
 
 
 def _fresh(out: Path) -> None:
-    if out.exists():
+    """`--fresh`: delete `out` whole, only past the run directory's guards (`check_deletable`; raises
+    `RunDirRefused`, having deleted nothing)."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if check_deletable(out, marker=SFT_MARKER, command="leeway sft", setting="sft.output_dir"):
         log.info("leeway sft: --fresh: deleting %s", out)
         shutil.rmtree(out)
 
@@ -136,7 +150,10 @@ def _refusal(cfg: LeewayConfig, args: argparse.Namespace, rank_env: Any, out: Pa
     if (cfg.sft.data is None) == (not cfg.sft.from_task):
         return "set exactly one of sft.data (a JSONL/Parquet file) and sft.from_task: true"
     if args.fresh and not rank_env.distributed:
-        _fresh(out)
+        try:
+            _fresh(out)
+        except RunDirRefused as exc:
+            return str(exc)
     has_state = (out / STATE_DIR).is_dir() and any((out / STATE_DIR).glob("step-*"))
     if not args.resume and (has_state or (out / "model.safetensors").exists()):
         return (
@@ -194,7 +211,7 @@ def _train(
             barrier=_barrier if rank_env.distributed else (lambda: None),
         )
         if rank_env.is_leader:
-            out.mkdir(parents=True, exist_ok=True)
+            mark_new_dir(out, SFT_MARKER, "leeway sft")
             log.info(
                 "leeway sft: %d examples from %s (%d tokens, %d to learn), %d steps of %d into %s",
                 len(examples.examples),

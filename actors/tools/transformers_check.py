@@ -23,13 +23,15 @@ def transformers_greedy_pass1(
 
     torch.set_num_threads(threads)
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=False).eval()
     stops = model.generation_config.eos_token_id
     stops = set(stops if isinstance(stops, list) else [] if stops is None else [stops])
     right = 0
     for prompt in prompts:
-        if prompt.messages:
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+        elif prompt.messages:
             ids = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         else:

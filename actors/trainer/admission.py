@@ -13,6 +13,7 @@ import logging
 from actors.trainer.checkpoints import TrainerState
 from pipeline.config import LeewayConfig
 from pipeline.rl.staleness import admissible_prompts
+from pipeline.wire.group_limits import GroupLimits
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,17 @@ def admission_count(cfg: LeewayConfig, state: TrainerState, pending_dropped: int
         batch_groups=cfg.trainer.batch_groups,
         outstanding=max(0, outstanding_groups(state, pending_dropped)),
         trained=state.trained_groups,
+    )
+
+
+def group_limits(cfg: LeewayConfig, max_positions: int | None) -> GroupLimits:
+    """The largest group the trainer's door takes (`pipeline.wire.group_limits`): `rollout.max_group_*`, and the
+    model's context (`max_positions`) times the claimed samples, checked on the headers before anything inflates."""
+    return GroupLimits.for_run(
+        group_size=cfg.advantages.group_size,
+        max_sample_tokens=max_positions,
+        max_samples=cfg.rollout.max_group_samples,
+        max_tokens=cfg.rollout.max_group_tokens,
     )
 
 

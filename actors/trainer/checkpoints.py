@@ -37,6 +37,10 @@ Invariants and failure behaviour:
   longer counts as complete, so it is never loaded again and never takes the place of an intact one in
   pruning (which would otherwise delete the very checkpoint the run resumed from once the next one is
   written). Damaged checkpoints are kept for a person to inspect. Nothing is pickled.
+- Every manifest names its writer (`holder`: the run lease's holder token, with its lease epoch). A checkpoint
+  committed after its writer's lease had passed to another trainer is *superseded* (`actors/trainer/lease_epochs.py`):
+  `resumable_checkpoints` skips it with a WARNING naming both holders and marks it (`superseded.json`); like a
+  damaged one it no longer counts as complete, is never loaded and is kept for a person to inspect.
 - The directory is named by the policy version the checkpoint holds. Versions only move forward
   across trainer sessions (a resume publishes LATEST+1), so the highest version is the newest.
 """
@@ -56,6 +60,7 @@ import torch
 from torch import Tensor
 
 from actors.trainer.backends.checkpoint import decode_checkpoint, encode_checkpoint
+from actors.trainer.lease_epochs import describe_holder, holder_epoch, read_epochs, superseded_by
 from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed, validate_key
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,9 @@ STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 DAMAGED_FILE = "damaged.json"
 """Beside the manifest of a checkpoint that failed to load: it no longer counts as complete."""
+SUPERSEDED_FILE = "superseded.json"
+"""Beside the manifest of a checkpoint written by a trainer that had lost the run lease: not complete either."""
+SET_ASIDE_FILES = (DAMAGED_FILE, SUPERSEDED_FILE)
 KEEP_CHECKPOINTS = 2
 """Complete checkpoints kept; the newest is what `--resume` loads."""
 STATE_FORMAT = 1
@@ -211,6 +219,7 @@ def write_checkpoint(
     meta: Mapping[str, Any],
     *,
     attempt: str | None = None,
+    holder: Mapping[str, Any] | None = None,
 ) -> str:
     """Write every file under `attempt` (default: a fresh one), then the manifest (create-only), then prune
     older checkpoints.
@@ -218,7 +227,7 @@ def write_checkpoint(
     Returns the version's prefix (where its manifest is). A retry passes the same `attempt`: a manifest
     already naming it is this writer's own earlier commit (its response was lost) and is adopted. A
     version whose manifest names another attempt raises ValueError after deleting this attempt's files;
-    the existing checkpoint is untouched."""
+    the existing checkpoint is untouched. `holder`: the writer's lease token, recorded in the manifest."""
     attempt = attempt or new_attempt()
     base = attempt_prefix(run, state.version, attempt)
     files = encode_checkpoint(tensors, meta)
@@ -231,6 +240,7 @@ def write_checkpoint(
         "step": state.step,
         "attempt": attempt,
         "files": {name: _digest(data) for name, data in files.items()},
+        **({"holder": dict(holder)} if holder is not None else {}),
     }
     return _commit(store, run, checkpoint_prefix(run, state.version), manifest)
 
@@ -280,11 +290,12 @@ def _scan(store: ObjectStore, run: str) -> dict[int, list[str]]:
 
 
 def _complete(run: str, dirs: Mapping[int, list[str]]) -> list[int]:
-    """Versions with a manifest and no damage mark, oldest first."""
+    """Versions with a manifest and no damage or superseded mark, oldest first."""
     return sorted(
         v
         for v, keys in dirs.items()
-        if checkpoint_prefix(run, v) + MANIFEST_FILE in keys and checkpoint_prefix(run, v) + DAMAGED_FILE not in keys
+        if checkpoint_prefix(run, v) + MANIFEST_FILE in keys
+        and not any(checkpoint_prefix(run, v) + mark in keys for mark in SET_ASIDE_FILES)
     )
 
 
@@ -292,17 +303,63 @@ def _damaged(run: str, dirs: Mapping[int, list[str]]) -> set[int]:
     return {v for v, keys in dirs.items() if checkpoint_prefix(run, v) + DAMAGED_FILE in keys}
 
 
-def mark_damaged(store: ObjectStore, run: str, version: int, reason: str) -> None:
-    """Mark checkpoint `version` damaged (best effort: unmarked, it is only tried and skipped again)."""
+def _set_aside(run: str, dirs: Mapping[int, list[str]]) -> set[int]:
+    """Versions marked damaged or superseded: kept for a person, never counted as complete."""
+    return {v for v, keys in dirs.items() if any(checkpoint_prefix(run, v) + m in keys for m in SET_ASIDE_FILES)}
+
+
+def mark_damaged(store: ObjectStore, run: str, version: int, reason: str, *, mark: str = DAMAGED_FILE) -> None:
+    """Mark checkpoint `version` damaged (or `mark`: superseded); best effort: unmarked, it is only tried and
+    skipped again."""
     try:
-        store.put(checkpoint_prefix(run, version) + DAMAGED_FILE, orjson.dumps({"version": version, "reason": reason}))
+        store.put(checkpoint_prefix(run, version) + mark, orjson.dumps({"version": version, "reason": reason}))
     except Exception:  # a boundary: the fallback goes on; the warning already names the damage
-        log.warning("could not mark checkpoint v%d of run %s damaged", version, run, exc_info=True)
+        log.warning("could not mark checkpoint v%d of run %s (%s)", version, run, mark, exc_info=True)
 
 
 def complete_checkpoints(store: ObjectStore, run: str) -> list[int]:
     """Versions whose manifest exists and that are not marked damaged, oldest first."""
     return _complete(run, _scan(store, run))
+
+
+def committed_attempts(store: ObjectStore, run: str) -> dict[int, str | None]:
+    """Version -> attempt of every complete checkpoint (what a new lease epoch records as existing before it)."""
+    found: dict[int, str | None] = {}
+    for version in complete_checkpoints(store, run):
+        try:
+            found[version] = _read_manifest(store, checkpoint_prefix(run, version)).get("attempt")
+        except ValueError:  # unreadable or gone: damage for the loader to find; it was no one's valid checkpoint
+            continue
+    return found
+
+
+def resumable_checkpoints(store: ObjectStore, run: str) -> list[int]:
+    """`complete_checkpoints` less the superseded ones (written after their writer lost the run lease, see
+    `actors/trainer/lease_epochs.py`): each is skipped with a WARNING naming why, and marked, oldest first."""
+    versions = complete_checkpoints(store, run)
+    records = read_epochs(store, run) if versions else []
+    if not records:
+        return versions
+    kept = []
+    for version in versions:
+        try:
+            manifest = _read_manifest(store, checkpoint_prefix(run, version))
+        except ValueError:
+            kept.append(version)  # damage: the loader reports and marks it
+            continue
+        holder, attempt = manifest.get("holder"), manifest.get("attempt")
+        epoch = holder_epoch(holder)
+        after = None if epoch is None else superseded_by(records, epoch, version, attempt)
+        if after is None:
+            kept.append(version)
+            continue
+        reason = (
+            f"written by {describe_holder(holder)} after the run lease had passed to {describe_holder(after.holder)}: "  # type: ignore[arg-type]
+            "its writer had lost the lease"
+        )
+        log.warning("checkpoint v%d of run %s is not resumed: %s", version, run, reason)
+        mark_damaged(store, run, version, reason, mark=SUPERSEDED_FILE)
+    return kept
 
 
 def refuse_if_all_damaged(store: ObjectStore, run: str) -> None:
@@ -318,12 +375,12 @@ def refuse_if_all_damaged(store: ObjectStore, run: str) -> None:
 
 def prune_checkpoints(store: ObjectStore, run: str, keep: int = KEEP_CHECKPOINTS) -> list[int]:
     """Keep the newest `keep` complete checkpoints; delete older ones and older incomplete leftovers. Damaged
-    ones (`mark_damaged`) are neither counted nor deleted."""
+    and superseded ones (`mark_damaged`, `resumable_checkpoints`) are neither counted nor deleted."""
     dirs = _scan(store, run)
     complete = _complete(run, dirs)
     if not complete:
         return []
-    kept = (set(complete[-keep:]) if keep > 0 else set()) | _damaged(run, dirs)
+    kept = (set(complete[-keep:]) if keep > 0 else set()) | _set_aside(run, dirs)
     doomed = [v for v in dirs if v not in kept and v < complete[-1]]
     for version in sorted(doomed):
         # The manifest goes first, so a half-deleted checkpoint is never taken for a complete one.
@@ -351,6 +408,7 @@ def commit_sharded_checkpoint(
     rank_files: list[Mapping[str, str]],
     rank_shards: list[Mapping[str, list[int]]],
     attempt: str,
+    holder: Mapping[str, Any] | None = None,
 ) -> str:
     """After every rank wrote its files of `attempt`: the index, the trainer state, then the manifest
     (create-only), then prune.
@@ -374,6 +432,7 @@ def commit_sharded_checkpoint(
         "world_size": len(rank_files),
         "attempt": attempt,
         "files": files,
+        **({"holder": dict(holder)} if holder is not None else {}),
     }
     return _commit(store, run, prefix, manifest)
 
@@ -419,7 +478,7 @@ def load_latest_checkpoint(
     loaded. If every complete checkpoint fails, ValueError names each failure: a run whose checkpoints
     are all damaged needs a person, not a silent fresh start. Store errors (an outage) raise as they are."""
     failures: list[str] = []
-    for version in reversed(complete_checkpoints(store, run)):
+    for version in reversed(resumable_checkpoints(store, run)):
         try:
             loaded = load_checkpoint(store, run, version, rank=rank)
         except ValueError as exc:

@@ -56,11 +56,11 @@ from actors.trainer.backends.data_parallel import all_gather_bytes, broadcast_by
 from actors.trainer.checkpoints import (
     TrainerState,
     commit_sharded_checkpoint,
-    complete_checkpoints,
     load_checkpoint,
     mark_damaged,
     new_attempt,
     refuse_if_all_damaged,
+    resumable_checkpoints,
     write_rank_files,
 )
 from actors.trainer.objective import CorrectedObjective
@@ -185,6 +185,8 @@ class RankGroup:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.stopped = False
         self._owned: set[str] | None = None
+        self.holder: dict[str, Any] | None = None
+        """Rank 0: the run lease's holder token, written into every checkpoint manifest."""
 
     # ---- rank 0: commands
 
@@ -250,7 +252,7 @@ class RankGroup:
         size changed); a newer one that some rank cannot load is skipped with a WARNING naming what was
         wrong, as `load_latest_checkpoint` does. ValueError if none loads."""
         failures: list[str] = []
-        for version in reversed(complete_checkpoints(self.store, self.run)):
+        for version in reversed(resumable_checkpoints(self.store, self.run)):
             self.send(LOAD, version=version)
             state, failure = self._load_round(version)
             if failure is None:
@@ -346,7 +348,13 @@ class RankGroup:
             raise RankRoundError(f"checkpoint v{version}: rank {failed[0][0]} failed: {failed[0][1]}")
         assert state is not None
         return commit_sharded_checkpoint(
-            self.store, self.run, state, [r["files"] for r in reports], [r["shards"] for r in reports], attempt
+            self.store,
+            self.run,
+            state,
+            [r["files"] for r in reports],
+            [r["shards"] for r in reports],
+            attempt,
+            holder=self.holder,
         )
 
     def _load_round(self, version: int) -> tuple[TrainerState | None, str | None]:

@@ -80,6 +80,7 @@ async def open_trainer(
             session = await ReplaySession.open(cfg, link, replay)
         else:
             lease = await LeaseKeeper.take(cfg, link.js, link.names, on_lost=stop.set)
+            link = lease.fenced(link)  # past its fence the trainer writes no object (`run_lease.FencedStore`)
             await asyncio.to_thread(publish_model_files, link.store, cfg)  # before version 0: what generators build
             publisher = build_weight_publisher(cfg, link.store, model)
             try:

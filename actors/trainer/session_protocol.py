@@ -40,7 +40,7 @@ class RunLink:
     async def open(cls, cfg: LeewayConfig) -> RunLink:
         servers = resolve_servers(cfg)
         store = open_run_store(cfg, servers)
-        nc = await connect_nats(cfg, servers, name="leeway-trainer")
+        nc = await connect_nats(cfg, servers, name="leeway-trainer", role="trainer")
         return cls(RunNames.for_run(cfg.run.name), nc, nc.jetstream(), store)
 
 

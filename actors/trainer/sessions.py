@@ -41,7 +41,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -49,7 +49,7 @@ from nats.js.kv import KeyValue
 from transformers import PreTrainedModel
 
 from actors.models import load_chat_template_for, load_tokenizer
-from actors.trainer.admission import admission_count, count_lost_to_retention
+from actors.trainer.admission import admission_count, count_lost_to_retention, group_limits
 from actors.trainer.backends import TrainingBackend
 from actors.trainer.checkpoints import (
     RecentIds,
@@ -59,6 +59,7 @@ from actors.trainer.checkpoints import (
     write_checkpoint,
 )
 from actors.trainer.claim_gc import collect_claims
+from actors.trainer.export_every import PeriodicExports
 from actors.trainer.generator_reports import GeneratorReports
 from actors.trainer.metrics_log import EVAL_LOG, roll_back_metrics
 from actors.trainer.prompt_feed import PromptFeed
@@ -143,8 +144,12 @@ class LiveSession:
         self.poisoned: set[str] = set()
         """Ids of groups this session dead-lettered from the catch-up: a durable redelivery of one is acked."""
         self.last_checkpoint_step = 0
-        self.dead_letter_check = DeadLetterCheck(link.js, link.names)
+        self.dead_letter_check = DeadLetterCheck(link.js, link.names, terminated=consumer.dead_letters.terminated)
         """Only dead letters of messages that exist return slots; `dead_letter_check.forged` counts the rest."""
+        self.exports = PeriodicExports(cfg)
+        """`trainer.export_every`: due versions exported in the background after they are published."""
+        self.holder: dict[str, Any] | None = None
+        """The run lease's holder token, written into every checkpoint manifest (`actors/trainer/run_lease.py`)."""
 
     @classmethod
     async def open(
@@ -163,7 +168,8 @@ class LiveSession:
         await ensure_trajectory_streams(js, names, cfg.stream)
         await ensure_trainer_consumer(js, names)
         await ensure_prompt_queue(js, names, cfg.stream)
-        consumer = await TrajectoryConsumer.bind(js, names, cfg.stream, link.store)
+        limits = group_limits(cfg, backend.model_limits().max_positions)
+        consumer = await TrajectoryConsumer.bind(js, names, cfg.stream, link.store, limits=limits)
         kv = await version_kv(js, names) if cfg.weights.announce else None
         queue = PromptQueue(js, names, cfg.stream)
         session = cls(cfg, link, backend, publisher, task, consumer, queue, kv, resume=resume, ranks=ranks)
@@ -268,6 +274,7 @@ class LiveSession:
         )
         selection = ReplaySelection(from_seq=seq, until_seq=info.state.last_seq)
         self.catch_up = await ReplayReader.open(self.link.js, self.names, self.cfg.stream, self.link.store, selection)
+        self.catch_up.limits = self.consumer.limits  # a group too large is skipped before it inflates
         log.info("catching up: re-reading trajectory stream seqs %d..%d", seq, info.state.last_seq)
 
     # ---- versions and admission
@@ -369,6 +376,7 @@ class LiveSession:
         )
         if self.kv is not None:  # a doorbell only: a failure warns (generators poll LATEST too), never ends the run
             await try_announce(self.kv, version)
+        self.exports.published(version)
         log.debug("published version %d (%s, parent %s)", version, manifest.kind, manifest.parent_version)
 
     async def ack(self, seqs: Sequence[int]) -> None:
@@ -405,7 +413,14 @@ class LiveSession:
             tensors, meta = self.backend.state_tensors(), self.backend.state_meta()
             attempt = new_attempt()  # one attempt for every retry: a commit of unknown outcome is adopted
             write = lambda: asyncio.to_thread(  # noqa: E731
-                write_checkpoint, self.link.store, self.names.run, state, tensors, meta, attempt=attempt
+                write_checkpoint,
+                self.link.store,
+                self.names.run,
+                state,
+                tensors,
+                meta,
+                attempt=attempt,
+                holder=self.holder,
             )
         await retry_async(
             write,
@@ -438,6 +453,7 @@ class LiveSession:
         await self.consumer.close()
         await self.link.nc.drain()
         await asyncio.to_thread(self.publisher.close)
+        await asyncio.to_thread(self.exports.close)
 
 
 def build_weight_publisher(cfg: LeewayConfig, store: ObjectStore, model: PreTrainedModel) -> WeightPublisher:

@@ -24,6 +24,14 @@ an unknown subject) are forged: counted (`DeadLetterCheck.forged`), logged and i
 group still trains. What the check cannot tell: an original already removed by retention (accepted:
 its slot must not leak), or a prompt a generator already took out of the queue.
 
+Existing is not enough: a dead letter must also not cancel a group still in flight. Only the trainer may
+publish trajectory dead letters (the stack's per-role NATS users, `infra/nats_server.py`), and on a server
+without them the check still holds one naming a message this trainer did not terminate itself until the
+trainer consumer's ack floor passes it (the message is then decided: trained, so its id is handled, or
+terminated); a forged one naming a live group is thus never read before that group trained. Generators may
+publish prompt dead letters, so one is refused while its group is stored above the ack floor
+(`pipeline/wire/in_flight.py`): that group arrives and trains.
+
 A returned id joins the trainer's handled ids, so a group that still turns up for it later (its
 prompt was dead-lettered while a slow generator finished it) is skipped as a duplicate: one slot,
 one decision. The watermark, the count (`TrainerState.dead_lettered_groups`) and the handled ids
@@ -35,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import nats.errors
 import nats.js.errors
@@ -43,6 +51,7 @@ from nats.js import JetStreamContext
 
 from actors.trainer.prompt_feed import admitted_index
 from pipeline.wire.headers import H_MSG_ID
+from pipeline.wire.in_flight import TooManyInFlight, in_flight_ids, trainer_ack_floor
 from pipeline.wire.jetstream import DeadLetterEntry, read_dead_letters
 from pipeline.wire.names import RunNames
 
@@ -55,6 +64,9 @@ DEAD_LETTER_HOLD_S = 30.0
 as forged (`DeadLetters.dispose` stores the copy, then terminates: one bounded request, 5 s at most)."""
 CHECK_TIMEOUT_S = 5.0
 """Bound on one stream request of the check; a timeout leaves the entry to the next admission round."""
+IN_FLIGHT_SCAN_LIMIT = 100_000
+"""Trajectory messages above the ack floor one prompt dead letter's check reads (headers only) at most; past
+it the entry waits for the backlog to drain."""
 
 
 def slots_to_return(entries: Sequence[DeadLetterEntry], *, admitted: int, is_known: Callable[[str], bool]) -> list[str]:
@@ -88,10 +100,19 @@ async def read_dead_letters_quietly(
 class DeadLetterCheck:
     """Which dead letters refer to a message that exists (see the module docstring); `forged` counts the rest."""
 
-    def __init__(self, js: JetStreamContext, names: RunNames, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: RunNames,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        terminated: Container[int] = frozenset(),
+    ) -> None:
         self._js = js
         self._names = names
         self._clock = clock
+        self._terminated = terminated
+        """Trajectory seqs this trainer dead-lettered itself (`DeadLetters.terminated`): decided, trusted at once."""
         self.forged = 0
         """Dead letters refused as forged or unknown since this trainer started."""
         self._held_since: dict[int, float] = {}
@@ -105,8 +126,11 @@ class DeadLetterCheck:
         for entry in entries:
             try:
                 why = await self._forged_because(entry)
-            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            except (nats.errors.Error, asyncio.TimeoutError, TooManyInFlight) as exc:
                 log.debug("dead letter %d not checked this round: %s: %s", entry.seq, type(exc).__name__, exc)
+                return out, entry.seq - 1
+            if why == _IN_FLIGHT:  # its group is not decided yet: read it again once it is
+                log.debug("dead letter %d names seq %s, still in flight: held", entry.seq, entry.original_seq)
                 return out, entry.seq - 1
             if why == _WAIT:
                 first = self._held_since.setdefault(entry.seq, self._clock())
@@ -151,11 +175,28 @@ class DeadLetterCheck:
                 return f"{stream} never had seq {entry.original_seq} (last {info.state.last_seq})"
             if kept and entry.original_seq >= info.state.first_seq:
                 return f"{stream} seq {entry.original_seq} was deleted, not dead-lettered"
-            return None  # removed by retention (trajectories) or taken out of the work queue (prompts)
+            if kept:
+                return None  # removed by retention
+            return await self._group_stored(entry.original_id)  # taken out of the work queue
         held = (raw.headers or {}).get(H_MSG_ID)
         if held != entry.original_id:
             return f"{stream} seq {entry.original_seq} holds {held!r}, not {entry.original_id!r}"
-        return None if kept else _WAIT
+        if not kept:
+            return _WAIT
+        if entry.original_seq in self._terminated:
+            return None
+        floor = await trainer_ack_floor(self._js, names)
+        return None if entry.original_seq <= floor else _IN_FLIGHT
+
+    async def _group_stored(self, group_id: str) -> str | None:
+        """Why a prompt dead letter for `group_id` is refused: its group is stored and not decided yet (it will
+        train), or None."""
+        found = await in_flight_ids(self._js, self._names, {group_id}, limit=IN_FLIGHT_SCAN_LIMIT)
+        if group_id in found:
+            stream = self._names.trajectory_stream
+            return f"its group is stored in {stream} at seq {found[group_id]}, in flight: it trains"
+        return None
 
 
 _WAIT = "wait"
+_IN_FLIGHT = "in flight"

@@ -2,7 +2,9 @@
 
 Rendering goes through `transformers`' own ``apply_chat_template`` (Jinja, the same sandbox and filters a
 model's template is written for), then the text is encoded with ``add_special_tokens=False``: the template
-writes every special token it wants itself.
+writes every special token it wants itself, and only the template: special-token text inside a message (a tool's
+output that says ``<|im_end|>``) is encoded as the characters it is (`pipeline/chat/literal.py`), so no message
+can open a turn; ordinary text encodes token for token as the tokenizer encodes the rendered string.
 
 **The bridge** (tokens in, tokens out across turns). A multi-turn conversation is rendered once, for its
 first turn. Later turns never re-render what came before: the model's sampled ids are kept byte for byte,
@@ -22,6 +24,7 @@ the bridge differ from a fresh render; the endpoint still bridges, and says so o
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +32,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
+
+from pipeline.chat.literal import LiteralSpecials
+from pipeline.chat.template_budget import TemplateBudget, check_template_budget
 
 Message = dict[str, Any]
 """An OpenAI chat message: ``role``, ``content`` (str, None, or a list of text parts), ``tool_calls``,
@@ -68,7 +74,9 @@ def load_chat_template(path: str | Path) -> str:
 
 class ChatTemplate:
     """A Jinja chat template over a `tokenizers.Tokenizer`; ``eos_token`` is the end-of-turn token the
-    model samples (the engine's stop token)."""
+    model samples (the engine's stop token). Built only after the template rendered probe conversations within
+    `budget` (`pipeline/chat/template_budget.py`; `TemplateBudgetError` names ``source``, where the template came
+    from, and the budget)."""
 
     def __init__(
         self,
@@ -78,9 +86,15 @@ class ChatTemplate:
         eos_token: str,
         bos_token: str | None = None,
         template_args: Mapping[str, Any] | None = None,
+        source: str | None = None,
+        budget: TemplateBudget | None = None,
     ) -> None:
         if tokenizer.token_to_id(eos_token) is None:
             raise ValueError(f"chat template: the tokenizer has no end-of-turn token {eos_token!r}")
+        if source is None:
+            source = f"chat template (sha256 {hashlib.sha256(template.encode(errors='replace')).hexdigest()[:12]})"
+        tokens = {"eos_token": eos_token} if bos_token is None else {"eos_token": eos_token, "bos_token": bos_token}
+        check_template_budget(template, source=source, variables={**tokens, **(template_args or {})}, budget=budget)
         self.tokenizer = tokenizer
         self.template = template
         self.eos_token = eos_token
@@ -88,16 +102,23 @@ class ChatTemplate:
         self.template_args = dict(template_args or {})
         self._hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos_token, bos_token=bos_token)
         self._hf.chat_template = template
+        self._literal = LiteralSpecials(tokenizer)
         self._bases: dict[str, str] = {}
         self._scaffold_after_eos = self._after_eos()
 
     def render_text(
         self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None, generation: bool = True
     ) -> str:
+        return self._literal.restore(self._render_hidden(messages, tools=tools, generation=generation))
+
+    def _render_hidden(
+        self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None, generation: bool
+    ) -> str:
+        """The rendered text with the special-token text of messages and tools as placeholders."""
         try:
             text = self._hf.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
+                self._literal.hide_messages(messages),
+                tools=self._literal.hide_tools(tools),
                 tokenize=False,
                 add_generation_prompt=generation,
                 **self.template_args,
@@ -115,7 +136,7 @@ class ChatTemplate:
         self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None, generation: bool = True
     ) -> list[int]:
         """The ids of a conversation's first turn (with the generation prompt: what the model continues)."""
-        return self.encode(self.render_text(messages, tools=tools, generation=generation))
+        return self._literal.encode(self._render_hidden(messages, tools=tools, generation=generation))
 
     def bridge(
         self,
@@ -131,20 +152,21 @@ class ChatTemplate:
         if not new_messages:
             return None
         base = self._base(tools)
-        extended = self.render_text([*_BASE, *new_messages], tools=tools, generation=True)
+        extended = self._render_hidden([*_BASE, *new_messages], tools=tools, generation=True)
         if not extended.startswith(base):
             return None
         head = self._scaffold_after_eos if ended_with_eos else self.eos_token + self._scaffold_after_eos
-        return self.encode(head + extended[len(base) :])
+        return self._literal.encode(head + extended[len(base) :])
 
     def _base(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
-        """The fixed base conversation rendered with these tools (cached: every bridged turn needs it)."""
+        """The fixed base conversation rendered with these tools (cached: every bridged turn needs it), its tools'
+        special-token text as placeholders."""
         key = json.dumps(tools, sort_keys=True) if tools else ""
         base = self._bases.get(key)
         if base is None:
             if len(self._bases) >= MAX_CACHED_BASES:
                 self._bases.clear()
-            base = self._bases[key] = self.render_text(_BASE, tools=tools, generation=False)
+            base = self._bases[key] = self._render_hidden(_BASE, tools=tools, generation=False)
         return base
 
     def _after_eos(self) -> str:

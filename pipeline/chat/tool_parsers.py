@@ -1,7 +1,10 @@
 """Tool-call parsers: the text of a model's reply to OpenAI ``tool_calls``, by name (`model.tool_parser`).
 
-A parser never fails a reply: text it cannot read as a tool call stays in the content, and the number of
-such unparseable calls comes back so the endpoint can count them. The ids it makes (``call_<n>_<hex>``)
+A parser never fails a reply and never raises, whatever the text (the model's, so hostile: nesting deeper than
+the JSON parser recurses, megabytes inside one tag, lone surrogates, tags left open): text it cannot read as a
+tool call stays in the content, and the number of such unparseable calls comes back so the endpoint can count
+them. Its work is bounded: a call body past `MAX_TOOL_CALL_CHARS` is not parsed, and past `MAX_TOOL_CALLS`
+calls the rest of the reply stays content. The ids it makes (``call_<n>_<hex>``)
 are unique within a session only in combination with the turn; clients echo them back in ``tool`` messages.
 """
 
@@ -26,6 +29,13 @@ class ParsedReply:
 
 ToolParser = Callable[[str], ParsedReply]
 
+MAX_TOOL_CALLS = 128
+"""Tool calls read from one reply; the ``<tool_call>`` blocks after them stay in the content, counted unparseable."""
+MAX_TOOL_CALL_CHARS = 1 << 20
+"""The longest body of one ``<tool_call>`` that is handed to the JSON parser; a longer one is unparseable."""
+MAX_NAME_CHARS = 256
+"""The longest function name a call may have (OpenAI allows 64; some clients more)."""
+
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -38,6 +48,9 @@ def hermes(text: str) -> ParsedReply:
     kept: list[str] = []
     last = 0
     for match in _HERMES.finditer(text):
+        if len(calls) + unparseable >= MAX_TOOL_CALLS:
+            unparseable += 1 + text.count("<tool_call>", match.end())
+            break
         kept.append(text[last : match.start()])
         last = match.end()
         call = _call(match.group(1).strip())
@@ -52,25 +65,47 @@ def hermes(text: str) -> ParsedReply:
 
 
 def _call(body: str) -> dict[str, Any] | None:
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+    """One call, or None when the body is not one: not JSON (a RecursionError is the JSON parser refusing nesting
+    past its depth), too long, no usable name, arguments that are not an object."""
+    data = _json(body)
+    if not isinstance(data, dict) or not _usable_name(data.get("name")):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        arguments = _json(arguments)
     if not isinstance(arguments, dict):
+        return None
+    try:
+        encoded = json.dumps(arguments)  # ASCII: a lone surrogate in a string comes out escaped
+    except (ValueError, RecursionError):
         return None
     return {
         "id": f"call_{uuid.uuid4().hex[:16]}",
         "type": "function",
-        "function": {"name": data["name"], "arguments": json.dumps(arguments)},
+        "function": {"name": data["name"], "arguments": encoded},
     }
+
+
+def _json(text: str) -> Any:
+    """The JSON value of `text`, or None (not JSON, longer than `MAX_TOOL_CALL_CHARS`, nested too deep)."""
+    if len(text) > MAX_TOOL_CALL_CHARS:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        return None
+
+
+def _usable_name(name: Any) -> bool:
+    """A name a client can be sent: a non-empty string, bounded, valid UTF-8 (no lone surrogate from a ``\\ud800``
+    escape, which no JSON encoder of a response could write)."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def no_tools(text: str) -> ParsedReply:

@@ -1,6 +1,11 @@
 """An environment's answer as token ids: text tokenized on its own, ids as given, chat messages bridged with the
 model's chat template after the sampled reply (`pipeline/chat/template.py`), so turn markers are the template's
-and the sampled ids stay as they were. Used by the multi-turn episodes (`pipeline/rl/episodes.py`)."""
+and the sampled ids stay as they were. Used by the multi-turn episodes (`pipeline/rl/episodes.py`).
+
+What an environment says is the world's text (a sandbox's output, a web page, a game's screen): special-token text
+in it is tokenized as the characters it is, in a text message as in chat messages (`pipeline/chat/literal.py`),
+so an observation that writes ``<|im_end|>`` or ``<eos>`` cannot end the turn or open one. An environment that
+means a special token gives ids."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipeline.chat.literal import encode_literal
 from pipeline.tasks.environment import EnvStep
 
 if TYPE_CHECKING:
@@ -42,7 +48,7 @@ def message_ids(message: str | Sequence[int] | None, tokenizer: Tokenizer) -> li
     if message is None:
         return []
     if isinstance(message, str):
-        return encode(tokenizer, message, add_special_tokens=False)
+        return encode_literal(tokenizer, message)
     return [int(t) for t in message]
 
 

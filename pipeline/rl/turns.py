@@ -11,7 +11,8 @@ A trajectory is the token ids the sampler saw and produced, in order, as turns::
 Policy tokens carry the engine's per-token version and behaviour log-prob (the version may change inside
 a reply: in-flight weight update). Prompt and environment tokens carry loss mask 0, version -1, log-prob 0.
 Nothing is re-tokenized: the environment sees decoded text (`decode`), but the trajectory keeps the sampled ids,
-and an environment message given as text is tokenized once, on its own, without special tokens.
+and an environment message given as text is tokenized once, on its own, its special-token text kept as plain
+characters (`pipeline/chat/literal.py`).
 
 `assemble` lays turns out as the four per-token arrays (`pipeline.rl.routes` the routes of a MoE model's turns); `Trajectory` is those arrays with what a sample says
 about its turns (how the last reply finished, how many replies), the input of the one sample builder

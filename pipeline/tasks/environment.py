@@ -19,7 +19,8 @@ class EnvStep:
     """An environment's answer to one policy reply: either the next message (text, tokenized by the rollout,
     token ids, or chat ``messages``) or ``done``. A done step with a reward makes the environment the verifier of the episode
     (``status`` ``ok`` or ``format_error``, the latter forcing reward 0); a done step without a reward lets
-    `Task.verify` score the whole completion."""
+    `Task.verify` score the whole completion. Special-token text in a text message stays text (only the
+    template's scaffold makes turn markers); an environment that means a special token gives ids."""
 
     message: str | Sequence[int] | None = None
     messages: Sequence[Mapping[str, Any]] | None = None

@@ -35,6 +35,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from pipeline.wire.claim_check import ClaimStore, ClaimUnavailable, claim_retry_delay_s, fetch_claim, parse_claim_check
+from pipeline.wire.group_limits import GroupLimits
 from pipeline.wire.headers import H_CLAIM_CHECK
 from pipeline.wire.jetstream import (
     ACK_TIMEOUT_S,
@@ -46,7 +47,7 @@ from pipeline.wire.jetstream import (
     receive,
 )
 from pipeline.wire.names import RunNames
-from pipeline.wire.trajectories import StreamSettings, decode_payload
+from pipeline.wire.trajectories import StreamSettings, check_group_limits, decode_payload
 from pipeline.wire.trajectory import TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -138,8 +139,12 @@ class TrajectoryConsumer:
         store: ClaimStore | None,
         *,
         max_deliver: int = TRAINER_MAX_DELIVER,
+        limits: GroupLimits | None = None,
     ) -> None:
         self._js = js
+        self.limits = limits
+        """The largest group taken (the trainer's: its context and group caps); a larger one is dead-lettered
+        `group_too_large` from its headers, before its claim object is fetched or its body inflated."""
         self._sub = sub
         self._names = names
         self._stream = stream
@@ -154,7 +159,13 @@ class TrajectoryConsumer:
 
     @classmethod
     async def bind(
-        cls, js: JetStreamContext, names: RunNames, stream: StreamSettings, store: ClaimStore | None = None
+        cls,
+        js: JetStreamContext,
+        names: RunNames,
+        stream: StreamSettings,
+        store: ClaimStore | None = None,
+        *,
+        limits: GroupLimits | None = None,
     ) -> TrajectoryConsumer:
         """Bind to the durable consumer made by `ensure_trainer_consumer`.
 
@@ -162,7 +173,7 @@ class TrajectoryConsumer:
         sub = await js.pull_subscribe_bind(names.trainer_consumer, stream=names.trajectory_stream)
         info = await sub.consumer_info()
         max_deliver = handled_deliveries(info.config.max_deliver, MAX_DELIVER_DEAD_LETTER_TRIES)
-        return cls(js, sub, names, stream, store, max_deliver=max_deliver)
+        return cls(js, sub, names, stream, store, max_deliver=max_deliver, limits=limits)
 
     @property
     def held_seqs(self) -> list[int]:
@@ -199,11 +210,12 @@ class TrajectoryConsumer:
     async def _decode(self, msg: Msg) -> TrajectoryGroup:
         """The group of `msg`, its claim object read first if it has one (`DeadLetterError`, `ClaimUnavailable`)."""
         headers = msg.headers or {}
+        check_group_limits(headers, self.limits)  # before the claim object is fetched
         claim = parse_claim_check(headers, msg.data, self._names)
         data = msg.data
         if claim is not None:
             data = await asyncio.to_thread(fetch_claim, self._store, *claim)
-        return decode_payload(headers, data)
+        return decode_payload(headers, data, self.limits)
 
     async def _retry_later(self, msg: Msg, exc: ClaimUnavailable) -> None:
         """Transient claim failure: nak with backoff (a lost nak is covered by the ack wait)."""

@@ -358,6 +358,10 @@ def dead_letter_headers(
     return headers
 
 
+TERMINATED_KEPT = 65536
+"""Seqs a `DeadLetters` remembers having terminated (a flood of bad messages cannot grow it without bound)."""
+
+
 class DeadLetters:
     """Copies bad messages (original bytes, original headers, reason) to a dead-letter subject.
 
@@ -384,6 +388,9 @@ class DeadLetters:
         self.counts: collections.Counter[str] = collections.Counter()
         self.failures: collections.Counter[str] = collections.Counter()
         self._logged: set[str] = set()
+        self.terminated: dict[int, None] = {}
+        """Stream seqs this process dead-lettered and terminated (the newest `TERMINATED_KEPT`, oldest dropped
+        first): the trainer trusts its own trajectory dead letters at once (`actors/trainer/slots.py`)."""
 
     async def send(self, msg: Msg, reason: str, detail: str) -> bool:
         """Publish the copy; True once stored (then the caller may `term()` the original)."""
@@ -425,6 +432,9 @@ class DeadLetters:
         """
         if await self.send(msg, reason, detail):
             await msg.term()
+            self.terminated[msg.metadata.sequence.stream] = None
+            if len(self.terminated) > TERMINATED_KEPT:
+                del self.terminated[next(iter(self.terminated))]
             return
         self.failures[reason] += 1
         delay_s = min(self.retry_delay_s * 2 ** max(0, min(attempt - 1, 30)), self.retry_delay_max_s)

@@ -18,6 +18,11 @@ it every `heartbeat_s`, and releases it when it stops:
   whose revision is then adopted. A NATS error is transient and retried at the next beat.
 - Releasing: `delete(last=our revision)`, sent again if its reply is lost, best effort; a lease not released
   goes stale after `ttl_s`.
+- Fencing: the holder notes on its own monotonic clock when it *sent* each write that succeeded (`renewed_at`).
+  A taker can take over only once the key stood still for `ttl_s` on the taker's clock, counted from a read
+  made after that write landed, so no takeover comes before `renewed_at + ttl_s`. The holder stops writing
+  at `renewed_at + fence_after_s(ttl_s, heartbeat_s)`, halfway between its heartbeat and the TTL: a margin of
+  `(ttl_s - heartbeat_s) / 2` for the clocks' rates and a write in flight (`actors/trainer/run_lease.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from nats.js import JetStreamContext
 
 from pipeline.wire.jetstream import ensure_key_value
 from pipeline.wire.names import RunNames
+from pipeline.wire.retry import Unretryable
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +68,16 @@ class LeaseHeld(RuntimeError):
         )
 
 
-class LeaseLost(RuntimeError):
-    """Another trainer took this trainer's lease over: it must stop writing."""
+class LeaseLost(Unretryable, RuntimeError):
+    """Another trainer took this trainer's lease over, or may have (the holder is past its fence): it must stop
+    writing. No retry mends it: a write that raises it is given up at once."""
+
+
+def fence_after_s(ttl_s: float, heartbeat_s: float) -> float:
+    """How long after its last successful renewal (sent) the holder stops writing: halfway from the heartbeat to
+    the TTL, so a healthy holder (renewed every `heartbeat_s`) never fences itself and a partitioned one has
+    stopped `(ttl_s - heartbeat_s) / 2` before anyone can take over (see the module docstring)."""
+    return (ttl_s + heartbeat_s) / 2
 
 
 @dataclass(frozen=True)
@@ -128,14 +142,20 @@ class RunLease:
         self.me = me or LeaseRecord.mine()
         self.revision: int | None = None
         """The key's revision our last write made; None while not held."""
+        self.acquired_revision: int | None = None
+        """The key's revision when this trainer took the lease (part of its holder token)."""
+        self.renewed_at: float | None = None
+        """When (our monotonic clock) the last write of the key that succeeded was sent; the fence counts from it."""
         self._clock = clock
         self._sleep = sleep
 
     async def acquire(self) -> None:
         """Hold the lease, taking over a stale one; `LeaseHeld` if a live trainer holds it."""
         while True:
+            sent = self._clock()
             try:
-                self.revision = await self.kv.create(LEASE_KEY, self.me.to_bytes())
+                self.revision = self.acquired_revision = await self.kv.create(LEASE_KEY, self.me.to_bytes())
+                self.renewed_at = sent
                 return
             except nats.js.errors.KeyWrongLastSequenceError:
                 pass
@@ -149,10 +169,12 @@ class RunLease:
             if not await self._stands_still(entry.revision):
                 current = await self._current_holder()
                 raise LeaseHeld(self.run, current or holder)
+            sent = self._clock()
             try:
                 self.revision = await self.kv.update(LEASE_KEY, self.me.to_bytes(), last=entry.revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 raise LeaseHeld(self.run, await self._current_holder()) from None
+            self.acquired_revision, self.renewed_at = self.revision, sent
             log.warning(
                 "run %s: took over the lease of %s, not renewed for %.0f s (a killed trainer)",
                 self.run,
@@ -184,6 +206,7 @@ class RunLease:
         """One beat. `LeaseLost` if another trainer took the lease over; NATS errors are the caller's to retry."""
         assert self.revision is not None, "renew before acquire"
         beat = replace(self.me, beat=self.me.beat + 1)
+        sent = self._clock()
         try:
             self.revision = await self.kv.update(LEASE_KEY, beat.to_bytes(), last=self.revision)
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -193,11 +216,23 @@ class RunLease:
                 entry = None
             holder = LeaseRecord.parse(entry.value) if entry is not None else None
             if entry is not None and holder is not None and holder.holder == self.me.holder:
-                self.revision, self.me = entry.revision, holder  # our renewal landed, its reply was lost
+                # Our renewal landed, its reply was lost; when it was sent is unknown, so the fence keeps its time.
+                self.revision, self.me = entry.revision, holder
                 return
             who = holder.describe() if holder is not None else "another trainer"
             raise LeaseLost(f"run {self.run!r}: the trainer lease was taken over by {who}") from None
-        self.me = beat
+        self.me, self.renewed_at = beat, sent
+
+    def token(self) -> dict[str, Any]:
+        """Who holds the lease, for the records this holder writes (checkpoints, weight manifests): host, pid,
+        start time, the random holder id and the key's revision when it was taken."""
+        return {
+            "holder": self.me.holder,
+            "host": self.me.host,
+            "pid": self.me.pid,
+            "since_s": self.me.since_s,
+            "lease_revision": self.acquired_revision,
+        }
 
     async def release(self) -> None:
         """Give the lease up (best effort: a lease left behind goes stale after `ttl_s`).

@@ -27,11 +27,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from pipeline.wire.claim_check import ClaimStore, ClaimUnavailable, fetch_claim, parse_claim_check
 from pipeline.wire.consumer import FETCH_TIMEOUT_S, Delivery, fetch_batch_size, published_at
+from pipeline.wire.group_limits import GroupLimits
 from pipeline.wire.headers import H_MIN_VERSION
 from pipeline.wire.jetstream import DeadLetterError
 from pipeline.wire.names import RunNames
 from pipeline.wire.retry import Backoff, retry_async
-from pipeline.wire.trajectories import StreamSettings, decode_payload, int_header
+from pipeline.wire.trajectories import StreamSettings, check_group_limits, decode_payload, int_header
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,9 @@ class ReplayReader:
         self._end_seq = 0
         self.done = False
         self._logged: set[str] = set()
+        self.limits: GroupLimits | None = None
+        """The largest group read (a trainer's, set by it); a larger one is skipped as `group_too_large` from its
+        headers, before its claim object is fetched or its body inflated."""
 
     @classmethod
     async def open(
@@ -211,9 +215,10 @@ class ReplayReader:
                 if int_header(headers, H_MIN_VERSION) < self.selection.min_version:
                     self.stats.filtered += 1
                     return None
+            check_group_limits(headers, self.limits)
             claim = parse_claim_check(headers, msg.data, self._names)
             data = msg.data if claim is None else await self._fetch_claim(*claim)
-            group = decode_payload(headers, data)
+            group = decode_payload(headers, data, self.limits)
         except DeadLetterError as exc:
             self.stats.skipped[exc.reason] += 1
             if exc.reason not in self._logged:

@@ -32,8 +32,15 @@ RETRY_INITIAL_S = 0.2
 """Wait after the first failure (before jitter)."""
 RETRY_MAX_S = 5.0
 """Longest single wait: five tries span about 0.2 + 0.4 + 0.8 + 1.6 s, well under a minute."""
-PERMANENT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, AssertionError)
-"""Raised at once by default: bad input does not get better by asking again."""
+
+
+class Unretryable(Exception):
+    """An error no retry mends (the trainer lost its run lease): raised at once by every retry that keeps the
+    default `PERMANENT_ERRORS` or extends them."""
+
+
+PERMANENT_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, AssertionError, Unretryable)
+"""Raised at once by default: bad input does not get better by asking again, nor a lost lease."""
 
 
 @dataclass(frozen=True)

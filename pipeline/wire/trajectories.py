@@ -27,6 +27,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 
 from pipeline.wire.claim_check import CLAIM_CHECK_MAX_BYTES, ClaimStore, store_claim
 from pipeline.wire.codec import MAX_DECODED_BYTES, CodecError, decode_group, encode_group
+from pipeline.wire.group_limits import GROUP_TOO_LARGE, GroupLimits
 from pipeline.wire.headers import (
     H_CLAIM_CHECK,
     H_MAX_VERSION,
@@ -226,12 +227,25 @@ def decoded_bytes_bound(num_samples: int, num_tokens: int, route_bytes: int = 0)
     return min(bound, MAX_DECODED_BYTES)
 
 
-def decode_payload(headers: Mapping[str, str] | None, data: bytes) -> TrajectoryGroup:
+def check_group_limits(headers: Mapping[str, str] | None, limits: GroupLimits | None) -> None:
+    """`DeadLetterError` (`group_too_large`, naming the cap) when a message's headers claim a group past `limits`:
+    called before its claim object is fetched or its body inflated (`pipeline.wire.group_limits`)."""
+    why = limits.header_refusal(headers or {}) if limits is not None else None
+    if why is not None:
+        raise DeadLetterError(GROUP_TOO_LARGE, f"the headers claim {why}; refused before decoding")
+
+
+def decode_payload(
+    headers: Mapping[str, str] | None, data: bytes, limits: GroupLimits | None = None
+) -> TrajectoryGroup:
     """Decode an inline body and check it against its headers; raise `DeadLetterError` with the reason.
 
-    Header/body agreement is enforced because replay filters on headers without decoding.
+    Header/body agreement is enforced because replay filters on headers without decoding. With `limits` (the
+    trainer's), a group whose headers claim more samples or tokens than they allow is refused before a byte is
+    inflated (`group_too_large`); the body must then agree with those headers.
     """
     headers = headers or {}
+    check_group_limits(headers, limits)
     version = headers.get(H_SCHEMA)
     if version not in {str(v) for v in READABLE_SCHEMA_VERSIONS}:
         raise DeadLetterError(

@@ -11,6 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from pipeline.chat.template import ChatTemplate, ChatTemplateError, load_chat_template, normalized
+from pipeline.chat.template_budget import TEMPLATE_STEPS, TemplateBudget, TemplateBudgetError
 from pipeline.chat.tool_parsers import get_tool_parser, hermes
 from pipeline.tasks.chat_tokenizer import (
     DIGITS_CHARACTERS,
@@ -160,3 +161,37 @@ def test_chat_template_args_reach_the_template() -> None:
         chatml_tokenizer(), thinking, eos_token="<|im_end|>", template_args={"enable_thinking": False}
     ).render_text(messages)
     assert off == plain + "<think></think>"
+
+
+NESTED_LOOPS = (
+    "{% for a in range(10000) %}{% for b in range(10000) %}{% for c in range(10000) %}"
+    "{{ a }}{% endfor %}{% endfor %}{% endfor %}" + CHATML
+)
+"""10^12 passes, each range within the sandbox's bound: hangs the process that loads it on main."""
+
+
+def test_a_template_of_nested_loops_is_refused_at_load_naming_its_file_and_the_budget(tmp_path: Path) -> None:
+    path = tmp_path / "chat_template.jinja"
+    path.write_text(NESTED_LOOPS)
+    with pytest.raises(TemplateBudgetError, match=f"{path}.*{TEMPLATE_STEPS:,} template steps"):
+        ChatTemplate(chatml_tokenizer(), load_chat_template(path), eos_token="<|im_end|>", source=str(path))
+
+
+def test_a_template_that_hangs_outside_its_own_lines_is_refused_at_the_clock() -> None:
+    """Arithmetic on a huge number runs in one step the step budget cannot see: the probe is killed at the
+    deadline (a short one here; the default is `TEMPLATE_TIME_S`), and the next template is checked afresh."""
+    budget = TemplateBudget(time_s=0.5)
+    with pytest.raises(TemplateBudgetError, match=r"probe conversations within 0\.5 s"):
+        ChatTemplate(chatml_tokenizer(), "{{ 7 ** (7 ** 11) }}" + CHATML, eos_token="<|im_end|>", budget=budget)
+    assert (
+        ChatTemplate(chatml_tokenizer(), "{#- another -#}" + CHATML, eos_token="<|im_end|>").append_only_problems()
+        == []
+    )
+
+
+def test_a_template_that_allocates_past_its_memory_budget_is_refused() -> None:
+    budget = TemplateBudget(memory_bytes=64 << 20)
+    with pytest.raises(TemplateBudgetError, match="needed more than 67,108,864 bytes"):
+        ChatTemplate(
+            chatml_tokenizer(), "{% set s = 'x' * 500000000 %}" + CHATML, eos_token="<|im_end|>", budget=budget
+        )

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 from actors.generator.runtime import build_engine, open_endpoint, sampling_params
 from actors.model_files import fetch_model_files, local_config, needs_model_files, publish_model_files
-from actors.models import chat_template_in, load_chat_template_for, load_tokenizer
+from actors.models import build_policy_model, chat_template_in, load_chat_template_for, load_tokenizer
+from actors.trainer.sessions import build_weight_publisher
 from pipeline.config import LeewayConfig, load_config
 from pipeline.tasks import task_for
 from pipeline.tasks.chat_tokenizer import load_chat_template_text, load_chat_tokenizer
@@ -117,12 +118,21 @@ def test_a_checkpoint_saved_by_transformers_serves_a_chat_turn_through_the_endpo
     asyncio.run(main())
 
 
+def _publish_version_0(store: FileStore, cfg: LeewayConfig) -> None:
+    """The trainer's version 0: a generator checks the store's config.json against its tensor shapes."""
+    model = build_policy_model(cfg, load_tokenizer(cfg))
+    publisher = build_weight_publisher(cfg, store, model)
+    publisher.publish(0, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    publisher.close()
+
+
 def test_a_generator_without_the_checkpoint_reads_the_template_from_the_store(tmp_path: Path) -> None:
     checkpoint = _checkpoint(tmp_path / "ckpt")
     cfg = _cfg(checkpoint)
     with FileStore(tmp_path / "store") as store:
         published = publish_model_files(store, cfg)  # the trainer
         assert published is not None and "chat_template.jinja" in published.files
+        _publish_version_0(store, cfg)
         checkpoint.rename(tmp_path / "elsewhere")  # the generator's machine has no such directory
         assert needs_model_files(cfg)
         local = local_config(cfg, fetch_model_files(store, cfg, tmp_path / "generator" / "model", wait_s=5))
@@ -143,6 +153,7 @@ def test_a_tokenizer_directory_apart_from_the_checkpoint_gives_both_roles_its_te
     assert trainer_template is not None and trainer_template.template == TEMPLATE
     with FileStore(tmp_path / "store") as store:
         publish_model_files(store, cfg)
+        _publish_version_0(store, cfg)
         checkpoint.rename(tmp_path / "elsewhere")
         local = local_config(cfg, fetch_model_files(store, cfg, tmp_path / "generator" / "model", wait_s=5))
     generator_template = load_chat_template_for(local, load_tokenizer(local))

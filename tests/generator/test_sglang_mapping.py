@@ -257,6 +257,11 @@ def test_loader_path_is_what_sglang_dynamic_import_resolves() -> None:
         server_args("/m", version=0, seed=0, dtype="auto", tp_size=1, mem_fraction_static=None,
                     max_running_requests=None, context_length=None, sampling_mask_max_tokens=None,
                     extra={"skip_tokenizer_init": False})  # fmt: skip
+    assert args["trust_remote_code"] is False  # a checkpoint's own code never runs, nor can extra turn it on
+    with pytest.raises(ValueError, match="engine.sglang.extra.trust_remote_code"):
+        server_args("/m", version=0, seed=0, dtype="auto", tp_size=1, mem_fraction_static=None,
+                    max_running_requests=None, context_length=None, sampling_mask_max_tokens=None,
+                    extra={"trust_remote_code": True})  # fmt: skip
 
 
 def test_loader_writes_verified_tensors() -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,27 @@ def test_read_port_reads_only_the_servers_own_complete_ports_file(tmp_path: Path
     assert nats_server.read_port(tmp_path, pid) is None  # still being written
     (tmp_path / f"nats-server_{pid}.ports").write_text(json.dumps({"nats": ["nats://127.0.0.1:2222"]}))
     assert nats_server.read_port(tmp_path, pid) == 2222
+
+
+def test_the_external_servers_config_denies_a_generator_what_the_stack_denies(tmp_path: Path) -> None:
+    """`infra/k8s/nats.conf` (compose and Kubernetes) gives the generator user the embedded stack's deny list, and
+    nats-server accepts it with the passwords from its environment."""
+    shipped = (Path(__file__).parents[2] / "infra" / "k8s" / "nats.conf").read_text()
+    deny = re.search(r"deny: \[(.*?)\]", shipped, re.S)
+    assert deny is not None
+    assert tuple(re.findall(r'"([^"]+)"', deny.group(1))) == nats_server.GENERATOR_PUBLISH_DENY
+    env = {"NATS_TOKEN": TOKEN, "NATS_TRAINER_PASSWORD": "r" * 24, "NATS_GENERATOR_PASSWORD": "g" * 24}
+    config = tmp_path / "nats.conf"
+    config.write_text(shipped.replace('"/data"', f'"{tmp_path}"'))
+    checked = subprocess.run(
+        [str(nats_server.binary_path()), "-t", "-c", str(config)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0, checked.stderr
+    stack_config = nats_server.render_config(
+        port=0,
+        store_dir=tmp_path,
+        sync_interval="2m",
+        token=TOKEN,
+        role_passwords={"trainer": "r" * 24, "generator": "g" * 24},
+    )
+    assert "token:" not in stack_config and '{user: "generator", password: "' + "g" * 24 in stack_config

@@ -15,6 +15,7 @@ Integration part (real servers, real processes):
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -399,6 +400,27 @@ def test_short_demo_learns_within_the_cap(
             checked += int(loss_versions.size)
     assert checked > 0
     assert max(int(r["staleness/max"]) for r in records) >= 1, "the run was not asynchronous at all"
+
+
+@pytest.mark.timeout(DEMO_DEADLINE_S + 60)
+def test_a_run_ends_with_its_final_policy_loadable_in_transformers(
+    tmp_path: Path, stack: StackState, cleanup: list[subprocess.Popen[bytes]]
+) -> None:
+    """`leeway run` exports its newest version into `<run.dir>/final/` and says so (last lines, summary.md)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = 3
+    cfg = shared_stack_config(tmp_path, stack, "run-final", steps)
+    config_path = tmp_path / "demo.yaml"
+    config_path.write_text(cfg.to_yaml())
+    text = run_to_end(config_path, cfg.run.run_dir, cleanup)
+    final = cfg.run.run_dir / "final"
+    info = json.loads((final / "leeway.json").read_text())
+    assert (info["run"], info["version"], info["step"]) == ("run-final", steps, steps)
+    assert f"the final policy is a Hugging Face checkpoint in {final}" in text.strip().splitlines()[-1]
+    assert f"The final policy (version {steps}, step {steps}" in (cfg.run.run_dir / "summary.md").read_text()
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert AutoTokenizer.from_pretrained(final).get_vocab() and model.config.vocab_size > 0
 
 
 @pytest.mark.slow

@@ -1,13 +1,15 @@
 """`leeway sft` end to end through the real command: a tiny model trained on reasoning-gym's reference answers
 becomes a Hugging Face checkpoint that plain `transformers` loads and that decodes greedily exactly as Leeway's
 engine does; `leeway eval --checkpoint` scores it as a transformers greedy loop does; an existing result is never
-overwritten without --resume or --fresh; --resume continues the saved state past a raised `sft.max_steps`; and
+overwritten without --resume or --fresh; --fresh deletes only a directory `leeway sft` created (never the working
+directory, one without its marker, or a link); --resume continues the saved state past a raised `sft.max_steps`; and
 `sft.data` and `sft.from_task` are exactly one."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.generator.runtime import build_engine
 from actors.models import load_tokenizer, stop_token_ids
+from actors.sft.runtime import SFT_MARKER
 from pipeline.config import LeewayConfig, load_config
 from pipeline.rl.engine_records import GenerateRequest, SamplingParams
 from pipeline.rl.prompt_ids import checked_prompt_ids
@@ -78,10 +81,11 @@ def _config(root: Path) -> dict:
     }
 
 
-def _leeway(*args: str) -> subprocess.CompletedProcess[str]:
+def _leeway(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "actors.cli", *args],
-        cwd=REPO,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
         capture_output=True,
         text=True,
         timeout=COMMAND_TIMEOUT_S,
@@ -241,6 +245,52 @@ def test_resume_with_more_steps_continues_the_saved_state(sft_run: SftRun) -> No
     progress = json.loads((copy / "state" / f"step-{STEPS + 2:08d}" / "progress.json").read_text())
     assert progress["step"] == STEPS + 2
     assert (copy / "model.safetensors").read_bytes() != weights_before
+
+
+@pytest.mark.parametrize("case", ["working-directory", "no-marker", "link"])
+def test_fresh_refuses_what_leeway_sft_did_not_create_and_deletes_nothing(tmp_path: Path, case: str) -> None:
+    """`sft.output_dir: "."` once emptied the project directory: --fresh now has `leeway run --fresh`'s guards."""
+    project = tmp_path / "project"  # the working directory: someone's project, with files
+    (project / "src").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("[project]\nname = 'mine'\n")
+    (project / "src" / "work.py").write_text("YEARS = 'of work'\n")
+    results = tmp_path / "results"  # a directory of results `leeway sft` never wrote
+    results.mkdir()
+    (results / "model.safetensors").write_bytes(b"someone else's weights")
+    ours = tmp_path / "ours"  # one holding the marker, reached through a link
+    ours.mkdir()
+    (ours / SFT_MARKER).write_text("")
+    (ours / "sft.jsonl").write_text("{}\n")
+    (tmp_path / "link").symlink_to(ours, target_is_directory=True)
+    output_dir, expected = {
+        "working-directory": (".", "it is the working directory"),
+        "no-marker": (str(results), SFT_MARKER),
+        "link": (str(tmp_path / "link"), "a link"),
+    }[case]
+    settings = _config(tmp_path)
+    settings["sft"] = {**settings["sft"], "output_dir": output_dir, "max_steps": 1}
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    before = {path: _digests(path) for path in (project, results, ours)}
+    proc = _leeway("sft", str(config), "--fresh", "--no-eval", cwd=project)
+    message = proc.stdout + proc.stderr
+    assert proc.returncode == 2, message
+    assert "--fresh" in message and expected in message and "sft.output_dir" in message, message
+    assert {path: _digests(path) for path in (project, results, ours)} == before
+
+
+def test_fresh_deletes_and_redoes_a_result_leeway_sft_created(tmp_path: Path) -> None:
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump(_config(tmp_path)))
+    out = tmp_path / "out"
+    short = ("--no-eval", "--set", "sft.checkpoint_every=1")
+    first = _leeway("sft", str(config), *short, "--set", "sft.max_steps=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (out / SFT_MARKER).is_file() and (out / "state" / f"step-{2:08d}").is_dir()
+    again = _leeway("sft", str(config), "--fresh", *short, "--set", "sft.max_steps=1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [r["step"] for r in _records(out / "sft.jsonl")] == [1]
+    assert (out / SFT_MARKER).is_file() and not (out / "state" / f"step-{2:08d}").exists()
 
 
 # ---- backends -------------------------------------------------------------------------------------------

@@ -15,11 +15,13 @@ from actors.trainer.sessions import LiveSession
 from actors.trainer.slots import DeadLetterEntry, slots_to_return
 from infra.stack import StackState
 from pipeline.config import LeewayConfig
-from pipeline.wire.headers import H_DLQ_DETAIL, H_DLQ_MSG_ID, H_DLQ_REASON
+from pipeline.wire.codec import encode_group
+from pipeline.wire.headers import H_DLQ_DETAIL, H_DLQ_MSG_ID, H_DLQ_REASON, H_NUM_TOKENS
 from pipeline.wire.jetstream import connect
 from pipeline.wire.names import RunNames
 from pipeline.wire.prompt_queue import PromptLease, PromptQueue
 from pipeline.wire.replay import ReplaySelection
+from pipeline.wire.trajectories import group_headers
 from pipeline.wire.trajectory import Sample, TrajectoryGroup
 from tests.support.builders import make_group, make_sample, metrics_records, publish_groups, run_trainer, trainer_cfg
 
@@ -136,3 +138,37 @@ def test_only_admitted_unhandled_ids_get_their_slot_back_and_each_once() -> None
     entries = [_entry("t7.0"), _entry("t7.0", 2), _entry("t9.3"), _entry("t1.9"), _entry(None), _entry("junk")]
     returned = slots_to_return(entries, admitted=5, is_known=lambda g: g == "t9.3")
     assert returned == ["t7.0"]  # t9.3 handled already, t1.9 never admitted (index 9 >= 5), no id, not an id
+
+
+def test_groups_over_the_sample_or_token_caps_are_dead_lettered_from_their_headers(
+    stack: StackState, tmp_path: Path
+) -> None:
+    """A group of more samples than `rollout.max_group_samples`, and a message whose headers claim 2^27 tokens
+    (more than its samples x the model's 128 positions), are dead-lettered `group_too_large` before decoding,
+    naming the cap; the groups around them train."""
+    cfg = trainer_cfg(stack, tmp_path, "trainer.max_steps=1", "rollout.max_group_samples=4")
+    names = RunNames.for_run(cfg.run.name)
+    wide = make_group("x.0", rewards=(1.0, 0.0, 1.0, 0.0, 1.0))  # 5 samples > 4
+
+    async def publish_claiming_huge() -> None:
+        honest = make_group("x.1")  # a real body: only the claimed size is out of bounds
+        nc = await connect(resolve_servers(cfg).nats_url, name="test-inflation")
+        try:
+            headers = {**group_headers(honest), H_NUM_TOKENS: str(2**27)}
+            await nc.jetstream().publish(names.trajectory_subject, encode_group(honest), headers=headers)
+        finally:
+            await nc.drain()
+
+    asyncio.run(publish_groups(cfg, [wide, make_group("a")]))
+    asyncio.run(publish_claiming_huge())
+    asyncio.run(publish_groups(cfg, [make_group("b")]))
+    asyncio.run(run_trainer(cfg))
+
+    records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
+    assert [r["trained_group_ids"] for r in records] == [["a", "b"]]
+    letters = {d[H_DLQ_MSG_ID]: d for d in asyncio.run(_dead_letters(cfg))}
+    assert {g: d[H_DLQ_REASON] for g, d in letters.items()} == {"x.0": "group_too_large", "x.1": "group_too_large"}
+    assert "5 samples, over the cap of 4 samples per group" in letters["x.0"][H_DLQ_DETAIL]
+    detail = letters["x.1"][H_DLQ_DETAIL]
+    assert f"{2**27} tokens, over the cap of 256 tokens per group" in detail, detail
+    assert "2 samples x the model's context of 128 tokens" in detail and "before decoding" in detail

@@ -55,7 +55,8 @@ def test_a_trainer_whose_lease_was_taken_over_stops_and_writes_nothing_more(stac
         trainer = await open_trainer(cfg)
         running = asyncio.create_task(trainer.run())
         deadline = asyncio.get_running_loop().time() + EVENT_DEADLINE_S
-        while not (cfg.run.run_dir / "metrics.jsonl").exists():  # step 1 committed: the trainer holds the run
+        metrics = cfg.run.run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics_records(metrics)):  # step 1 committed: the trainer holds the run
             assert asyncio.get_running_loop().time() < deadline and not running.done()
             await asyncio.sleep(0.05)
         nc = await connect(resolve_servers(cfg).nats_url, name="test-usurper")
@@ -74,10 +75,15 @@ def test_a_trainer_whose_lease_was_taken_over_stops_and_writes_nothing_more(stac
 class _ReplyLease:
     """A lease whose renewal waits for its reply through `asyncio.wait_for`, as every NATS request does."""
 
+    run, ttl_s, renewed_at = "r", 60.0, None  # never renewed here: no fence
+
     def __init__(self) -> None:
         self.reply: asyncio.Future[None] | None = None
         self.renewals = 0
         self.released = False
+
+    def token(self) -> dict[str, object]:
+        return {"holder": "reply-lease"}
 
     async def renew(self) -> None:
         self.reply = asyncio.get_running_loop().create_future()

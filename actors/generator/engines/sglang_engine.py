@@ -75,6 +75,7 @@ def server_args(
     args: dict[str, Any] = {
         "model_path": str(model_path),
         "skip_tokenizer_init": True,
+        "trust_remote_code": False,  # never a checkpoint's own code (the run's model files are untrusted)
         "custom_weight_loader": [LOADER_PATH],
         "weight_version": version_label(version),
         "random_seed": seed,

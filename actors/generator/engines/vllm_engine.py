@@ -190,6 +190,7 @@ class VllmEngine(Engine):
             dtype=dtype,
             load_format="dummy",
             skip_tokenizer_init=True,
+            trust_remote_code=False,  # never a checkpoint's own code (the run's model files are untrusted)
             max_model_len=self._max_len,
             max_num_seqs=s.max_num_seqs,
             tensor_parallel_size=s.tensor_parallel_size,

@@ -417,6 +417,7 @@ def plain_vllm(cfg: LeewayConfig, tokenizer: Tokenizer) -> Any:
         dtype=cfg.model.dtype,
         load_format="dummy",
         skip_tokenizer_init=True,
+        trust_remote_code=False,
         max_model_len=cfg.engine.max_len,
         max_num_seqs=v.max_num_seqs or cfg.engine.max_slots,
         enforce_eager=v.enforce_eager,
