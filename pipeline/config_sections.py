@@ -194,11 +194,12 @@ class ServeConfig(Section):
     enabled: bool = True
     """Serve the OpenAI-compatible endpoint (chat, completions, token-in /inference/v1/generate, sessions)."""
     host: str = "127.0.0.1"
-    """Address to bind. Any other than loopback requires an API key (`api_key_env` or `api_key_file`)."""
+    """Address to bind. The endpoint always asks for a key, on loopback too."""
     port: int = Field(0, ge=0, le=65535)
     """Port to bind; 0 picks a free one. The address goes into the generator's reports."""
     api_key_env: str = "LEEWAY_ENDPOINT_KEY"
-    """Environment variable holding the endpoint's API key (Bearer token); unset and no file: no key on loopback."""
+    """Environment variable holding the endpoint's API key (Bearer token); unset and no file: a key is generated
+    into ``<run dir>/endpoint.key`` (mode 0600), which the run's agents are handed."""
     api_key_file: str | None = None
     """A file (mode 0600) holding the API key; wins over `api_key_env`."""
     max_body_bytes: int = Field(4 * MiB, ge=1024)
@@ -206,7 +207,13 @@ class ServeConfig(Section):
     max_inflight: int = Field(256, ge=1)
     """Requests in the engine at once from the endpoint; more are refused with 429 and Retry-After."""
     max_sessions: int = Field(4096, ge=1)
-    """Sessions kept (least recently used first out); an agent run's session is kept until its episode ends."""
+    """Sessions kept (least recently used first out); an agent run's session is kept until its episode ends and
+    counts too: a new session while all are agent runs' is refused (429; the agent run fails ``session_limit``)."""
+    max_session_branches: int = Field(256, ge=1)
+    """Branches one session may hold (each a sample of an agent run); a request past it is refused with 413."""
+    max_session_tokens: int = Field(1 << 21, ge=1024)
+    """Tokens one session's branches may hold in all (what its samples hold); a request past it is refused
+    with 413."""
 
 
 class GeneratorConfig(Section):

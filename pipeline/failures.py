@@ -37,6 +37,7 @@ class InfraReason(str, Enum):
     # an agent function's run
     AGENT_TIMEOUT = "agent_timeout"
     AGENT_ERROR = "agent_error"
+    SESSION_LIMIT = "session_limit"  # its endpoint session past generator.serve's session limits
     # a prompt no engine call can take (its dead letter's reason), or a context that filled up mid-episode
     NO_CHAT_TEMPLATE = "no_chat_template"
     PROMPT_NOT_TOKENIZABLE = "prompt_not_tokenizable"

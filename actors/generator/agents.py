@@ -7,7 +7,10 @@ shared tokens trained once) that all carry the run's reward, the episode id (the
 branch index. A run that raised, timed out (``task.agent_timeout_s``) or returned no reward is one
 ``infra_error`` sample (reward None: masked from loss and baseline) whose ``info["infra_reason"]`` is an
 `pipeline.failures.InfraReason`: the exception's own (`InfraFailure.reason`: a sandbox lost, a verifier timed out),
-else ``agent_timeout``, ``agent_error``, or ``reward_invalid`` for a reward that is not a finite number. A sandboxed
+else ``agent_timeout``, ``agent_error``, or ``reward_invalid`` for a reward that is not a finite number; a run whose
+session went past its share (``generator.serve.max_session_branches`` or ``max_session_tokens``: a request of it
+was refused), or that found every session of the generator held (``max_sessions``), is ``session_limit``
+whatever it returned. A sandboxed
 run (a Harbor task's) is scored by the task's tests in a sandbox of their own once the agent returns
 (`HarborEpisode.verify`), and a sandbox the agent's own commands broke (`SandboxBroken`) is the policy's failure:
 reward 0, ``info["error"] = "sandbox_broken"``. A run that
@@ -29,7 +32,7 @@ from typing import Any
 import httpx2
 import openai
 
-from actors.generator.serve.conversations import BranchSample
+from actors.generator.serve.conversations import BranchSample, SessionFull
 from actors.generator.serve.service import EndpointService
 from pipeline.failures import InfraFailure, InfraReason
 from pipeline.rl.prompt_ids import prompt_token_ids
@@ -92,7 +95,12 @@ class AgentRunner:
 
     async def episode(self, prompt: Prompt, index: int) -> list[Sample]:
         session_id = f"{prompt.prompt_id}-{index}-{uuid.uuid4().hex[:8]}"
-        session = self.service.conversations.open(session_id)
+        try:
+            session = self.service.conversations.open(session_id)
+        except SessionFull as exc:
+            log.warning("agent run %s not started: %s", session_id, exc)
+            run = _Run(prompt, session_id, time.time(), 0.0)
+            return [self._unscored(run, [], failure_info(exc.reason, str(exc)))]
         base_url = f"{self.base_url}/sessions/{session_id}/v1"
         ctx = AgentContext(session_id, base_url, self.api_key, self.service.model, self.max_tokens, index)
         client = openai.AsyncOpenAI(
@@ -111,8 +119,10 @@ class AgentRunner:
             if sandboxed is not None:
                 await sandboxed.aclose()
         elapsed = time.perf_counter() - start
-        branches = session.samples()
+        branches = await asyncio.to_thread(session.samples)
         run = _Run(prompt, session_id, start_wall, elapsed)
+        if session.refused is not None:  # past its share: whatever the agent made of the refusal
+            failure = (session.refused.reason, str(session.refused))
         if failure is not None:
             return [self._unscored(run, branches, failure_info(*failure))]
         assert outcome is not None  # `_unusable` refused anything but an AgentOutcome

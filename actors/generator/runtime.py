@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib.util
 import logging
 import os
@@ -47,6 +48,7 @@ from actors.generator.engines.torch_engine import TorchEngine
 from actors.generator.loop import Generator
 from actors.generator.metrics import REPORT_INTERVAL_S, GeneratorMetrics, format_report, metered_submit
 from actors.generator.serve import Endpoint, EndpointService, build_app, read_api_key
+from actors.generator.serve.conversations import SessionLimits
 from actors.generator.weight_sync import StoreWeightSource, WeightSync
 from actors.model_files import fetch_model_files, local_config, needs_model_files
 from actors.models import (
@@ -296,11 +298,11 @@ async def open_endpoint(
     task: Task,
     sampling: SamplingParams,
     metrics: GeneratorMetrics | None = None,
-) -> tuple[EndpointService, Endpoint, str | None]:
-    """The generator's endpoint, started: its service, its server and its API key (None: keyless loopback).
+) -> tuple[EndpointService, Endpoint, str]:
+    """The generator's endpoint, started: its service, its server and its API key (configured, else generated).
     A chat template that does not render turns by appending is said once here, not per request."""
     serve = cfg.generator.serve
-    api_key = read_api_key(env_name=serve.api_key_env, file=serve.api_key_file, host=serve.host)
+    api_key = read_api_key(env_name=serve.api_key_env, file=serve.api_key_file, run_dir=cfg.run.run_dir)
     template = load_chat_template_for(cfg, tokenizer, task)
     if template is not None:
         for problem in template.append_only_problems():
@@ -314,12 +316,16 @@ async def open_endpoint(
         model_names=(cfg.run.name, cfg.model.name_or_path),
         max_inflight=serve.max_inflight,
         max_sessions=serve.max_sessions,
+        session_limits=SessionLimits(serve.max_session_branches, serve.max_session_tokens),
         submit=None if metrics is None else metered_submit(engine.submit, metrics),
     )
     endpoint = Endpoint(
         build_app(service, api_key=api_key, max_body_bytes=serve.max_body_bytes), host=serve.host, port=serve.port
     )
     await endpoint.start()
+    # What the process built so far (model, tokenizer, template, libraries) lives as long as it does: out of the
+    # collector's sight, a full collection, which holds the GIL and so the event loop, scans only what came after.
+    gc.freeze()
     return service, endpoint, api_key
 
 

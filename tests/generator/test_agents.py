@@ -162,7 +162,8 @@ def test_a_generator_runs_its_task_s_agent_through_its_own_endpoint_and_publishe
                     assert set(group.status) <= {"ok", "truncated"} and not np.isnan(group.reward).any()
                     assert (group.versions[group.loss_mask == 1] == 0).all() and group.loss_mask.sum() > 0
                 # the same endpoint serves anyone else meanwhile (evaluation, debugging): never trained on
-                client = openai.AsyncOpenAI(base_url=f"{rt.endpoint.url}/v1", api_key="unused", max_retries=0)
+                key = (cfg.run.run_dir / "endpoint.key").read_text().strip()  # generated: no key was configured
+                client = openai.AsyncOpenAI(base_url=f"{rt.endpoint.url}/v1", api_key=key, max_retries=0)
                 r = await client.chat.completions.create(
                     model=cfg.run.name, messages=[{"role": "user", "content": "1>"}]
                 )

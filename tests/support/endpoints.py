@@ -13,6 +13,7 @@ import torch
 from actors.generator.engines.base import SamplingParams
 from actors.generator.engines.torch_engine import TorchEngine
 from actors.generator.serve import Endpoint, EndpointService, build_app
+from actors.generator.serve.conversations import SessionLimits
 from actors.models import build_model
 from pipeline.chat.template import ChatTemplate
 from pipeline.chat.tool_parsers import hermes
@@ -58,6 +59,8 @@ async def served(
     max_len: int | None = None,
     model_spec: str = MODEL,
     prefix_across_updates: bool = False,
+    max_sessions: int = 64,
+    session_limits: SessionLimits | None = None,
 ) -> AsyncIterator[Served]:
     """An endpoint whose engine holds ``version`` (None: no weights yet, version -1)."""
     net = model(spec=model_spec)
@@ -80,7 +83,8 @@ async def served(
         sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, stop_token_ids=(EOS,)),
         model_names=(RUN, MODEL),
         max_inflight=max_inflight,
-        max_sessions=64,
+        max_sessions=max_sessions,
+        session_limits=session_limits,
     )
     endpoint = Endpoint(build_app(service, api_key=api_key, max_body_bytes=max_body_bytes), host="127.0.0.1", port=0)
     await endpoint.start()

@@ -9,9 +9,17 @@ base URL is session-scoped by it (``base_url = http://host:port/sessions/<id>/v1
 
 The session is the path's, else the body's ``session_id``, else the ``X-Session-ID`` header; none: the
 request is served alone. Bodies are read by hand, not by FastAPI's validation, so every error has
-OpenAI's shape: a body over ``generator.serve.max_body_bytes`` is 413, malformed JSON or a bad field 400
-(naming it), a missing or wrong key 401, over capacity 429 and not ready 503 (both with ``Retry-After``).
-An unexpected error is a 500 with the same shape, logged; the generator goes on.
+OpenAI's shape: a missing or wrong key 401, a body that is not ``application/json`` 415 (a browser page can
+post ``text/plain`` to loopback without asking), a body over ``generator.serve.max_body_bytes`` 413, malformed
+JSON or a bad field 400 (naming it), over a session's limits 413, over capacity 429 and not ready 503 (both with
+``Retry-After``). An unexpected error is a 500 with the same shape, logged; the generator goes on. JSON is
+decoded and validated in a worker thread, and the responses arrive as bytes built there (`service.py`), so the
+event loop only moves bytes.
+
+Every generator's endpoint has a key (`read_api_key`): the configured one, else one generated into
+``<run dir>/endpoint.key`` (mode 0600), which the run's agents are handed and a harness on the machine can read.
+``GET /health`` answers liveness (``{"status": "ok"}``, 503 ``starting``) to anyone, and the policy version
+only with the key.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import contextlib
 import hmac
 import logging
 import os
+import secrets
 import socket
 import stat
 from collections.abc import AsyncIterator
@@ -33,15 +42,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from actors.generator.serve.protocol import (
-    ChatCompletionStreamResponse,
     ChatRequest,
     CompletionRequest,
     EndpointError,
     TokensRequest,
     parse_body,
 )
-from actors.generator.serve.service import EndpointService
-from infra.ports import is_loopback
+from actors.generator.serve.service import Body, EndpointService
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +58,15 @@ router = APIRouter()
 settings on ``request.app.state`` (set by `build_app`), so a route reads on its own, not as a closure."""
 
 SESSION_PREFIX = "/sessions/{session_id}"
+KEY_FILE = "endpoint.key"
+"""The generated key's file in the run directory (mode 0600)."""
+FRAMES_PER_YIELD = 64
+"""Stream frames sent between two yields to the event loop."""
 
 
 def build_app(service: EndpointService, *, api_key: str | None, max_body_bytes: int) -> FastAPI:
-    """The app over ``service``; ``api_key`` None: no key asked (`read_api_key` allows that on loopback only)."""
+    """The app over ``service``; ``api_key`` None: no key asked (in-process tests only: a generator's endpoint
+    always has one, `read_api_key`)."""
     app = FastAPI(title="Leeway generator", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
     app.state.api_key = api_key
@@ -86,19 +98,33 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.body(), status_code=500)
 
 
+def _has_key(request: Request) -> bool:
+    api_key: str | None = request.app.state.api_key
+    if api_key is None:
+        return True
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(token.encode(), api_key.encode())
+
+
+def _check_key(request: Request) -> None:
+    if not _has_key(request):
+        raise EndpointError(401, "missing or wrong API key (Authorization: Bearer <key>)", kind="authentication_error")
+
+
 async def _body_of(request: Request) -> Any:
-    """The request's JSON, once its key is checked and its size is within bounds. The body is read by hand,
+    """The request's JSON, once its key, its media type and its size are checked. The body is read by hand,
     never by FastAPI's validation, so every error keeps OpenAI's shape; its size is counted while reading,
     since a client can leave out or understate ``Content-Length``."""
-    api_key: str | None = request.app.state.api_key
+    _check_key(request)
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise EndpointError(
+            415,
+            f"the body must be application/json (Content-Type is {media_type or 'missing'!r})",
+            param="content-type",
+        )
     max_body_bytes: int = request.app.state.max_body_bytes
-    if api_key is not None:
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise EndpointError(
-                401, "missing or wrong API key (Authorization: Bearer <key>)", kind="authentication_error"
-            )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
         raise EndpointError(413, f"the body is over {max_body_bytes} bytes (generator.serve.max_body_bytes)")
@@ -109,7 +135,7 @@ async def _body_of(request: Request) -> Any:
             raise EndpointError(413, f"the body is over {max_body_bytes} bytes (generator.serve.max_body_bytes)")
     _service(request).metrics.requests += 1
     try:
-        return orjson.loads(bytes(data))
+        return await asyncio.to_thread(orjson.loads, bytes(data))
     except orjson.JSONDecodeError as exc:
         raise EndpointError(400, f"the body is not valid JSON: {exc}") from None
 
@@ -124,18 +150,20 @@ def _session_of(request: Request, path_session: str | None, body: Any) -> str | 
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 once the generator holds policy weights, 503 before (and while stopping), for load balancers."""
+    """200 once the generator holds policy weights, 503 before (and while stopping), for load balancers; the
+    policy version only to a caller with the key."""
     service = _service(request)
     ready = service.engine.version >= 0 and not service.stopping
-    body = {"status": "ok" if ready else "starting", "policy_version": service.engine.version}
+    body: dict[str, Any] = {"status": "ok" if ready else "starting"}
+    if _has_key(request):
+        body["policy_version"] = service.engine.version
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/v1/models")
 @router.get(SESSION_PREFIX + "/v1/models")
 async def models(request: Request, session_id: str | None = None) -> Response:
-    if request.app.state.api_key is not None:
-        await _body_of(request)
+    _check_key(request)
     return JSONResponse(_service(request).models().model_dump())
 
 
@@ -143,54 +171,80 @@ async def models(request: Request, session_id: str | None = None) -> Response:
 @router.post(SESSION_PREFIX + "/v1/chat/completions")
 async def chat(request: Request, session_id: str | None = None) -> Response:
     data = await _body_of(request)
-    req = parse_body(ChatRequest, data)
-    reply = await _service(request).chat(req, _session_of(request, session_id, data))
-    if isinstance(reply, list):
-        return StreamingResponse(_sse(reply), media_type="text/event-stream")
-    return JSONResponse(reply.model_dump())
+    req = await asyncio.to_thread(parse_body, ChatRequest, data)
+    return _response(await _service(request).chat(req, _session_of(request, session_id, data)))
 
 
 @router.post("/v1/completions")
 @router.post(SESSION_PREFIX + "/v1/completions")
 async def completions(request: Request, session_id: str | None = None) -> Response:
     data = await _body_of(request)
-    req = parse_body(CompletionRequest, data)
-    reply = await _service(request).completions(req, _session_of(request, session_id, data))
-    return JSONResponse(reply.model_dump())
+    req = await asyncio.to_thread(parse_body, CompletionRequest, data)
+    return _response(await _service(request).completions(req, _session_of(request, session_id, data)))
 
 
 @router.post("/inference/v1/generate")
 @router.post(SESSION_PREFIX + "/inference/v1/generate")
 async def tokens(request: Request, session_id: str | None = None) -> Response:
     data = await _body_of(request)
-    req = parse_body(TokensRequest, data)
-    reply = await _service(request).tokens(req, _session_of(request, session_id, data))
-    return JSONResponse(reply.model_dump())
+    req = await asyncio.to_thread(parse_body, TokensRequest, data)
+    return _response(await _service(request).tokens(req, _session_of(request, session_id, data)))
 
 
-async def _sse(chunks: list[ChatCompletionStreamResponse]) -> AsyncIterator[bytes]:
-    for chunk in chunks:
-        yield b"data: " + orjson.dumps(chunk.model_dump()) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+def _response(body: Body) -> Response:
+    if isinstance(body, list):
+        return StreamingResponse(_sse(body), media_type="text/event-stream")
+    return Response(body, media_type="application/json")
 
 
-def read_api_key(*, env_name: str, file: str | None, host: str) -> str | None:
-    """The endpoint's key: the 0600 file if given, else the environment variable; required off loopback."""
-    key = None
+async def _sse(frames: list[bytes]) -> AsyncIterator[bytes]:
+    """The frames, yielding to the event loop every `FRAMES_PER_YIELD` (a socket write does not yield)."""
+    for k, frame in enumerate(frames):
+        if k and k % FRAMES_PER_YIELD == 0:
+            await asyncio.sleep(0)
+        yield frame
+
+
+def read_api_key(*, env_name: str, file: str | None, run_dir: Path) -> str:
+    """The endpoint's key: the 0600 file if given, else the environment variable, else the run's generated key
+    (`KEY_FILE` in ``run_dir``, made 0600 by the first generator that needs it; the others read it)."""
     if file is not None:
-        path = Path(file)
-        if not path.is_file():
-            raise ValueError(f"generator.serve.api_key_file = {file!r}: no such file")
-        if stat.S_IMODE(path.stat().st_mode) & 0o077:
-            raise ValueError(f"generator.serve.api_key_file = {file!r}: readable by others; chmod 600 it")
-        key = path.read_text().strip() or None
-    elif os.environ.get(env_name):
-        key = os.environ[env_name].strip() or None
-    if key is None and not is_loopback(host):
-        raise ValueError(
-            f"generator.serve.host = {host!r} is not loopback: set an API key in ${env_name} or generator.serve.api_key_file"
-        )
+        key = _read_key_file(Path(file), f"generator.serve.api_key_file = {file!r}")
+        if key is None:
+            raise ValueError(f"generator.serve.api_key_file = {file!r}: the file is empty")
+        return key
+    if os.environ.get(env_name, "").strip():
+        return os.environ[env_name].strip()
+    return generated_key(run_dir)
+
+
+def generated_key(run_dir: Path) -> str:
+    """The run's generated endpoint key, in ``run_dir / KEY_FILE`` (created 0600 when missing)."""
+    path = run_dir / KEY_FILE
+    key = _read_key_file(path, str(path)) if path.exists() else None
+    if key is not None:
+        return key
+    run_dir.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(32)
+    draft = run_dir / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(key + "\n")
+    try:
+        os.link(draft, path)  # whole or not at all; another generator of the run may have linked its key first
+    except FileExistsError:
+        key = _read_key_file(path, str(path)) or key
+    finally:
+        draft.unlink()
     return key
+
+
+def _read_key_file(path: Path, what: str) -> str | None:
+    if not path.is_file():
+        raise ValueError(f"{what}: no such file")
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        raise ValueError(f"{what}: readable by others; chmod 600 it")
+    return path.read_text().strip() or None
 
 
 class Endpoint:

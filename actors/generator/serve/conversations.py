@@ -14,13 +14,24 @@ branch marked ``after_length``, which is never trained on (the policy did not ch
 
 `Conversation.samples` turns the branches into training samples: loss mask 1 on sampled tokens only, and a
 token that several branches share (the same ids at the same positions, sampled in an earlier branch) is
-trained in its first branch only, so a shared prefix is not counted twice. The chat layer keeps each
-branch's messages too (`Branch.messages`), to find the branch a chat request continues and bridge from it.
+trained in its first branch only, so a shared prefix is not counted twice. It walks each branch once through a
+trie of the ids seen so far, so it costs the samples' total length, never branches x branches. The chat layer
+keeps each branch's messages too (`Branch.messages`), to find the branch a chat request continues and bridge
+from it.
+
+Every conversation is bounded (`SessionLimits`: ``generator.serve.max_session_branches`` and
+``max_session_tokens``, the branches' total length, which is what its samples hold): a request that would take
+it past either is refused (`SessionFull`: the endpoint's 413 naming the limit), and a conversation an agent run
+trains on remembers that it was (``Conversation.refused``), so its episode fails with a typed reason. The
+generator's conversations are bounded too (``generator.serve.max_sessions``, agent runs' included): past it the
+least recently used one that no agent run holds is dropped, and an agent run that finds every one held is refused
+(`SessionFull`, reason ``session_limit``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -28,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.failures import InfraFailure, InfraReason
 from pipeline.rl.engine_records import GenerateResult
 from pipeline.rl.routes import assemble_routes
 from pipeline.rl.turns import Trajectory, Turn, assemble
@@ -43,8 +55,9 @@ class Branch:
     tools_key: str = ""
     after_length: bool = False
 
-    @property
+    @functools.cached_property
     def ids(self) -> np.ndarray:
+        """Its turns' ids, concatenated once (a branch's turns never change: `Conversation.record` makes a new one)."""
         return np.concatenate([t.token_ids for t in self.turns]) if self.turns else np.zeros(0, np.int32)
 
     @property
@@ -61,18 +74,62 @@ class BranchSample(Trajectory):
     branch: int = field(kw_only=True)
 
 
+@dataclass(frozen=True)
+class SessionLimits:
+    """What one conversation may hold (``generator.serve.max_session_branches`` / ``max_session_tokens``)."""
+
+    max_branches: int = 256
+    max_tokens: int = 1 << 21
+
+
+class SessionFull(InfraFailure):
+    """A conversation, or the generator's set of them, is at its limit: ``limit`` names the config field."""
+
+    reason = InfraReason.SESSION_LIMIT
+
+    def __init__(self, detail: str, *, limit: str) -> None:
+        super().__init__(detail)
+        self.limit = limit
+
+
 class Conversation:
     """One episode's branches. ``trained``: an agent run opened it, so its branches become samples; other
     conversations are served and kept for bridging only. ``session_id`` is the HTTP session id it is kept
     under ("" for a request served alone)."""
 
-    def __init__(self, session_id: str, *, trained: bool = False) -> None:
+    def __init__(self, session_id: str, *, trained: bool = False, limits: SessionLimits | None = None) -> None:
         self.session_id = session_id
         self.trained = trained
+        self.limits = limits or SessionLimits()
         self.branches: list[Branch] = []
+        self.tokens = 0
+        """The branches' total length: what its samples hold."""
+        self.refused: SessionFull | None = None
+        """The first request refused for a limit of this conversation (an agent run's episode fails with it)."""
         self.lock = asyncio.Lock()
         self.last_used_s = time.monotonic()
         self.requests = 0
+
+    def check_room(self, n: int, prompt_tokens: int) -> None:
+        """Refuse (`SessionFull`) a request of ``n`` replies to a ``prompt_tokens`` prompt that would take this
+        conversation past its limits; the refusal is remembered in `refused`."""
+        limits = self.limits
+        problem = None
+        if len(self.branches) + n - 1 > limits.max_branches:
+            problem = SessionFull(
+                f"the session has {len(self.branches)} branches; {n} more replies would pass "
+                f"generator.serve.max_session_branches = {limits.max_branches}",
+                limit="generator.serve.max_session_branches",
+            )
+        elif self.tokens + n * (prompt_tokens + 1) > limits.max_tokens:
+            problem = SessionFull(
+                f"the session holds {self.tokens} tokens; {n} replies to a {prompt_tokens}-token prompt would pass "
+                f"generator.serve.max_session_tokens = {limits.max_tokens}",
+                limit="generator.serve.max_session_tokens",
+            )
+        if problem is not None:
+            self.refused = self.refused or problem
+            raise problem
 
     def attach(self, prompt_ids: list[int]) -> tuple[int | None, int]:
         """(branch index, length of its ids) of the longest branch whose ids begin ``prompt_ids``; (None, 0)."""
@@ -114,7 +171,9 @@ class Conversation:
             if replies is not None:
                 conversation.append(replies[k])
             branch = Branch(turns, conversation, tools_key, after_length)
+            self.tokens += len(branch.ids)
             if k == 0 and index is not None and not after_length:
+                self.tokens -= len(self.branches[index].ids)
                 self.branches[index] = branch
                 placed.append(index)
             else:
@@ -138,18 +197,16 @@ class Conversation:
     def samples(self) -> list[BranchSample]:
         """Every trainable branch as arrays; a shared sampled token is trained in its first branch only."""
         out: list[BranchSample] = []
-        trained: list[tuple[np.ndarray, np.ndarray]] = []  # (ids, sampled-token mask) of the branches before
+        trie: dict[int, int] = {}  # (prefix node, next id) -> node: one node per distinct prefix
+        sampled_at: set[int] = set()  # nodes whose last token an earlier branch sampled
         for index, branch in enumerate(self.branches):
             if branch.after_length or not branch.turns:
                 continue
             tokens, sampled, logprobs, versions = assemble(branch.turns)
-            loss_mask = sampled.copy()
-            for ids, mask in trained:
-                n = min(len(ids), len(tokens))
-                same = np.flatnonzero(ids[:n] != tokens[:n])
-                shared = n if same.size == 0 else int(same[0])
-                loss_mask[:shared] &= ~mask[:shared].astype(bool)
-            trained.append((tokens, sampled))
+            nodes = _prefix_nodes(trie, tokens)
+            trained_before = np.fromiter((n in sampled_at for n in nodes), bool, len(nodes))
+            loss_mask = sampled & ~trained_before
+            sampled_at.update(n for n, s in zip(nodes, sampled.tolist(), strict=True) if s)
             if not loss_mask.any():
                 continue
             versions = np.where(loss_mask.astype(bool), versions, -1).astype(np.int32)
@@ -159,7 +216,7 @@ class Conversation:
                 BranchSample(
                     branch=index,
                     tokens=tokens,
-                    loss_mask=loss_mask,
+                    loss_mask=loss_mask.astype(np.uint8),
                     logprobs=logprobs,
                     versions=versions,
                     finish_reason=policy[-1].finish_reason or "abort",
@@ -170,14 +227,26 @@ class Conversation:
         return out
 
 
+def _prefix_nodes(trie: dict[int, int], tokens: np.ndarray) -> list[int]:
+    """The trie node of each prefix ``tokens[: p + 1]`` (added when new): equal prefixes, equal nodes. An edge is
+    keyed ``node << 32 | id`` (a plain int: no tuple for the garbage collector to walk)."""
+    node, nodes = 0, []
+    for token in tokens.tolist():
+        node = trie.setdefault(node << 32 | token, len(trie) + 1)
+        nodes.append(node)
+    return nodes
+
+
 class Conversations:
     """Conversations by session id, least recently used out beyond ``max_conversations``
     (``generator.serve.max_sessions``), so clients that never close a session cannot grow the generator's
     memory. An agent run's conversation is pinned while the run holds it (`open` to `close`): evicting it
-    would lose the episode's samples."""
+    would lose the episode's samples; it counts toward the same bound, and a run that finds every conversation
+    pinned is refused (`SessionFull`)."""
 
-    def __init__(self, max_conversations: int) -> None:
+    def __init__(self, max_conversations: int, limits: SessionLimits | None = None) -> None:
         self.max_conversations = max_conversations
+        self.limits = limits or SessionLimits()
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()
         self._pinned: set[str] = set()
 
@@ -185,31 +254,39 @@ class Conversations:
         return len(self._conversations)
 
     def get(self, session_id: str | None) -> Conversation:
-        """The session's conversation (created when new); None: a throw-away conversation of its own."""
+        """The session's conversation (created when new); None: a throw-away conversation of its own. A new
+        session when every kept one is an agent run's is refused (`SessionFull`)."""
         if session_id is None:
-            return Conversation("")
+            return Conversation("", limits=self.limits)
         conversation = self._conversations.get(session_id)
         if conversation is None:
-            conversation = self._conversations[session_id] = Conversation(session_id)
-            self._evict()
+            self._make_room()
+            conversation = self._conversations[session_id] = Conversation(session_id, limits=self.limits)
         self._conversations.move_to_end(session_id)
         return conversation
 
     def open(self, session_id: str) -> Conversation:
         """A fresh conversation an agent run trains on; pinned until `close`."""
-        conversation = Conversation(session_id, trained=True)
+        self._make_room()
+        conversation = Conversation(session_id, trained=True, limits=self.limits)
         self._conversations[session_id] = conversation
         self._pinned.add(session_id)
-        self._evict()
         return conversation
 
     def close(self, session_id: str) -> Conversation | None:
         self._pinned.discard(session_id)
         return self._conversations.pop(session_id, None)
 
-    def _evict(self) -> None:
+    def _make_room(self) -> None:
+        """Room for one more: the least recently used unpinned conversations out, or `SessionFull`."""
         for session_id in list(self._conversations):
-            if len(self._conversations) <= self.max_conversations:
+            if len(self._conversations) < self.max_conversations:
                 return
             if session_id not in self._pinned:
                 del self._conversations[session_id]
+        if len(self._conversations) >= self.max_conversations:
+            raise SessionFull(
+                f"{len(self._conversations)} sessions are open, {len(self._pinned)} of them agent runs' "
+                f"(generator.serve.max_sessions = {self.max_conversations})",
+                limit="generator.serve.max_sessions",
+            )

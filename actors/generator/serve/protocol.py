@@ -6,7 +6,11 @@ Field names follow OpenAI and vLLM, which agent harnesses already speak: ``max_t
 and the extras ``return_token_ids``, ``session_id``, ``stop_token_ids``, ``ignore_eos`` (vLLM's: the run's stop
 tokens do not end the reply; not on a trained session, whose sampling is the run's). Fields a harness sends by habit and
 that change nothing here (``user``, ``stream_options``, ``parallel_tool_calls``, ``metadata``, ``store``) are
-accepted; a penalty or logit bias other than the neutral value is refused, never silently ignored.
+accepted; a penalty or logit bias other than the neutral value is refused, never silently ignored. Every
+message, tool call and tool is checked for its shape (`Message`, `Tool`): a ``content`` that is not text, a
+``tool_calls`` that is not a list of calls with a ``function`` object, is a 400 naming the field, never an error
+deep in the template. Stop strings are bounded (`MAX_STOP_STRINGS` of at most `MAX_STOP_CHARS` characters, as
+vLLM bounds them), and so are ``stop_token_ids``.
 
 Responses carry, beside OpenAI's keys, the extras agent trainers read: each choice's ``token_ids`` (the
 sampled ids, exactly) and ``policy_versions`` (the policy version of each), and the body's
@@ -57,6 +61,68 @@ class EndpointError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+MAX_STOP_STRINGS = 16
+"""Most stop strings a request may give (OpenAI allows 4): each is searched for after every sampled token."""
+MAX_STOP_CHARS = 256
+"""Longest stop string; the search after each token looks back this far, so the search is linear in the reply."""
+MAX_STOP_TOKEN_IDS = 1024
+"""Most ``stop_token_ids`` a request may give: the engine checks each sampled token against them."""
+
+
+class _Part(BaseModel):
+    """A message's content part: text only (this endpoint serves a text model)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _Function
+
+
+class Message(BaseModel):
+    """One chat message, checked for its shape only (unknown keys kept for the template): a content that is not
+    text, a tool call whose ``function`` is not an object, is a 400 naming the field, never an error deeper in."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_Part] | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class _ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    """One entry of ``tools``: a function the model may call."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: _ToolSpec
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -67,7 +133,7 @@ class _Body(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     seed: int | None = None
     stream: bool = False
@@ -91,6 +157,11 @@ class _Body(BaseModel):
                 raise ValueError(f"{name} is not supported (the trainer could not correct for it); leave it out")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported (the trainer could not correct for it); leave it out")
+        stops = self.stops()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: {len(stops)} stop strings; at most {MAX_STOP_STRINGS} (MAX_STOP_STRINGS)")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop: a stop string is over {MAX_STOP_CHARS} characters (MAX_STOP_CHARS)")
         return self
 
     def stops(self) -> list[str]:
@@ -102,26 +173,43 @@ class _Body(BaseModel):
 class ChatRequest(_Body):
     """``POST /v1/chat/completions``."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
 
     @model_validator(mode="after")
-    def _messages_have_roles(self) -> ChatRequest:
-        for i, message in enumerate(self.messages):
-            if message.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-                raise ValueError(f"messages[{i}].role must be system, developer, user, assistant or tool")
+    def _text_responses(self) -> ChatRequest:
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("response_format other than text is not supported")
         return self
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """The messages as the client sent them (the keys it gave, unknown ones included), for the template."""
+        return [m.model_dump(exclude_unset=True) for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None
+
+    def text_chars(self) -> int:
+        """Characters of text the messages and tools hold: with `max_chars_per_token`, a floor on the prompt's
+        tokens known before anything is rendered."""
+        chars = sum(
+            len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
+            for m in self.messages
+        )
+        for message in self.messages:
+            for call in message.tool_calls or ():
+                arguments = call.function.arguments
+                chars += len(call.function.name) + (len(arguments) if isinstance(arguments, str) else 0)
+        return chars
 
 
 class CompletionRequest(_Body):
@@ -145,7 +233,7 @@ class GenerateSamplingParams(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1, le=64)
     seed: int | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     logprobs: int | None = None
 
@@ -166,13 +254,15 @@ Route = Literal["chat", "completions", "tokens"]
 
 
 def parse_body(model: type[BaseModel], data: object) -> Any:
-    """Validate a decoded JSON body; a failure is a 400 naming the first bad field."""
+    """Validate a decoded JSON body; a failure is a 400 naming the bad field (the deepest, when a value matched no
+    branch of a union: ``messages.0.content.list[_Part].0.type``, not just ``content``)."""
     if not isinstance(data, dict):
         raise EndpointError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        first = max(errors, key=lambda e: len(e["loc"]))  # of a union's failed branches, the one that got furthest
         where = ".".join(str(p) for p in first["loc"]) or None
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":

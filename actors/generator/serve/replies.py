@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
-import numpy as np
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from actors.generator.serve.protocol import (
     ChatCompletionChoice,
@@ -37,11 +37,13 @@ from pipeline.rl.engine_records import GenerateResult
 
 @dataclass(frozen=True)
 class Reply:
-    """One choice: the (possibly stop-string-cut) result, its text without the end-of-turn token, parsed."""
+    """One choice: the (possibly stop-string-cut) result, its text without the end-of-turn token, parsed, and
+    ``pieces``: the text of each token in order (one incremental pass), which add up to ``text``."""
 
     result: GenerateResult
     text: str
     parsed: ParsedReply
+    pieces: tuple[str, ...] = ()
 
     @property
     def finish_reason(self) -> str:
@@ -50,42 +52,59 @@ class Reply:
         return str(self.result.finish_reason)
 
 
-def decode(tokenizer: Tokenizer, ids: Sequence[int] | np.ndarray, stop_ids: Sequence[int]) -> str:
-    """The reply's text: special tokens kept (a tool-call marker is one), a final stop token dropped."""
-    ids = [int(t) for t in ids]
-    if ids and ids[-1] in stop_ids:
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=False)
+def detokenize(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each token's text, in one pass (`tokenizers.decoders.DecodeStream`: each step decodes a few tokens, never the
+    prefix again), special tokens kept; a token that ends inside a character adds "" and the next one the rest."""
+    stream = DecodeStream(skip_special_tokens=False)
+    return [stream.step(tokenizer, int(t)) or "" for t in ids]
 
 
-def cut_at_stop_strings(
-    tokenizer: Tokenizer, result: GenerateResult, stops: Sequence[str], stop_ids: Sequence[int]
-) -> tuple[GenerateResult, str]:
-    """The result cut after the token that completes the first stop string (finish reason ``stop``), and its
-    text up to that string. Tokens sampled after it are dropped: they are neither returned nor trained on."""
-    text = decode(tokenizer, result.token_ids, stop_ids)
-    if not stops or not any(s in text for s in stops):
-        return result, text
-    for k in range(1, len(result.token_ids) + 1):
-        prefix = tokenizer.decode([int(t) for t in result.token_ids[:k]], skip_special_tokens=False)
-        hits = [prefix.find(s) for s in stops if s in prefix]
+def _first_stop(pieces: Sequence[str], stops: Sequence[str]) -> tuple[int, int] | None:
+    """(tokens up to and including the one that completes the first stop string, that string's offset in the
+    text); None: no stop string occurs. Each step searches only the new piece and the ``longest - 1`` characters
+    before it (all a stop string it completes can reach back), so the search is linear in the reply."""
+    stops = [s for s in stops if s]
+    if not stops:
+        return None
+    keep = max(len(s) for s in stops) - 1
+    tail, length = "", 0  # the last `keep` characters of the text so far; the text's length
+    for k, piece in enumerate(pieces):
+        if not piece:
+            continue
+        window = tail + piece
+        hits = [i for i in (window.find(s) for s in stops) if i >= 0]
         if hits:
-            cut = replace(
-                result,
-                token_ids=result.token_ids[:k],
-                logprobs=result.logprobs[:k],
-                versions=result.versions[:k],
-                finish_reason="stop",
-            )
-            return cut, prefix[: min(hits)]
-    return result, text
+            return k + 1, length - len(tail) + min(hits)
+        length += len(piece)
+        tail = window[len(window) - keep :] if keep else ""
+    return None
 
 
 def make_reply(
     tokenizer: Tokenizer, result: GenerateResult, stops: Sequence[str], stop_ids: Sequence[int], parser: ToolParser
 ) -> Reply:
-    result, text = cut_at_stop_strings(tokenizer, result, stops, stop_ids)
-    return Reply(result, text, parser(text))
+    """The reply's text (a final stop token dropped), cut after the token that completes the first stop string
+    (finish reason ``stop``; tokens sampled after it are neither returned nor trained on), and parsed. Linear in
+    the reply: its ids are decoded once, incrementally."""
+    ids = result.token_ids.tolist()
+    pieces = detokenize(tokenizer, ids)
+    if ids and ids[-1] in stop_ids:
+        pieces[-1] = ""
+    stop = _first_stop(pieces, stops)
+    if stop is not None:
+        k, offset = stop
+        result = replace(
+            result,
+            token_ids=result.token_ids[:k],
+            logprobs=result.logprobs[:k],
+            versions=result.versions[:k],
+            finish_reason="stop",
+        )
+        pieces = pieces[:k]
+        text = "".join(pieces)[:offset]
+    else:
+        text = "".join(pieces)
+    return Reply(result, text, parser(text), tuple(pieces))
 
 
 def logprobs_content(tokenizer: Tokenizer, result: GenerateResult, *, as_ids: bool = False) -> list[dict[str, Any]]:
@@ -140,9 +159,10 @@ class Answer:
             model=self.model, choices=choices, usage=self.usage, prompt_token_ids=self.shown_prompt_ids
         )
 
-    def chat_chunks(self, *, include_usage: bool) -> list[ChatCompletionStreamResponse]:
+    def chat_chunks(self, *, include_usage: bool) -> Iterator[ChatCompletionStreamResponse]:
         """The streamed form of `chat`: per choice a role chunk, content deltas token by token (or one delta
-        with the tool calls), then a chunk with the finish reason and the id extras; the usage last, if asked."""
+        with the tool calls), then a chunk with the finish reason and the id extras; the usage last, if asked.
+        Made one at a time, so a long stream never holds all its chunks as objects."""
         head = ChatCompletionStreamResponse(model=self.model, choices=[])
 
         def chunk(choice: ChatStreamChoice, prompt_token_ids: list[int] | None = None) -> ChatCompletionStreamResponse:
@@ -150,11 +170,11 @@ class Answer:
                 id=head.id, created=head.created, model=self.model, choices=[choice], prompt_token_ids=prompt_token_ids
             )
 
-        chunks = []
         for index, reply in enumerate(self.replies):
             first = ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content=""))
-            chunks.append(chunk(first, self.shown_prompt_ids if index == 0 else None))
-            chunks += [chunk(choice) for choice in self._deltas(index, reply)]
+            yield chunk(first, self.shown_prompt_ids if index == 0 else None)
+            for choice in self._deltas(index, reply):
+                yield chunk(choice)
             last = ChatStreamChoice(
                 index=index,
                 delta=ChatDelta(),
@@ -162,10 +182,9 @@ class Answer:
                 token_ids=reply.result.token_ids.tolist(),
                 policy_versions=reply.result.versions.tolist(),
             )
-            chunks.append(chunk(last))
+            yield chunk(last)
         if include_usage:
-            chunks.append(head.model_copy(update={"usage": self.usage}))
-        return chunks
+            yield head.model_copy(update={"usage": self.usage})
 
     def completion(self) -> CompletionResponse:
         choices = []
@@ -220,14 +239,12 @@ class Answer:
 
 
 def _text_pieces(tokenizer: Tokenizer, reply: Reply, logprobs: bool) -> Iterator[tuple[str, dict[str, Any] | None]]:
-    """The reply's text split at token boundaries (the text of the first k tokens, minus that of k - 1), so the
-    pieces add up to exactly the unstreamed content, cut where a stop string cut it."""
+    """The reply's text split at token boundaries (`Reply.pieces`), so the pieces add up to exactly the unstreamed
+    content, cut where a stop string cut it."""
     entries = logprobs_content(tokenizer, reply.result) if logprobs else None
-    said = ""
-    ids = reply.result.token_ids.tolist()
-    for k in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:k], skip_special_tokens=False)
-        text = text[: len(reply.text)] if len(text) > len(reply.text) else text
-        piece, said = text[len(said) :], text
+    said = 0
+    for k, piece in enumerate(reply.pieces):
+        piece = piece[: max(0, len(reply.text) - said)]
+        said += len(piece)
         if piece or entries is not None:
-            yield piece, None if entries is None else entries[k - 1]
+            yield piece, None if entries is None else entries[k]

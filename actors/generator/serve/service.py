@@ -6,6 +6,13 @@ batches both continuously. A request never disturbs the generator: a bad one is 
 OpenAI-shaped 4xx), and over ``generator.serve.max_inflight`` engine requests the endpoint answers 429 with
 ``Retry-After``; before the generator holds version 0 it answers 503.
 
+The generator's event loop never does a request's heavy work: rendering and encoding the prompt, decoding the
+replies (once, incrementally), the stop-string search, tool parsing, recording the turn and building the
+response's bytes run in a worker thread (`asyncio.to_thread`), and a request whose text cannot fit the model's
+context whatever the tokenizer does (`max_chars_per_token`) is refused before anything is rendered. Sessions
+are bounded (`SessionLimits`): past a session's branches or tokens the answer is 413, and a new session while
+``generator.serve.max_sessions`` are held by agent runs is 429, each naming the limit.
+
 Sampling: a conversation an agent run trains on (`Conversations.open`) samples with the run's temperature,
 top-p and top-k whatever the request says, because the trainer's importance correction assumes them; other
 requests (evaluation, debugging) sample as they ask. ``max_tokens`` defaults to the run's
@@ -26,24 +33,27 @@ import orjson
 from tokenizers import Tokenizer
 
 from actors.generator.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from actors.generator.serve.conversations import Conversation, Conversations
+from actors.generator.serve.conversations import Conversation, Conversations, SessionFull, SessionLimits
 from actors.generator.serve.protocol import (
-    ChatCompletionResponse,
-    ChatCompletionStreamResponse,
     ChatRequest,
     CompletionRequest,
-    CompletionResponse,
     EndpointError,
-    GenerateResponse,
     ModelCard,
     ModelList,
     TokensRequest,
 )
 from actors.generator.serve.replies import Answer, Reply, make_reply
 from pipeline.chat.template import ChatTemplate, ChatTemplateError, normalized
-from pipeline.chat.tool_parsers import ToolParser
+from pipeline.chat.tool_parsers import ParsedReply, ToolParser
 
 log = logging.getLogger(__name__)
+
+TEXT_CHARS_SLACK = 4
+"""How far a tokenizer's normalizer may shrink text (composed characters) before it is cut into tokens: the
+pre-render floor on a prompt's tokens is ``chars / (max_chars_per_token * TEXT_CHARS_SLACK)``."""
+
+Body = bytes | list[bytes]
+"""A route's answer: a JSON body, or the ``data:`` frames of a stream."""
 
 
 @dataclass
@@ -84,6 +94,7 @@ class EndpointService:
         model_names: Sequence[str],
         max_inflight: int,
         max_sessions: int,
+        session_limits: SessionLimits | None = None,
         submit: Callable[[Sequence[GenerateRequest], SamplingParams], list[Future[GenerateResult]]] | None = None,
     ) -> None:
         self.engine = engine
@@ -95,11 +106,13 @@ class EndpointService:
         self.sampling = sampling
         self.model_names = tuple(model_names)
         self.max_inflight = max_inflight
-        self.conversations = Conversations(max_sessions)
+        self.conversations = Conversations(max_sessions, session_limits)
         """Each session's conversation, kept to bridge its next turn and, for an agent run, to train on."""
         self.metrics = EndpointMetrics()
         self.inflight = 0
         self.stopping = False
+        self.max_chars_per_token = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        """The most characters one token can stand for (its vocabulary entry's length bounds its text)."""
 
     @property
     def model(self) -> str:
@@ -108,70 +121,53 @@ class EndpointService:
 
     # ---- routes --------------------------------------------------------------------------------
 
-    async def chat(
-        self, req: ChatRequest, session_id: str | None
-    ) -> ChatCompletionResponse | list[ChatCompletionStreamResponse]:
-        """The reply, or its chunks for a streamed request (sent once the reply is complete: same ids)."""
+    async def chat(self, req: ChatRequest, session_id: str | None) -> Body:
+        """The reply's JSON, or its stream's frames (sent once the reply is complete: same ids)."""
         self._check_model(req.model)
         template = self._template()
-        messages = [dict(m) for m in req.messages]
-        tools = req.tools or None
-        tools_key = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""
-        keys = [normalized(m) for m in messages]
-        conversation = self.conversations.get(session_id)
-        prompt_ids = self._chat_prompt(conversation, template, messages, keys, tools, tools_key)
-        results = await self._generate(conversation, prompt_ids, req, req.token_limit())
-        replies = [self._reply(r, req.stops()) for r in results]
-        for reply in replies:
-            self.metrics.tool_calls += len(reply.parsed.tool_calls)
-            self.metrics.tool_calls_unparseable += reply.parsed.unparseable
-        said = [
-            normalized({"role": "assistant", "content": r.parsed.content, "tool_calls": r.parsed.tool_calls})
-            for r in replies
-        ]
+        self._refuse_long_text(req.text_chars(), "messages")
+        conversation = self._conversation(session_id)
         async with conversation.lock:
-            conversation.record(
-                prompt_ids, [r.result for r in replies], messages=keys, replies=said, tools_key=tools_key
+            prompt_ids, keys, tools_key = await asyncio.to_thread(self._chat_prompt, conversation, template, req)
+        results = await self._generate(conversation, prompt_ids, req, req.token_limit())
+        async with conversation.lock:
+            body, parsed = await asyncio.to_thread(
+                self._chat_body, conversation, req, prompt_ids, results, keys, tools_key
             )
-        logprobs = bool(req.logprobs) or bool(req.top_logprobs)
-        answer = Answer(
-            self.tokenizer, self.model, prompt_ids, replies, logprobs=logprobs, return_token_ids=req.return_token_ids
-        )
-        if req.stream:
-            return answer.chat_chunks(include_usage=bool((req.stream_options or {}).get("include_usage")))
-        return answer.chat()
+        self.metrics.tool_calls += sum(len(p.tool_calls) for p in parsed)
+        self.metrics.tool_calls_unparseable += sum(p.unparseable for p in parsed)
+        return body
 
-    async def completions(self, req: CompletionRequest, session_id: str | None) -> CompletionResponse:
+    async def completions(self, req: CompletionRequest, session_id: str | None) -> Body:
         self._check_model(req.model)
         if req.stream:
             raise EndpointError(
                 400, "stream is not supported on /v1/completions; use /v1/chat/completions", param="stream"
             )
         if isinstance(req.prompt, str):
-            prompt_ids = list(self.tokenizer.encode(req.prompt, add_special_tokens=True).ids)
+            self._refuse_long_text(len(req.prompt), "prompt")
+            prompt_ids = await asyncio.to_thread(self._encode, req.prompt)
         else:
             prompt_ids = [int(t) for t in req.prompt]
         if not prompt_ids:
             raise EndpointError(400, "the prompt has no tokens", param="prompt")
-        conversation = self.conversations.get(session_id)
+        conversation = self._conversation(session_id)
         results = await self._generate(conversation, prompt_ids, req, req.token_limit())
-        replies = [self._reply(r, req.stops()) for r in results]
-        async with conversation.lock:
-            conversation.record(prompt_ids, [r.result for r in replies])
-        answer = Answer(
-            self.tokenizer,
-            self.model,
-            prompt_ids,
-            replies,
-            logprobs=bool(req.logprobs),
-            return_token_ids=req.return_token_ids,
-        )
-        return answer.completion()
 
-    async def tokens(self, req: TokensRequest, session_id: str | None) -> GenerateResponse:
+        def finish() -> bytes:
+            replies = [self._reply(r, req.stops()) for r in results]
+            conversation.record(prompt_ids, [r.result for r in replies])
+            logprobs, ids = bool(req.logprobs), req.return_token_ids
+            answer = Answer(self.tokenizer, self.model, prompt_ids, replies, logprobs=logprobs, return_token_ids=ids)
+            return _json(answer.completion())
+
+        async with conversation.lock:
+            return await asyncio.to_thread(finish)
+
+    async def tokens(self, req: TokensRequest, session_id: str | None) -> Body:
         self._check_model(req.model)
         params = req.sampling_params
-        conversation = self.conversations.get(session_id or req.session_id)
+        conversation = self._conversation(session_id or req.session_id)
         body = CompletionRequest(
             prompt=req.token_ids,
             max_tokens=params.max_tokens,
@@ -185,10 +181,14 @@ class EndpointService:
         )
         prompt_ids = list(req.token_ids)
         results = await self._generate(conversation, prompt_ids, body, params.max_tokens)
-        replies = [self._reply(r, ()) for r in results]
-        async with conversation.lock:
+
+        def finish() -> bytes:
+            replies = [self._reply(r, ()) for r in results]
             conversation.record(prompt_ids, [r.result for r in replies])
-        return Answer(self.tokenizer, self.model, prompt_ids, replies).generate(req.request_id)
+            return _json(Answer(self.tokenizer, self.model, prompt_ids, replies).generate(req.request_id))
+
+        async with conversation.lock:
+            return await asyncio.to_thread(finish)
 
     def models(self) -> ModelList:
         max_len = self.engine.max_context_tokens
@@ -200,6 +200,10 @@ class EndpointService:
         self, conversation: Conversation, prompt_ids: list[int], req: ChatRequest | CompletionRequest, limit: int | None
     ) -> list[GenerateResult]:
         self._refuse_unservable(prompt_ids, req.n)
+        try:
+            conversation.check_room(req.n, len(prompt_ids))
+        except SessionFull as exc:
+            raise EndpointError(413, exc.detail, param=exc.limit, code="session_limit") from None
         params = self._params(conversation, req, limit)
         seeds = [None if req.seed is None else req.seed + k for k in range(req.n)]
         stem = f"serve-{uuid.uuid4().hex[:12]}"
@@ -221,6 +225,28 @@ class EndpointService:
             self.inflight -= req.n
         self.metrics.completion_tokens += sum(len(r.token_ids) for r in results)
         return results
+
+    def _conversation(self, session_id: str | None) -> Conversation:
+        try:
+            return self.conversations.get(session_id)
+        except SessionFull as exc:
+            raise EndpointError(
+                429, exc.detail, kind="rate_limit_error", param=exc.limit, code="session_limit", retry_after_s=5
+            ) from None
+
+    def _refuse_long_text(self, chars: int, param: str) -> None:
+        """Refuse, before anything is rendered or encoded, text that cannot fit the model's context whatever it
+        encodes to (each token stands for at most `max_chars_per_token` characters)."""
+        room = self.engine.max_context_tokens
+        floor = chars // (self.max_chars_per_token * TEXT_CHARS_SLACK)
+        if room is not None and floor >= room:
+            raise EndpointError(
+                400,
+                f"the request holds {chars} characters of text, at least {floor} tokens; the model's context is "
+                f"{room} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _refuse_unservable(self, prompt_ids: list[int], n: int) -> None:
         """A request the engine cannot take now is answered at once (503, 400 or 429), never queued: a client
@@ -273,17 +299,15 @@ class EndpointService:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _chat_prompt(
-        self,
-        conversation: Conversation,
-        template: ChatTemplate,
-        messages: list[dict[str, Any]],
-        keys: list[tuple[Any, ...]],
-        tools: list[dict[str, Any]] | None,
-        tools_key: str,
-    ) -> list[int]:
-        """The prompt's ids: bridged from the branch the messages continue, so earlier sampled ids are kept
-        exactly, else the whole conversation rendered fresh."""
+        self, conversation: Conversation, template: ChatTemplate, req: ChatRequest
+    ) -> tuple[list[int], list[tuple[Any, ...]], str]:
+        """(prompt ids, the messages' keys, the tools' key), in a worker thread. The ids are bridged from the
+        branch the messages continue, so earlier sampled ids are kept exactly, else the conversation is rendered
+        fresh."""
+        messages, tools = req.message_dicts(), req.tool_dicts()
+        tools_key = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() if tools else ""
         try:
+            keys = [normalized(m) for m in messages]
             prompt_ids = self._bridged(conversation, template, messages, keys, tools, tools_key)
             if prompt_ids is None:
                 prompt_ids = template.render(messages, tools=tools)
@@ -292,7 +316,33 @@ class EndpointService:
                 self.metrics.turns_bridged += 1
         except ChatTemplateError as exc:
             raise EndpointError(400, str(exc), param="messages") from None
-        return prompt_ids
+        return prompt_ids, keys, tools_key
+
+    def _chat_body(
+        self,
+        conversation: Conversation,
+        req: ChatRequest,
+        prompt_ids: list[int],
+        results: list[GenerateResult],
+        keys: list[tuple[Any, ...]],
+        tools_key: str,
+    ) -> tuple[Body, list[ParsedReply]]:
+        """The replies decoded, parsed and recorded, and the response's bytes (in a worker thread)."""
+        replies = [self._reply(r, req.stops()) for r in results]
+        said = [
+            normalized({"role": "assistant", "content": r.parsed.content, "tool_calls": r.parsed.tool_calls})
+            for r in replies
+        ]
+        conversation.record(prompt_ids, [r.result for r in replies], messages=keys, replies=said, tools_key=tools_key)
+        logprobs = bool(req.logprobs) or bool(req.top_logprobs)
+        answer = Answer(
+            self.tokenizer, self.model, prompt_ids, replies, logprobs=logprobs, return_token_ids=req.return_token_ids
+        )
+        parsed = [r.parsed for r in replies]
+        if not req.stream:
+            return _json(answer.chat()), parsed
+        chunks = answer.chat_chunks(include_usage=bool((req.stream_options or {}).get("include_usage")))
+        return [b"data: " + _json(chunk) + b"\n\n" for chunk in chunks] + [b"data: [DONE]\n\n"], parsed
 
     def _bridged(
         self,
@@ -315,7 +365,19 @@ class EndpointService:
         return None if bridge is None else [int(t) for t in ids] + bridge
 
     def _reply(self, result: GenerateResult, stops: Sequence[str]) -> Reply:
-        return make_reply(self.tokenizer, result, stops, self.sampling.stop_token_ids, self.tool_parser)
+        return make_reply(self.tokenizer, result, stops, self.sampling.stop_token_ids, self.parse_reply)
+
+    def parse_reply(self, text: str) -> ParsedReply:
+        """The tool parser, bounded at this door: a reply it cannot take is content with one unparseable call
+        (logged), never a failed request."""
+        try:
+            return self.tool_parser(text)
+        except (RecursionError, ValueError, TypeError, KeyError) as exc:
+            log.warning("endpoint: the tool parser failed on a %d-character reply: %s", len(text), type(exc).__name__)
+            return ParsedReply(content=text, unparseable=1)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     def _template(self) -> ChatTemplate:
         if self.template is None:
@@ -334,3 +396,7 @@ class EndpointService:
                 param="model",
                 code="model_not_found",
             )
+
+
+def _json(body: Any) -> bytes:
+    return orjson.dumps(body.model_dump())
