@@ -62,6 +62,7 @@ def _cfg(checkpoint: Path, tokenizer: Path | None = None) -> LeewayConfig:
         None,
         [
             "run.name=chat-files",
+            f"run.dir={checkpoint.parent / 'run'}",
             f"model.name_or_path={checkpoint}",
             f"model.tokenizer={tokenizer or checkpoint}",
             "model.dtype=float32",
@@ -102,8 +103,8 @@ def test_a_checkpoint_saved_by_transformers_serves_a_chat_turn_through_the_endpo
     engine.load_state(dict(engine.model.state_dict()), 0)  # type: ignore[attr-defined]
 
     async def main() -> None:
-        service, endpoint, _ = await open_endpoint(cfg, engine, tokenizer, task, sampling_params(cfg, tokenizer))
-        client = openai.AsyncOpenAI(base_url=f"{endpoint.url}/v1", api_key="unused", max_retries=0)
+        service, endpoint, key = await open_endpoint(cfg, engine, tokenizer, task, sampling_params(cfg, tokenizer))
+        client = openai.AsyncOpenAI(base_url=f"{endpoint.url}/v1", api_key=key, max_retries=0)
         try:
             assert service.template is not None and service.template.template == TEMPLATE
             r = await client.chat.completions.create(

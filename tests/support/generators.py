@@ -45,6 +45,7 @@ def generator_cfg(stack: Any, run: str, *sets: str) -> LeewayConfig:
         None,
         [
             f"run.name={run}",
+            f"run.dir={stack.dir}/runs/{run}",  # the endpoint's generated key file lands here, not in the checkout
             f"nats.stack_dir={stack.dir}",
             f"store.url=s3://{stack.bucket}/test-generator",
             f"model.name_or_path={MODEL}",
