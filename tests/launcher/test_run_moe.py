@@ -20,6 +20,7 @@ from tests.support.runs import (
     COMMON,
     DEMO_DEADLINE_S,
     REPO,
+    assert_final_export,
     assert_reward_rises,
     recorded_groups,
     run_records,
@@ -54,6 +55,7 @@ def test_the_moe_demo_learns_with_replayed_routes_and_no_group_trained_twice(
     text = run_to_end(config_path, cfg.run.run_dir, cleanup)
     steps = STEPS[engine]
     assert f"step {steps}/{steps} reward" in text
+    assert_final_export(cfg.run.run_dir, steps)  # a MoE family's experts and routers under their HF names
 
     records = run_records(cfg.run.run_dir)
     assert_reward_rises(records)

@@ -209,7 +209,21 @@ def run_plumbing(cfg: LeewayConfig, tmp_path: Path, procs: list[subprocess.Popen
             newest = max(newest, int(loss_versions.max()))
     assert newest >= 1, "no trained group was generated with weights this trainer published"
     assert "checkpoint written" in (run_dir / "logs" / "trainer.log").read_text(), "the trainer stopped cleanly"
+    assert_final_export(run_dir, steps)
     return records
+
+
+def assert_final_export(run_dir: Path, version: int) -> None:
+    """The run's `final/` export holds `version` and loads in plain transformers with every tensor in place (no
+    missing, unexpected or mismatched names: the backend published Hugging Face names for this model family)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = run_dir / "final"
+    info = json.loads((final / "leeway.json").read_text())
+    assert info["version"] == version, info
+    _, loading = AutoModelForCausalLM.from_pretrained(final, output_loading_info=True)
+    assert not any(loading.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), loading
+    assert AutoTokenizer.from_pretrained(final).get_vocab()
 
 
 RISE_EDGE = 10
