@@ -175,7 +175,17 @@ def evaluate_checkpoint(
     template = load_chat_template_for(cfg, tokenizer, task)
     engine = build_engine(cfg, tokenizer, "eval")
     result = asyncio.run(evaluate(cfg, engine, tokenizer, template, task, prompts, version=0))
-    return {"checkpoint": str(directory), **result}
+    exported = exported_from(directory)
+    return {"checkpoint": str(directory), **({"exported": exported} if exported else {}), **result}
+
+
+def exported_from(directory: Path) -> dict[str, Any] | None:
+    """Which run, version and step a `leeway export` directory holds (its ``leeway.json``); None for another one."""
+    try:
+        info = json.loads((directory / "leeway.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {k: info.get(k) for k in ("run", "version", "step")} if isinstance(info, dict) else None
 
 
 def follow(

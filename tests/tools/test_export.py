@@ -29,6 +29,7 @@ from actors.cli import main as leeway
 from actors.generator.runtime import build_engine, sampling_params
 from actors.models import load_tokenizer
 from actors.servers import open_run_store
+from actors.tools.evaluate import exported_from
 from actors.trainer.checkpoints import load_checkpoint
 from actors.trainer.export_every import export_dir
 from infra.stack import StackState
@@ -102,6 +103,7 @@ def test_a_version_between_snapshots_loads_in_transformers_and_decodes_as_the_en
     assert "applied version 2 (delta" in text, text  # progress, one line per version of the chain
     info = json.loads((out / "leeway.json").read_text())
     assert (info["run"], info["version"], info["step"], info["chain"]) == (cfg.run.name, 2, 2, [0, 1, 2])
+    assert exported_from(out) == {"run": cfg.run.name, "version": 2, "step": 2}  # what `leeway eval --checkpoint` says
     assert info["dtype"] == "float32" and (out / "model.safetensors.index.json").is_file()
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "the staging directory is gone"
 
