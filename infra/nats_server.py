@@ -89,19 +89,19 @@ GENERATOR_PUBLISH_DENY = (
     "leeway.*.prompts",
     "$KV.>",
     "$JS.ACK.*.trainer.>",
-    "$JS.API.CONSUMER.MSG.NEXT.*.trainer",
-    "$JS.API.CONSUMER.CREATE.*.trainer",
-    "$JS.API.CONSUMER.CREATE.*.trainer.>",
-    "$JS.API.CONSUMER.DURABLE.CREATE.*.trainer",
-    "$JS.API.CONSUMER.DELETE.*.trainer",
+    "$JS.API.CONSUMER.*.*.trainer",
+    "$JS.API.CONSUMER.*.*.trainer.>",
+    "$JS.API.CONSUMER.*.*.*.trainer",
     "$JS.API.STREAM.UPDATE.>",
     "$JS.API.STREAM.DELETE.>",
     "$JS.API.STREAM.PURGE.>",
     "$JS.API.STREAM.MSG.DELETE.>",
 )
 """Subjects a generator may not publish on (everything else it may): the trainer's dead letters, prompts, KV
-keys, the trainer consumer's acks, deliveries and settings (the server refuses a durable name on the nameless
-`$JS.API.CONSUMER.CREATE.<stream>`), and stream updates, purges and deletes."""
+keys, the trainer consumer's acks and every JetStream API call naming it (`$JS.API.CONSUMER.<op>.<stream>.trainer`
+and the two-word ops: next message, create, delete, reset, pause, unpin, info, leader step-down; the server
+refuses a durable name on the nameless `$JS.API.CONSUMER.CREATE.<stream>`), and stream updates, purges and
+deletes."""
 
 _SYNC_INTERVAL_RE = re.compile(r"^(always|\d+(\.\d+)?(ns|us|ms|s|m|h))$")
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{16,}$")

@@ -214,6 +214,9 @@ class ServeConfig(Section):
     max_session_tokens: int = Field(1 << 21, ge=1024)
     """Tokens one session's branches may hold in all (what its samples hold); a request past it is refused
     with 413."""
+    max_kept_tokens: int = Field(1 << 26, ge=1024)
+    """Tokens all kept sessions may hold together (about 16 bytes each: 2^26 is about 1 GiB); a request that needs
+    more drops the least recently used sessions no agent run holds, or is refused with 429."""
 
 
 class GeneratorConfig(Section):

@@ -316,7 +316,7 @@ async def open_endpoint(
         model_names=(cfg.run.name, cfg.model.name_or_path),
         max_inflight=serve.max_inflight,
         max_sessions=serve.max_sessions,
-        session_limits=SessionLimits(serve.max_session_branches, serve.max_session_tokens),
+        session_limits=SessionLimits(serve.max_session_branches, serve.max_session_tokens, serve.max_kept_tokens),
         submit=None if metrics is None else metered_submit(engine.submit, metrics),
     )
     endpoint = Endpoint(

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -77,6 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
+    # A stop (the launcher's second Ctrl-C, a trainer closing its background exports) unwinds like an error: the
+    # staging directory beside DIR is removed by `export_version`'s cleanup instead of being left half written.
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _main(cfg, args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
     from actors.servers import ServerError, open_run_store, resolve_servers
 
     out = Path(args.to)
@@ -101,6 +112,10 @@ def main(cfg: LeewayConfig, args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _say(text: str) -> None:

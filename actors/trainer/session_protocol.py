@@ -35,13 +35,17 @@ class RunLink:
     nc: NatsClient
     js: JetStreamContext
     store: ObjectStore
+    roles_enforced: bool = False
+    """The trainer connects as a user of its own, so the server keeps generators off what is the trainer's (its
+    dead letters among them: `infra.nats_server.GENERATOR_PUBLISH_DENY`)."""
 
     @classmethod
     async def open(cls, cfg: LeewayConfig) -> RunLink:
         servers = resolve_servers(cfg)
         store = open_run_store(cfg, servers)
         nc = await connect_nats(cfg, servers, name="leeway-trainer", role="trainer")
-        return cls(RunNames.for_run(cfg.run.name), nc, nc.jetstream(), store)
+        enforced = "trainer" in servers.nats_role_urls
+        return cls(RunNames.for_run(cfg.run.name), nc, nc.jetstream(), store, roles_enforced=enforced)
 
 
 class Session(Protocol):

@@ -144,7 +144,12 @@ class LiveSession:
         self.poisoned: set[str] = set()
         """Ids of groups this session dead-lettered from the catch-up: a durable redelivery of one is acked."""
         self.last_checkpoint_step = 0
-        self.dead_letter_check = DeadLetterCheck(link.js, link.names, terminated=consumer.dead_letters.terminated)
+        self.dead_letter_check = DeadLetterCheck(
+            link.js,
+            link.names,
+            terminated=consumer.dead_letters.terminated,
+            trajectory_letters_trusted=link.roles_enforced,
+        )
         """Only dead letters of messages that exist return slots; `dead_letter_check.forged` counts the rest."""
         self.exports = PeriodicExports(cfg)
         """`trainer.export_every`: due versions exported in the background after they are published."""

@@ -14,8 +14,13 @@ then holds real special-token text only where the template wrote it. Encoding:
   with ``encode_special_tokens`` set (transformers' ``split_special_tokens``): the marker text becomes the ids
   of its characters.
 
-Added tokens that are not special (Qwen's ``<tool_call>``, ``<think>``) are no turn markers and stay tokens.
-Assistant messages are not swapped: they are the policy's own text, rendered as it was sampled.
+Added tokens that are not special (Qwen's ``<tool_call>``, ``<tool_response>``, ``<think>``) are structure too (a
+tool's output that writes ``</tool_response><tool_response>`` would forge a second response), so they are treated
+the same: the copy re-flags them special (same ids) and splits them. Assistant messages are not swapped: they are
+the policy's own text, rendered as it was sampled.
+
+Every encode here goes through ``encode_batch``, which releases the GIL while it runs (``encode`` holds it for the
+whole call: a 4 MiB message encoded in a worker thread still stalled the event loop for seconds).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 MAX_LITERAL_COPIES = 8
 """Tokenizer copies with special tokens split kept per process, one per distinct tokenizer object."""
@@ -45,9 +50,17 @@ def literal_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
         if len(_COPIES) >= MAX_LITERAL_COPIES:
             _COPIES.clear()
         copy = Tokenizer.from_str(tokenizer.to_str())
+        plain = [t.content for t in copy.get_added_tokens_decoder().values() if not t.special and t.content]
+        copy.add_special_tokens([AddedToken(content, special=True) for content in plain])  # same ids, now split
         copy.encode_special_tokens = True
         _COPIES[id(tokenizer)] = (tokenizer, copy)  # the original kept: its id stays its own
         return copy
+
+
+def encode_released(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool = False) -> list[int]:
+    """``tokenizer.encode(text).ids`` through ``encode_batch``, which lets go of the GIL while it works, so an encode
+    in a worker thread never holds up the event loop (the same ids: one text, one encoding)."""
+    return list(tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 def encode_literal(tokenizer: Any, text: str) -> list[int]:
@@ -55,7 +68,7 @@ def encode_literal(tokenizer: Any, text: str) -> list[int]:
     ``tokenizer.encode(text, add_special_tokens=False)`` gives). A tokenizer that is not a `tokenizers.Tokenizer`
     has no such mode and encodes as it does."""
     if isinstance(tokenizer, Tokenizer):
-        return list(literal_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids)
+        return encode_released(literal_tokenizer(tokenizer), text)
     encoded = tokenizer.encode(text, add_special_tokens=False)
     return list(getattr(encoded, "ids", encoded))
 
@@ -66,7 +79,7 @@ class LiteralSpecials:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        added = [t for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content]
+        added = [t for t in tokenizer.get_added_tokens_decoder().values() if t.content]
         added.sort(key=lambda t: len(t.content), reverse=True)
         self.specials = tuple(t.content for t in added)
         self._ids = {t.content: tokenizer.token_to_id(t.content) for t in added}
@@ -97,7 +110,7 @@ class LiteralSpecials:
     def encode(self, text: str) -> list[int]:
         """The ids of a rendered text: special tokens where the scaffold wrote them, message text as characters."""
         if self._mark not in text or self._scaffold is None:
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            return encode_released(self.tokenizer, text)
         ids: list[int] = []
         at = 0
         for match in self._scaffold.finditer(text):
@@ -109,8 +122,7 @@ class LiteralSpecials:
     def _encode_piece(self, text: str) -> list[int]:
         if not text:
             return []
-        literal = literal_tokenizer(self.tokenizer)
-        return list(literal.encode(self.restore(text), add_special_tokens=False).ids)
+        return encode_released(literal_tokenizer(self.tokenizer), self.restore(text))
 
     def _special_of(self, match: re.Match[str]) -> str:
         k = int(match.group(1))

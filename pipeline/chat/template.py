@@ -33,7 +33,7 @@ from typing import Any
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.chat.literal import LiteralSpecials
+from pipeline.chat.literal import LiteralSpecials, encode_released
 from pipeline.chat.template_budget import TemplateBudget, check_template_budget
 
 Message = dict[str, Any]
@@ -130,7 +130,7 @@ class ChatTemplate:
         return text
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return encode_released(self.tokenizer, text)
 
     def render(
         self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = None, generation: bool = True

@@ -22,7 +22,7 @@ import pytest
 
 from actors.generator.agents import AgentRunner
 from actors.generator.serve import build_app, read_api_key
-from actors.generator.serve.conversations import Conversation, SessionLimits
+from actors.generator.serve.conversations import Conversation, Conversations, SessionFull, SessionLimits
 from actors.generator.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from pipeline.rl.engine_records import GenerateResult
 from pipeline.tasks.agents import AgentContext, AgentOutcome
@@ -128,6 +128,46 @@ def test_a_session_past_its_branches_is_refused_413_naming_the_limit() -> None:
             await client.close()
 
     asyncio.run(main())
+
+
+def test_concurrent_requests_on_one_session_cannot_pass_its_branches_together() -> None:
+    """Room is reserved when a request is admitted: requests in flight together count against the cap."""
+
+    async def main() -> None:
+        async with served(session_limits=SessionLimits(max_branches=8, max_tokens=1 << 20)) as s:
+            client = s.session_client("together")
+            outcomes = await asyncio.gather(
+                *(
+                    client.chat.completions.create(model=RUN, messages=USER, n=4, extra_body=ONE_TOKEN)
+                    for _ in range(4)
+                ),
+                return_exceptions=True,
+            )
+            refused = [o for o in outcomes if isinstance(o, BaseException)]
+            assert len(refused) == 2 and all(getattr(o, "status_code", None) == 413 for o in refused), outcomes
+            conversation = s.service.conversations.get("together")
+            assert len(conversation.branches) == 8 and conversation.pending_branches == 0
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_the_kept_sessions_tokens_are_bounded_together_idle_ones_dropped_held_ones_kept() -> None:
+    """``generator.serve.max_kept_tokens``: a request that needs more drops the least recently used sessions no
+    request or agent run is using, else it is refused (429 naming the limit)."""
+    conversations = Conversations(16, SessionLimits(max_branches=64, max_tokens=1 << 20, max_kept_tokens=1000))
+    old = conversations.get("old")
+    old.record(list(range(2, 400)), [_result([3] * 16 + [EOS])])  # idle, holds ~415 tokens
+    busy = conversations.get("busy")
+    busy.check_room(1, 400)  # a request in flight: 401 reserved
+    new = conversations.get("new")
+    new.check_room(1, 300)  # 415 + 401 + 301 > 1000: the idle one goes
+    assert "old" not in conversations._conversations and "busy" in conversations._conversations
+    with pytest.raises(SessionFull) as full:  # 401 + 301 + 301 > 1000 and nothing is idle
+        conversations.get("third").check_room(1, 300)
+    assert full.value.limit == "generator.serve.max_kept_tokens"
+    busy.release(1, 400)
+    conversations.get("third").check_room(1, 300)  # room again once the request gave its reservation back
 
 
 def test_a_session_past_its_tokens_is_refused_413_naming_the_limit() -> None:

@@ -48,7 +48,7 @@ def test_a_generator_cannot_publish_the_trainers_dead_letters_and_the_group_trai
     names = RunNames.for_run(cfg.run.name)
     asyncio.run(publish_groups(cfg, [make_group("x.0"), make_group("x.1"), make_group("x.2")]))
 
-    async def forge() -> tuple[str, int]:
+    async def forge() -> tuple[list[str], int]:
         errors: list[Exception] = []
         refused = asyncio.Event()
 
@@ -63,13 +63,21 @@ def test_a_generator_cannot_publish_the_trainers_dead_letters_and_the_group_trai
             await nc.publish(names.trajectory_dead_letter_subject, b"", headers=headers)
             await nc.flush()
             await asyncio.wait_for(refused.wait(), EVENT_DEADLINE_S)
+            for op in ("RESET", "PAUSE", "UNPIN"):  # moving the trainer's consumer past x.0 would skip it too
+                refused.clear()
+                await nc.publish(f"$JS.API.CONSUMER.{op}.{names.trajectory_stream}.{names.trainer_consumer}", b"{}")
+                await nc.flush()
+                await asyncio.wait_for(refused.wait(), EVENT_DEADLINE_S)
             info = await nc.jetstream().stream_info(names.dead_letter_stream)  # reading is allowed
         finally:
             await nc.close()
-        return str(errors[0]), info.state.messages
+        return [str(e) for e in errors], info.state.messages
 
-    error, stored = asyncio.run(forge())
-    assert "permissions violation" in error.lower() and names.trajectory_dead_letter_subject in error, error
+    errors, stored = asyncio.run(forge())
+    assert len(errors) == 4 and all("permissions violation" in e.lower() for e in errors), errors
+    assert names.trajectory_dead_letter_subject in errors[0], errors
+    ops = ("reset", "pause", "unpin")  # (the server writes the subject in lower case)
+    assert all(f"consumer.{op}." in e.lower() for op, e in zip(ops, errors[1:], strict=True)), errors
     assert stored == 0
     trainer = asyncio.run(run_trainer(cfg))
     records = metrics_records(cfg.run.run_dir / "metrics.jsonl")
@@ -130,6 +138,12 @@ def test_no_dead_letter_cancels_a_group_in_flight_whoever_wrote_it(stack: StackS
             # x.0's group is stored: refused (it trains); x.2 has none: its slot comes back; x.1 is in flight: held
             assert [e.original_id for e in genuine] == ["x.2"] and check.forged == 1
             assert kept == entries[2].seq - 1
+            # where the server keeps generators off the trainer's dead letters (a trainer connected as its own
+            # user), a trajectory letter naming its group's message is a trainer's: trusted without the ack floor
+            # (one an earlier trainer process wrote must not hold its slot past a restart)
+            trusting = DeadLetterCheck(js, names, trajectory_letters_trusted=True)
+            genuine, kept = await trusting.genuine(entries[2:], watermark)
+            assert [e.original_id for e in genuine] == ["x.1"] and kept == watermark
             # once the trainer decided x.1 (acked after its step), the held letter is read: the slot logic then
             # finds x.1 handled and returns nothing for it
             assert await consumer.ack([by_id["x.1"]]) == 1

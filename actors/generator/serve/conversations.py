@@ -25,7 +25,10 @@ it past either is refused (`SessionFull`: the endpoint's 413 naming the limit), 
 trains on remembers that it was (``Conversation.refused``), so its episode fails with a typed reason. The
 generator's conversations are bounded too (``generator.serve.max_sessions``, agent runs' included): past it the
 least recently used one that no agent run holds is dropped, and an agent run that finds every one held is refused
-(`SessionFull`, reason ``session_limit``).
+(`SessionFull`, reason ``session_limit``); so are the tokens all of them keep together
+(``generator.serve.max_kept_tokens``): a request that needs more drops the least recently used unheld ones, or
+is refused (429). A request's branches and tokens are reserved when it is admitted (`check_room`) and held until
+it is recorded, so concurrent requests on one session cannot pass its limits together.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class SessionLimits:
 
     max_branches: int = 256
     max_tokens: int = 1 << 21
+    max_kept_tokens: int = 1 << 26
+    """All kept conversations together (``generator.serve.max_kept_tokens``)."""
 
 
 class SessionFull(InfraFailure):
@@ -97,13 +102,25 @@ class Conversation:
     conversations are served and kept for bridging only. ``session_id`` is the HTTP session id it is kept
     under ("" for a request served alone)."""
 
-    def __init__(self, session_id: str, *, trained: bool = False, limits: SessionLimits | None = None) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        trained: bool = False,
+        limits: SessionLimits | None = None,
+        owner: Conversations | None = None,
+    ) -> None:
         self.session_id = session_id
         self.trained = trained
         self.limits = limits or SessionLimits()
+        self.owner = owner
+        """The set this conversation is kept in (its tokens count toward ``max_kept_tokens``); None: not kept."""
         self.branches: list[Branch] = []
         self.tokens = 0
         """The branches' total length: what its samples hold."""
+        self.pending_branches = 0
+        self.pending_tokens = 0
+        """Reserved by requests admitted (`check_room`) and not yet recorded."""
         self.refused: SessionFull | None = None
         """The first request refused for a limit of this conversation (an agent run's episode fails with it)."""
         self.lock = asyncio.Lock()
@@ -111,25 +128,41 @@ class Conversation:
         self.requests = 0
 
     def check_room(self, n: int, prompt_tokens: int) -> None:
-        """Refuse (`SessionFull`) a request of ``n`` replies to a ``prompt_tokens`` prompt that would take this
-        conversation past its limits; the refusal is remembered in `refused`."""
+        """Reserve room for a request of ``n`` replies to a ``prompt_tokens`` prompt (held until `record` or
+        `release`), or refuse it (`SessionFull`) if it would take this conversation, or all kept ones together,
+        past their limits; the refusal is remembered in `refused`."""
         limits = self.limits
+        branches, tokens = len(self.branches) + self.pending_branches, self.tokens + self.pending_tokens
+        needed = n * (prompt_tokens + 1)
         problem = None
-        if len(self.branches) + n - 1 > limits.max_branches:
+        if branches + n - 1 > limits.max_branches:
             problem = SessionFull(
-                f"the session has {len(self.branches)} branches; {n} more replies would pass "
+                f"the session has {branches} branches (with requests in flight); {n} more replies would pass "
                 f"generator.serve.max_session_branches = {limits.max_branches}",
                 limit="generator.serve.max_session_branches",
             )
-        elif self.tokens + n * (prompt_tokens + 1) > limits.max_tokens:
+        elif tokens + needed > limits.max_tokens:
             problem = SessionFull(
-                f"the session holds {self.tokens} tokens; {n} replies to a {prompt_tokens}-token prompt would pass "
-                f"generator.serve.max_session_tokens = {limits.max_tokens}",
+                f"the session holds {tokens} tokens (with requests in flight); {n} replies to a {prompt_tokens}-token "
+                f"prompt would pass generator.serve.max_session_tokens = {limits.max_tokens}",
                 limit="generator.serve.max_session_tokens",
             )
+        else:
+            try:
+                if self.owner is not None:
+                    self.owner.make_token_room(needed, keep=self)
+            except SessionFull as exc:
+                problem = exc
         if problem is not None:
             self.refused = self.refused or problem
             raise problem
+        self.pending_branches += n
+        self.pending_tokens += needed
+
+    def release(self, n: int, prompt_tokens: int) -> None:
+        """Give back what `check_room` reserved for a request that will not be recorded (failed, cancelled)."""
+        self.pending_branches = max(0, self.pending_branches - n)
+        self.pending_tokens = max(0, self.pending_tokens - n * (prompt_tokens + 1))
 
     def attach(self, prompt_ids: list[int]) -> tuple[int | None, int]:
         """(branch index, length of its ids) of the longest branch whose ids begin ``prompt_ids``; (None, 0)."""
@@ -157,6 +190,7 @@ class Conversation:
         copies the shared turns (a choice the client did not pick is still an episode branch: trained on)."""
         self.last_used_s = time.monotonic()
         self.requests += 1
+        self.release(len(results), len(prompt_ids))  # now counted in `tokens` and `branches`
         index, length = self.attach(prompt_ids)
         base: list[Turn] = [] if index is None else list(self.branches[index].turns)
         after_length = index is not None and (self.branches[index].closed or self.branches[index].after_length)
@@ -261,14 +295,15 @@ class Conversations:
         conversation = self._conversations.get(session_id)
         if conversation is None:
             self._make_room()
-            conversation = self._conversations[session_id] = Conversation(session_id, limits=self.limits)
+            conversation = Conversation(session_id, limits=self.limits, owner=self)
+            self._conversations[session_id] = conversation
         self._conversations.move_to_end(session_id)
         return conversation
 
     def open(self, session_id: str) -> Conversation:
         """A fresh conversation an agent run trains on; pinned until `close`."""
         self._make_room()
-        conversation = Conversation(session_id, trained=True, limits=self.limits)
+        conversation = Conversation(session_id, trained=True, limits=self.limits, owner=self)
         self._conversations[session_id] = conversation
         self._pinned.add(session_id)
         return conversation
@@ -276,6 +311,25 @@ class Conversations:
     def close(self, session_id: str) -> Conversation | None:
         self._pinned.discard(session_id)
         return self._conversations.pop(session_id, None)
+
+    def make_token_room(self, needed: int, *, keep: Conversation) -> None:
+        """Room for ``needed`` more tokens among all kept conversations: the least recently used ones no agent run
+        holds and no request is using (not ``keep``) out, or `SessionFull` naming ``max_kept_tokens``."""
+        limit = self.limits.max_kept_tokens
+        kept = sum(c.tokens + c.pending_tokens for c in self._conversations.values())
+        for session_id, conversation in list(self._conversations.items()):
+            if kept + needed <= limit:
+                return
+            idle = not conversation.pending_tokens and not conversation.lock.locked()
+            if conversation is not keep and session_id not in self._pinned and idle:
+                kept -= conversation.tokens
+                del self._conversations[session_id]
+        if kept + needed > limit:
+            raise SessionFull(
+                f"the kept sessions hold {kept} tokens; {needed} more would pass "
+                f"generator.serve.max_kept_tokens = {limit}",
+                limit="generator.serve.max_kept_tokens",
+            )
 
     def _make_room(self) -> None:
         """Room for one more: the least recently used unpinned conversations out, or `SessionFull`."""

@@ -43,6 +43,7 @@ from actors.generator.serve.protocol import (
     TokensRequest,
 )
 from actors.generator.serve.replies import Answer, Reply, make_reply
+from pipeline.chat.literal import encode_released
 from pipeline.chat.template import ChatTemplate, ChatTemplateError, normalized
 from pipeline.chat.tool_parsers import ParsedReply, ToolParser
 
@@ -203,7 +204,20 @@ class EndpointService:
         try:
             conversation.check_room(req.n, len(prompt_ids))
         except SessionFull as exc:
+            if exc.limit == "generator.serve.max_kept_tokens":  # the generator's, not this session's: come back
+                raise EndpointError(
+                    429, exc.detail, kind="rate_limit_error", param=exc.limit, code="session_limit", retry_after_s=5
+                ) from None
             raise EndpointError(413, exc.detail, param=exc.limit, code="session_limit") from None
+        try:
+            return await self._generate_reserved(conversation, prompt_ids, req, limit)
+        except BaseException:
+            conversation.release(req.n, len(prompt_ids))  # never recorded
+            raise
+
+    async def _generate_reserved(
+        self, conversation: Conversation, prompt_ids: list[int], req: ChatRequest | CompletionRequest, limit: int | None
+    ) -> list[GenerateResult]:
         params = self._params(conversation, req, limit)
         seeds = [None if req.seed is None else req.seed + k for k in range(req.n)]
         stem = f"serve-{uuid.uuid4().hex[:12]}"
@@ -377,7 +391,7 @@ class EndpointService:
             return ParsedReply(content=text, unparseable=1)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        return encode_released(self.tokenizer, text, add_special_tokens=True)  # off the GIL: the loop ticks on
 
     def _template(self) -> ChatTemplate:
         if self.template is None:
