@@ -331,6 +331,7 @@ class LiveSession:
         deliveries = await self.catch_up.fetch(max_groups=max_groups, timeout_s=timeout_s)
         if deliveries:
             assert self.resume_reads is not None, "catch-up without resume reads"
+            read = {d.group.group_id: d.seq for d in deliveries}
             deliveries, poisoned = await self.resume_reads.screen(
                 deliveries,
                 self.link.js,
@@ -339,6 +340,8 @@ class LiveSession:
                 max_body=self.cfg.stream.max_msg_bytes,
             )
             self.poisoned.update(poisoned)
+            for group_id in poisoned:  # this process wrote those dead letters: decided, their slots come back
+                self.consumer.dead_letters.terminated[read[group_id]] = None
         if self.catch_up.done:
             log.info("caught up with the groups whose training was lost; continuing with live data")
             await self.catch_up.close()
