@@ -215,7 +215,7 @@ class TrajectoryConsumer:
         data = msg.data
         if claim is not None:
             data = await asyncio.to_thread(fetch_claim, self._store, *claim)
-        return decode_payload(headers, data, self.limits)
+        return decode_payload(headers, data)  # its caps were checked above, from the same headers
 
     async def _retry_later(self, msg: Msg, exc: ClaimUnavailable) -> None:
         """Transient claim failure: nak with backoff (a lost nak is covered by the ack wait)."""
