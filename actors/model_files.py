@@ -30,7 +30,10 @@ anything is built from them (`fetch_model_files`):
 - its dimensions agree with the tensor shapes of the run's newest weight manifest (`check_config_shapes`:
   vocabulary, hidden size and layers exactly, expert counts, then every parameter of the model built on the
   ``meta`` device, which allocates nothing): a config that would allocate more than the weights hold is refused,
-  naming the field, before the engine allocates anything. The generator thus waits for version 0 here.
+  naming the field, before the engine allocates anything. The generator thus waits for version 0 here;
+- and those shapes are backed by stored bytes: the newest version's full snapshot must hold, by the store's
+  sizes of its parts, at least the bytes its tensors claim (a hostile weight manifest and a matching config
+  cannot make a generator allocate what nobody uploaded).
 """
 
 from __future__ import annotations
@@ -256,7 +259,9 @@ def _newest_weight_shapes(store: ObjectStore, run: str, deadline: float, poll_s:
             except ObjectNotFound:
                 manifest = None  # pruned since LATEST was read: read LATEST again
             if manifest is not None:
-                return {t.name: t.shape for t in manifest.tensors}
+                shapes = {t.name: t.shape for t in manifest.tensors}
+                if _check_stored_bytes(store, run, manifest):
+                    return shapes
         if time.monotonic() >= deadline:
             raise ModelFilesError(
                 f"{run}/weights/: no published version to check the model's config.json against; the run's "
@@ -268,6 +273,32 @@ def _newest_weight_shapes(store: ObjectStore, run: str, deadline: float, poll_s:
         time.sleep(poll_s)
 
 
+def _check_stored_bytes(store: ObjectStore, run: str, manifest: Any) -> bool:
+    """Refuse weights whose manifest claims more tensor bytes than its full snapshot (the anchor) holds in the
+    store, by the store's own sizes: the config is checked against these shapes, so a hostile manifest that
+    claimed huge tensors would otherwise let a matching config allocate them. A full snapshot is plain
+    safetensors, so an honest one holds at least its tensors' bytes. False: the anchor was pruned meanwhile."""
+    from storage.manifest import Manifest, manifest_key
+
+    key = manifest_key(run, manifest.anchor_version)
+    try:
+        anchor = (
+            manifest if manifest.anchor_version == manifest.version else Manifest.from_json(store.get(key), key=key)
+        )
+        stored = sum(store.size(part.key) for part in anchor.parts)
+    except ObjectNotFound:
+        return False
+    claimed = sum(t.numel * _DTYPE_BYTES[t.dtype] for t in manifest.tensors)
+    if claimed > stored:
+        raise ModelFilesError(
+            f"{key}: its tensors claim {claimed} bytes, but its parts in the store hold {stored}; refusing weights "
+            "(and a config.json matching them) that the store does not hold"
+        )
+    return True
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Bytes per element of each `storage.manifest.DTYPES`."""
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 """The layer index in a tensor name (``model.layers.3.mlp...``, GPT-2's ``transformer.h.3...``)."""
 _EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")

@@ -8,6 +8,7 @@ anything is built, and a terminal's "y" never runs a checkpoint's code."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ from pipeline.tasks import get_task
 from pipeline.tasks.char_tokenizer import load_char_tokenizer
 from pipeline.tasks.chat_tokenizer import load_chat_template_text
 from storage.filestore import FileStore
+from storage.manifest import Manifest, manifest_key
 from storage.subscriber import WeightSubscriber
 from tests.support.builders import trainer_cfg
 from tests.support.runs import leeway_argv
@@ -326,6 +328,44 @@ def test_the_model_files_are_capped_together(
     monkeypatch.setattr(model_files, "MAX_MODEL_FILES_BYTES", 1000)  # the trainer's files are a few KiB together
     with FileStore(tmp_path / "store") as store, pytest.raises(ModelFilesError, match="over the cap of 1000 bytes"):
         fetch_model_files(store, _cfg(checkpoint), tmp_path / "g", wait_s=5)
+
+
+def test_a_weight_manifest_claiming_tensors_the_store_does_not_hold_is_refused_with_its_matching_config(
+    tmp_path: Path, published_run: tuple[Path, Path]
+) -> None:
+    """The config is checked against the weight manifest's shapes, so a hostile pair (a manifest and a config that
+    agree on a vocabulary of 2^34) would pass that check; the shapes must be backed by the full snapshot's bytes in
+    the store, and a few KiB of parts do not back 2^34 x hidden_size floats."""
+    checkpoint, template = published_run
+    shutil.copytree(template, tmp_path / "store")
+    cfg = _cfg(checkpoint)
+    vocab = 2**34
+    with FileStore(tmp_path / "store") as store:
+        key = manifest_key(cfg.run.name, 0)
+        weights = Manifest.from_json(store.get(key), key=key)
+        embedding = next(t for t in weights.tensors if t.name.endswith("embed_tokens.weight"))
+        grown = tuple(
+            dataclasses.replace(t, shape=(vocab, *t.shape[1:])) if t.shape[0] == embedding.shape[0] else t
+            for t in weights.tensors
+        )
+        store.put(key, dataclasses.replace(weights, tensors=grown).to_json())
+        prefix = model_prefix(cfg.run.name)
+        config = json.dumps({**json.loads(store.get(prefix + "config.json")), "vocab_size": vocab}).encode()
+        store.put(prefix + "config.json", config)
+        manifest = ModelFiles.parse(store.get(prefix + "manifest.json"), "manifest.json")
+        digests = {**manifest.files, "config.json": hashlib.sha256(config).hexdigest()}
+        store.put(prefix + "manifest.json", ModelFiles(manifest.spec, digests).to_json())
+        into = tmp_path / "generator" / "model"
+        stored = sum(store.size(part.key) for part in weights.parts)
+        with pytest.raises(
+            ModelFilesError,
+            match=rf"v0+/manifest.json: its tensors claim \d+ bytes, but its parts in the store hold {stored}",
+        ):
+            fetch_model_files(store, cfg, into, wait_s=5)
+        assert not into.exists()
+        store.put(key, weights.to_json())  # the honest manifest: the same config is then refused by its shapes
+        with pytest.raises(ModelFilesError, match=rf"vocab_size = {vocab}, but the run's weights hold"):
+            fetch_model_files(store, cfg, into, wait_s=5)
 
 
 BUILD_FROM_EVIL = """
