@@ -128,3 +128,38 @@ def test_a_parked_slot_inside_a_dense_decode_keeps_its_prefix() -> None:
         outcomes.append([first, second, *(f.result() for f in others)])
     _same(outcomes[0], outcomes[1])
     assert cached.prefix_stats["prefix_hits"] == 1
+
+
+def _second_turn_beside_running_rows(spec: str, prefix_cache_slots: int | None) -> list:
+    """First turn alone (parked in slot 0), then two other requests (admitted at step 0 of the next busy period,
+    slots 1 and 2) and the second turn, submitted just before step 1: admitted in the step that first decodes
+    the others. Returns every result, and the engine's prefix hits."""
+    later: list = []
+    second: list[GenerateRequest] = []
+
+    def submit_second_before_step_1(step: int) -> None:
+        if step == 1 and second and not later:
+            later.extend(engine.submit(second, PARAMS))
+
+    cached = {} if prefix_cache_slots is None else {"prefix_cache_slots": prefix_cache_slots}
+    model = build_model(spec, vocab_size=VOCAB, seed=0)
+    engine = TorchEngine(
+        model, pad_token_id=0, seed=1, max_slots=8, on_decode_step=submit_second_before_step_1, **cached
+    )  # type: ignore[arg-type]
+    (first,) = engine.generate([GenerateRequest(FIRST, seed=3, keep_prefix=True)], PARAMS)
+    second.append(GenerateRequest([*FIRST, *first.token_ids.tolist(), 14], seed=4))
+    long = SamplingParams(max_new_tokens=12, temperature=1.0)
+    others = [f.result() for f in engine.submit([GenerateRequest([1, 9, 9, 14], seed=7 + i) for i in range(2)], long)]
+    return [first, later[0].result(), *others, engine.prefix_stats["prefix_hits"]]
+
+
+@pytest.mark.parametrize("spec", ["tiny-llama-2x64", "tiny-gpt2-2x64"])
+def test_a_prefix_hit_admitted_beside_running_rows_keeps_its_prefix(spec: str) -> None:
+    """A prefix hit admitted in a step that also decodes running rows: the decode runs densely over slots [0, n),
+    so the hit's slot takes a dummy write, which must land past its prefix (its extend reads that prefix right
+    after), not on position 0. Exact steps, not timing: the test above hit this only when its thread fell behind
+    the engine's, as under load, where the reply's log-probs were off by up to 6e-3."""
+    *cached, hits = _second_turn_beside_running_rows(spec, None)
+    *plain, no_hits = _second_turn_beside_running_rows(spec, 0)
+    assert (hits, no_hits) == (1, 0)
+    _same(cached, plain)

@@ -448,8 +448,10 @@ class TorchEngine(Engine):
             with self._lock:
                 running = [entry for entry in self._slots if entry is not None]
                 admitted = self._admit()
-                # a parked slot inside the dense decode takes its dummy write past its prefix, not over it
+                # a parked slot inside the dense decode takes its dummy write past its prefix, not over it; so
+                # does a prefix hit admitted now, whose extend reads that prefix right after this decode
                 idle = {slot: len(ids) for slot, ids in self._parked.slots.items()}
+                idle.update({entry.slot: entry.cached for entry in admitted if entry.cached})
             logits, rows = self._forwards(running, admitted, idle, version)
         tokens, logprobs = sample_rows(
             logits,
