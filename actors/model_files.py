@@ -45,12 +45,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from pipeline.config import LeewayConfig
 from storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
+
+if TYPE_CHECKING:
+    from storage.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -258,10 +261,8 @@ def _newest_weight_shapes(store: ObjectStore, run: str, deadline: float, poll_s:
                 manifest = Manifest.from_json(store.get(key), key=key)
             except ObjectNotFound:
                 manifest = None  # pruned since LATEST was read: read LATEST again
-            if manifest is not None:
-                shapes = {t.name: t.shape for t in manifest.tensors}
-                if _check_stored_bytes(store, run, manifest):
-                    return shapes
+            if manifest is not None and _check_stored_bytes(store, run, manifest):
+                return {t.name: t.shape for t in manifest.tensors}
         if time.monotonic() >= deadline:
             raise ModelFilesError(
                 f"{run}/weights/: no published version to check the model's config.json against; the run's "
@@ -273,12 +274,13 @@ def _newest_weight_shapes(store: ObjectStore, run: str, deadline: float, poll_s:
         time.sleep(poll_s)
 
 
-def _check_stored_bytes(store: ObjectStore, run: str, manifest: Any) -> bool:
+def _check_stored_bytes(store: ObjectStore, run: str, manifest: Manifest) -> bool:
     """Refuse weights whose manifest claims more tensor bytes than its full snapshot (the anchor) holds in the
     store, by the store's own sizes: the config is checked against these shapes, so a hostile manifest that
     claimed huge tensors would otherwise let a matching config allocate them. A full snapshot is plain
     safetensors, so an honest one holds at least its tensors' bytes. False: the anchor was pruned meanwhile."""
     from storage.manifest import Manifest, manifest_key
+    from storage.weights_base import TORCH_DTYPES
 
     key = manifest_key(run, manifest.anchor_version)
     try:
@@ -288,7 +290,7 @@ def _check_stored_bytes(store: ObjectStore, run: str, manifest: Any) -> bool:
         stored = sum(store.size(part.key) for part in anchor.parts)
     except ObjectNotFound:
         return False
-    claimed = sum(t.numel * _DTYPE_BYTES[t.dtype] for t in manifest.tensors)
+    claimed = sum(t.numel * TORCH_DTYPES[t.dtype].itemsize for t in manifest.tensors)
     if claimed > stored:
         raise ModelFilesError(
             f"{key}: its tensors claim {claimed} bytes, but its parts in the store hold {stored}; refusing weights "
@@ -297,8 +299,6 @@ def _check_stored_bytes(store: ObjectStore, run: str, manifest: Any) -> bool:
     return True
 
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-"""Bytes per element of each `storage.manifest.DTYPES`."""
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 """The layer index in a tensor name (``model.layers.3.mlp...``, GPT-2's ``transformer.h.3...``)."""
 _EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
